@@ -1,0 +1,1 @@
+"""The mlx-stream command line (Typer). Imports the engine lazily, inside commands."""

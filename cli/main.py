@@ -1,0 +1,49 @@
+"""Root of the ``mlx-stream`` command: registers one module per command.
+
+Only typer is imported here; every command imports the engine (mlx, mlx-lm) inside
+its body so ``mlx-stream --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="mlx-stream",
+    help=(
+        "Run language models forever in fixed memory: attention sinks + a rolling "
+        "window of recent tokens (StreamingLLM) on MLX.\n\n"
+        "Examples:\n\n"
+        "  mlx-stream chat\n\n"
+        "  mlx-stream stream-run book.txt --window 1024\n\n"
+        "  mlx-stream profile --tokens 2000 --compare\n\n"
+        "  mlx-stream models list"
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from mlx_stream import __version__
+
+        typer.echo(f"mlx-stream {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """mlx-stream: a fixed-memory streaming runtime for MLX language models."""
+
+
+def main() -> None:
+    app()
