@@ -97,7 +97,7 @@ def make_model(arch: str = "llama", seed: int = 0, dtype=mx.float32, **overrides
 
 def make_hf_tokenizer():
     """A ``PreTrainedTokenizerFast`` over a WordLevel vocabulary, built in memory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + list(VOCAB_WORDS))}
