@@ -1,0 +1,325 @@
+"""What every command shares: one-line errors with exit codes, input-file and option
+checks, atomic output files, and model loading with a progress bar for pulls.
+
+Only typer is imported at module level; rich and the engine are imported where used,
+so ``mlx-stream --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+DEBUG_ENV = "MLX_STREAM_DEBUG"
+SNIFF_BYTES = 1 << 16
+
+
+def _user_error_class() -> type[Exception]:
+    from mlx_stream.errors import UserError
+
+    return UserError
+
+
+def fail(message: str) -> None:
+    """Raise the engine's one-line user error (exit 2) with ``message``."""
+    raise _user_error_class()(message)
+
+
+def require(condition: bool, message: str) -> None:
+    """``fail(message)`` unless ``condition`` holds."""
+    if not condition:
+        fail(message)
+
+
+def error_line(message: str) -> None:
+    """Print ``Error: message`` as exactly one line on stderr."""
+    text = " ".join(str(message).split()) or "unknown error"
+    typer.echo(f"Error: {text}", err=True)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of an exception: 2 for bad usage or input, 1 for runtime failures.
+
+    The engine's ``UserError`` carries its own ``exit_code`` (2, or 1 for its runtime
+    subclass); undecodable input is bad input; anything else is a runtime failure.
+    """
+    code = getattr(exc, "exit_code", None)
+    if isinstance(code, int):
+        return code
+    return EXIT_USAGE if isinstance(exc, UnicodeDecodeError) else EXIT_RUNTIME
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of ``exc`` for the user."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    if isinstance(exc, MemoryError):
+        return "out of memory"
+    text = str(exc)
+    if isinstance(exc, _user_error_class()) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def handle_errors(func: F) -> F:
+    """Decorate a command so failures end as one line on stderr and an exit code.
+
+    ``typer.Exit``/``Abort`` and click usage errors pass through untouched. Set
+    ``MLX_STREAM_DEBUG=1`` to see the traceback of an unexpected error.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            typer.echo("", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as exc:  # noqa: BLE001 - this is the one place that catches all
+            import click
+
+            if isinstance(exc, click.ClickException):
+                raise
+            if os.environ.get(DEBUG_ENV):
+                raise
+            error_line(describe(exc))
+            raise typer.Exit(exit_code_for(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_positive(value: int | None, flag: str, minimum: int = 1) -> None:
+    """One-line error unless ``value`` (when given) is at least ``minimum``."""
+    if value is not None and value < minimum:
+        fail(f"{flag} must be at least {minimum} (got {value})")
+
+
+def check_choice(value: str, flag: str, choices: tuple[str, ...]) -> None:
+    """One-line error unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        fail(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
+
+
+def check_sampling(temp: float, top_p: float) -> None:
+    """One-line error for a negative temperature or a top-p outside (0, 1]."""
+    if temp < 0:
+        fail(f"--temp must be at least 0 (got {temp})")
+    if not 0 < top_p <= 1:
+        fail(f"--top-p must be in (0, 1] (got {top_p})")
+
+
+def check_text_file(path: str | Path) -> Path:
+    """Return ``path`` if it names a non-empty UTF-8 text file, else a one-line error.
+
+    Only the first 64 KiB are sniffed here (for NUL bytes and UTF-8); a bad byte
+    further on surfaces as a ``UnicodeDecodeError``, which ``handle_errors`` also
+    reports as bad input.
+    """
+    path = Path(path)
+    if not path.exists():
+        fail(f"{path}: no such file")
+    if path.is_dir():
+        fail(f"{path}: is a directory, expected a text file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError as exc:
+        fail(f"{path}: cannot read ({exc.strerror or exc})")
+    if not head:
+        fail(f"{path}: file is empty")
+    if b"\x00" in head:
+        fail(f"{path}: looks like a binary file, expected UTF-8 text")
+    try:
+        # A multi-byte character cut at the sniff boundary is fine (final=False).
+        import codecs
+
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as exc:
+        fail(f"{path}: not UTF-8 text (bad byte at offset {exc.start})")
+    if not head.strip():
+        fail(f"{path}: file has only whitespace")
+    return path
+
+
+def check_output_path(path: str | Path) -> Path:
+    """Return ``path`` if a file can be written there, else a one-line error.
+
+    Checked before any long run so a typo costs nothing.
+    """
+    path = Path(path)
+    if path.is_dir():
+        fail(f"{path}: is a directory, expected a file path")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        fail(f"{path}: directory {parent} does not exist")
+    if not parent.is_dir():
+        fail(f"{path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"{path}: directory {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        fail(f"{path}: file is not writable")
+    return path
+
+
+# ----------------------------------------------------------------- atomic writes
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success move it over ``path``.
+
+    The temporary name keeps the suffix of ``path`` (some writers pick the format
+    from it). On any error the temporary file is removed and ``path`` is untouched,
+    so readers never see a half-written file.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
+    )
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temp file + ``os.replace``)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def atomic_write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` (dicts with the same keys) as CSV to ``path`` atomically."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+# ----------------------------------------------------------------- engine glue
+
+
+def stderr_console():
+    """A rich console on stderr (progress bars, tables) that never pollutes stdout."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def load_model(name: str | None, dtype: str = "auto", what: str = "model"):
+    """Load ``name`` (registry name, folder or .gguf; None: the default) with a rich
+    progress bar on stderr while a first use pulls or converts it.
+
+    Returns:
+        ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
+    """
+    from mlx_stream import loader
+
+    console = stderr_console()
+
+    def log(message: str) -> None:
+        console.print(message, style="dim", highlight=False, soft_wrap=True)
+
+    with _pull_progress(console, what) as callback:
+        model, tokenizer, info = loader.load(
+            name, dtype=dtype, progress=callback, log=log, return_info=True
+        )
+    return model, tokenizer, info.spec
+
+
+@contextlib.contextmanager
+def _pull_progress(console, what: str) -> Iterator[Callable[..., None]]:
+    """A progress callback ``(done, total, description=None)`` drawing a rich bar.
+
+    The bar appears only once a pull reports progress, so loading a model that is
+    already on disk prints nothing.
+    """
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    tasks: dict[str, Any] = {}
+
+    def callback(done: int | float, total: int | float | None = None, description: Any = None):
+        label = str(description or f"Pulling {what}")
+        if not tasks:
+            progress.start()
+        if label not in tasks:
+            tasks[label] = progress.add_task(label, total=total)
+        progress.update(tasks[label], completed=done, total=total)
+
+    try:
+        yield callback
+    finally:
+        if tasks:
+            progress.stop()
+
+
+def sizes(spec, sinks: int | None, window: int | None) -> tuple[int, int]:
+    """``(sinks, window)``: the options if given, else the registry entry's defaults."""
+    from mlx_stream.cache import DEFAULT_SINKS, DEFAULT_WINDOW
+
+    if sinks is None:
+        sinks = spec.sinks if spec is not None else DEFAULT_SINKS
+    if window is None:
+        window = spec.window if spec is not None else DEFAULT_WINDOW
+    return sinks, window
+
+
+def mb(nbytes: float | None) -> float | None:
+    """Bytes to megabytes (None stays None)."""
+    return None if nbytes is None else nbytes / 1e6
+
+
+def is_interactive(stream=None) -> bool:
+    """Whether ``stream`` (default stdin) is a terminal."""
+    stream = stream or sys.stdin
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

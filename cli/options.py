@@ -1,0 +1,126 @@
+"""Shared ``Annotated`` option aliases, so ``chat``, ``stream-run`` and ``profile``
+spell, document and default the same option the same way.
+
+Ranges are checked inside the commands (``cli.common.check_options``), not with
+``typer.Option(min=...)``: a bad value must give one plain line on stderr, not a box.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+# Defaults shared by the commands (mlx-lm's names where a value passes straight through).
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_NUM_DRAFT_TOKENS = 3
+DEFAULT_CHUNK = 512
+DEFAULT_SEGMENT = 1024
+DEFAULT_PROFILE_TOKENS = 1000
+DEFAULT_EVERY = 256
+
+Model = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        envvar="MLX_STREAM_MODEL",
+        help="Registry name, MLX model folder or .gguf file. Default: the registry default.",
+        show_envvar=True,
+    ),
+]
+Sinks = Annotated[
+    int | None,
+    typer.Option(help="Attention-sink tokens kept forever. Default: the model's registry entry."),
+]
+Window = Annotated[
+    int | None,
+    typer.Option(help="Recent tokens kept in the rolling window. Default: the registry entry."),
+]
+Dtype = Annotated[
+    str,
+    typer.Option(help="Weights dtype: auto, float32, float16, bfloat16."),
+]
+MaxTokens = Annotated[
+    int,
+    typer.Option("--max-tokens", help="Most tokens generated per reply."),
+]
+Temp = Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling probability mass.")]
+Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
+DraftModel = Annotated[
+    str | None,
+    typer.Option("--draft-model", help="A smaller model with the same tokenizer (speculative)."),
+]
+NumDraftTokens = Annotated[
+    int,
+    typer.Option("--num-draft-tokens", help="Tokens drafted per speculative round."),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+Csv = Annotated[Path | None, typer.Option("--csv", help="Write per-row CSV here (atomic).")]
+Prompt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text.")]
+
+# chat
+System = Annotated[str | None, typer.Option(help="System prompt.")]
+KeepSystem = Annotated[
+    bool,
+    typer.Option(
+        "--keep-system",
+        help="Make the whole rendered system prompt the sinks, so it is never evicted.",
+    ),
+]
+
+# stream-run
+Positions = Annotated[
+    str,
+    typer.Option(
+        help="RoPE positions: 'cache' (bounded, StreamingLLM) or 'absolute' (mlx-lm style).",
+    ),
+]
+Chunk = Annotated[int, typer.Option(help="Tokens scored per forward pass.")]
+Segment = Annotated[int, typer.Option(help="Tokens per reported perplexity segment.")]
+LimitTokens = Annotated[
+    int | None,
+    typer.Option("--limit-tokens", help="Stop after this many tokens."),
+]
+Checkpoint = Annotated[
+    Path | None,
+    typer.Option(help="Save the cache and running totals here as the stream goes (atomic)."),
+]
+Resume = Annotated[
+    Path | None,
+    typer.Option(help="Continue from a checkpoint written by --checkpoint."),
+]
+
+# profile
+Tokens = Annotated[int, typer.Option("--tokens", "-n", help="Tokens to generate.")]
+PromptFile = Annotated[
+    Path | None,
+    typer.Option("--file", "-f", help="Read the prompt from this text file."),
+]
+CacheKind = Annotated[
+    str,
+    typer.Option(
+        "--cache",
+        help="KV cache: 'sink' (ours), 'full' (grows), 'rotating' (mlx-lm RotatingKVCache).",
+    ),
+]
+Schedule = Annotated[
+    str,
+    typer.Option(
+        help="When to return MLX's buffer pool: 'crossing', 'exact' (n % every == 0), 'none'.",
+    ),
+]
+Every = Annotated[int, typer.Option(help="Reclaim cadence in tokens.")]
+Compare = Annotated[
+    bool,
+    typer.Option(
+        "--compare",
+        help="Run several settings: sink/full/rotating, or with --draft-model the schedules.",
+    ),
+]
+Plot = Annotated[
+    Path | None,
+    typer.Option("--plot", help="Save a PNG of memory against tokens (needs matplotlib)."),
+]

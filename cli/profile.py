@@ -1,0 +1,352 @@
+"""``mlx-stream profile``: memory and latency of every decode step.
+
+Generates ``--tokens`` tokens greedily (end-of-sequence is ignored, so every setting
+decodes the same number of tokens) and samples MLX's active memory, its pool of freed
+buffers (``cache``) and the peak after each step. ``--compare`` runs several settings
+in one process: the three KV caches, or with a draft model the three reclaim schedules
+(the speculative case where ``n % every == 0`` misses its multiples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from cli import options as opt
+from cli.common import (
+    atomic_path,
+    atomic_write_csv,
+    check_choice,
+    check_output_path,
+    check_positive,
+    check_text_file,
+    fail,
+    handle_errors,
+    load_model,
+    sizes,
+)
+
+CACHES = ("sink", "full", "rotating")
+SCHEDULES = ("crossing", "exact", "none")
+DEFAULT_PROMPT = "Once upon a time, in a small town by the sea, there lived"
+SPARKS = "▁▂▃▄▅▆▇█"
+CHART_WIDTH = 60
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One profiled configuration."""
+
+    cache: str
+    schedule: str
+    draft: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.cache}/{self.schedule}" + ("+draft" if self.draft else "")
+
+
+def settings_for(cache: str, schedule: str, draft: bool, compare: bool) -> list[Setting]:
+    """The settings to run: one, or with ``--compare`` the caches (schedules with a draft)."""
+    if not compare:
+        return [Setting(cache, schedule, draft)]
+    if draft:
+        return [Setting(cache, s, True) for s in SCHEDULES]
+    return [Setting(c, schedule, False) for c in CACHES]
+
+
+def make_caches(model: Any, kind: str, sinks: int, window: int) -> list:
+    """A prompt cache of ``kind``: our SinkCache, mlx-lm's growing KVCache, or mlx-lm's
+    ``RotatingKVCache(max_size=sinks + window, keep=sinks)`` built per layer (mlx-lm's
+    ``max_kv_size`` is ignored by models that define ``make_cache``)."""
+    from mlx_lm.models import cache as mlx_cache
+
+    if kind == "sink":
+        from mlx_stream.cache import make_sink_cache
+
+        return make_sink_cache(model, sinks=sinks, window=window)
+    if kind == "full":
+        return mlx_cache.make_prompt_cache(model)
+    return [
+        mlx_cache.RotatingKVCache(max_size=sinks + window, keep=sinks)
+        for _ in range(len(model.layers))
+    ]
+
+
+@contextlib.contextmanager
+def ignoring_eos(tokenizer: Any) -> Iterator[None]:
+    """Decode through end-of-sequence tokens (a profile wants exactly N steps)."""
+    saved = set(tokenizer.eos_token_ids)
+    tokenizer.eos_token_ids = set()
+    try:
+        yield
+    finally:
+        tokenizer.eos_token_ids = saved
+
+
+def run_setting(
+    setting: Setting,
+    model: Any,
+    tokenizer: Any,
+    draft_model: Any,
+    prompt: list[int],
+    tokens: int,
+    sinks: int,
+    window: int,
+    every: int,
+    num_draft_tokens: int,
+) -> list[dict[str, Any]]:
+    """Decode ``tokens`` tokens under ``setting``; one row per yielded token."""
+    import mlx.core as mx
+
+    from mlx_stream.decode import stream_generate
+    from mlx_stream.reclaim import ReclaimSchedule, memory_snapshot
+
+    caches = make_caches(model, setting.cache, sinks, window)
+    if setting.draft:
+        caches += make_caches(draft_model, setting.cache, sinks, window)
+    schedule = ReclaimSchedule(every, setting.schedule)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    rows: list[dict[str, Any]] = []
+    with ignoring_eos(tokenizer):
+        tic = time.perf_counter()
+        for step, r in enumerate(
+            stream_generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=tokens,
+                sinks=sinks,
+                window=window,
+                draft_model=draft_model if setting.draft else None,
+                num_draft_tokens=num_draft_tokens,
+                prompt_cache=caches,
+                reclaim=schedule,
+                temp=0.0,
+            ),
+            start=1,
+        ):
+            now = time.perf_counter()
+            mem = memory_snapshot()
+            rows.append(
+                {
+                    "setting": setting.name,
+                    "step": step,
+                    "tokens": int(getattr(r, "generation_tokens", step)),
+                    "latency_ms": round((now - tic) * 1000, 3),
+                    "active_memory_mb": round(mem.active / MB, 3),
+                    "cache_memory_mb": round(mem.cache / MB, 3),
+                    "peak_memory_mb": round(mem.peak / MB, 3),
+                    "kv_cache_mb": round(sum(int(c.nbytes) for c in caches) / MB, 3),
+                    "reclaims": schedule.reclaims,
+                    "from_draft": bool(getattr(r, "from_draft", False)),
+                    "generation_tps": round(float(getattr(r, "generation_tps", 0.0)), 3),
+                }
+            )
+            tic = now
+    return rows
+
+
+def summarize(setting: Setting, rows: list[dict[str, Any]], sinks: int, window: int) -> dict:
+    """The ``--json`` object of one setting."""
+    if not rows:
+        fail("the model produced no tokens")
+    active = [r["active_memory_mb"] for r in rows]
+    pool = [r["cache_memory_mb"] for r in rows]
+    latency = sorted(r["latency_ms"] for r in rows[1:]) or [rows[0]["latency_ms"]]
+    decode_s = sum(latency) / 1000
+    return {
+        "setting": setting.name,
+        "cache": setting.cache,
+        "schedule": setting.schedule,
+        "draft": setting.draft,
+        "sinks": sinks,
+        "window": window,
+        "tokens": rows[-1]["tokens"],
+        "reclaims": rows[-1]["reclaims"],
+        "active_memory_mb": {"start": active[0], "end": active[-1], "max": max(active)},
+        "cache_memory_mb": {"max": max(pool), "end": pool[-1]},
+        "kv_cache_mb": rows[-1]["kv_cache_mb"],
+        "peak_memory_mb": max(r["peak_memory_mb"] for r in rows),
+        "tokens_per_second": round(len(latency) / decode_s, 3) if decode_s > 0 else None,
+        "latency_ms": {
+            "first": rows[0]["latency_ms"],
+            "p50": round(statistics.median(latency), 3),
+            "p99": latency[min(len(latency) - 1, math.ceil(0.99 * len(latency)) - 1)],
+            "max": latency[-1],
+        },
+    }
+
+
+def sparkline(values: list[float], lo: float, hi: float, width: int = CHART_WIDTH) -> str:
+    """``values`` resampled to ``width`` columns of block characters on a ``lo..hi`` scale."""
+    if not values:
+        return ""
+    n = min(width, len(values))
+    cols = [values[min(len(values) - 1, (i * len(values)) // n)] for i in range(n)]
+    span = hi - lo
+    if span <= 0:
+        return SPARKS[0] * n
+    return "".join(SPARKS[min(len(SPARKS) - 1, int((v - lo) / span * len(SPARKS)))] for v in cols)
+
+
+def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
+    """A rich summary table and a small terminal chart of active memory on stdout."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    table = Table(
+        title="mlx-stream profile",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+    table.add_column("setting", no_wrap=True)
+    for col in ("tokens", "tok/s", "active MB\nstart→end", "active\nmax MB", "pool\nmax MB",
+                "reclaims", "p50\nms"):  # fmt: skip
+        table.add_column(col, justify="right", no_wrap=True)
+    for s in summaries:
+        a, p, lat = s["active_memory_mb"], s["cache_memory_mb"], s["latency_ms"]
+        table.add_row(
+            s["setting"],
+            str(s["tokens"]),
+            f"{s['tokens_per_second'] or 0:.1f}",
+            f"{a['start']:.1f}→{a['end']:.1f}",
+            f"{a['max']:.1f}",
+            f"{p['max']:.1f}",
+            str(s["reclaims"]),
+            f"{lat['p50']:.1f}",
+        )
+    console.print(table)
+    everything = [r["active_memory_mb"] for rows in runs.values() for r in rows]
+    lo, hi = min(everything), max(everything)
+    console.print(f"active memory against tokens ({lo:.1f}..{hi:.1f} MB)", style="dim")
+    width = max(len(name) for name in runs)
+    columns = max(10, min(CHART_WIDTH, console.width - width - 12))
+    for name, rows in runs.items():
+        line = sparkline([r["active_memory_mb"] for r in rows], lo, hi, columns)
+        console.print(f"{name:<{width}} {line} {rows[-1]['active_memory_mb']:.1f} MB")
+
+
+def check_matplotlib() -> None:
+    """One-line error when ``--plot`` cannot work."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        fail("--plot needs matplotlib: pip install 'mlx-stream[plot]'")
+
+
+def write_plot(path: Path, runs: dict[str, list[dict]]) -> None:
+    """A PNG of active memory (solid) and active + pool (dashed) against tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, rows in runs.items():
+        x = [r["tokens"] for r in rows]
+        (line,) = ax.plot(x, [r["active_memory_mb"] for r in rows], label=f"{name} active")
+        ax.plot(
+            x,
+            [r["active_memory_mb"] + r["cache_memory_mb"] for r in rows],
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{name} active + pool",
+        )
+    ax.set_xlabel("tokens generated")
+    ax.set_ylabel("MLX memory (MB)")
+    ax.set_title("mlx-stream profile")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def read_prompt(prompt: str | None, file: Path | None) -> str:
+    """The prompt text from ``--prompt`` or ``--file`` (default: a story opening)."""
+    if prompt is not None and file is not None:
+        fail("give --prompt or --file, not both")
+    if file is not None:
+        return check_text_file(file).read_text(encoding="utf-8")
+    if prompt is not None and not prompt.strip():
+        fail("--prompt is empty")
+    return prompt or DEFAULT_PROMPT
+
+
+@handle_errors
+def profile(
+    model: opt.Model = None,
+    prompt: opt.Prompt = None,
+    file: opt.PromptFile = None,
+    tokens: opt.Tokens = opt.DEFAULT_PROFILE_TOKENS,
+    cache: opt.CacheKind = "sink",
+    schedule: opt.Schedule = "crossing",
+    every: opt.Every = opt.DEFAULT_EVERY,
+    sinks: opt.Sinks = None,
+    window: opt.Window = None,
+    draft_model: opt.DraftModel = None,
+    num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
+    compare: opt.Compare = False,
+    json_out: opt.Json = False,
+    csv: opt.Csv = None,
+    plot: opt.Plot = None,
+    dtype: opt.Dtype = "auto",
+) -> None:
+    """Profile memory and latency per decoded token.
+
+    Generates --tokens tokens greedily and samples active memory, MLX's buffer pool
+    and peak memory plus the latency of every step. Prints a table and a terminal
+    chart; --json prints a summary (a list with --compare).
+    """
+    check_positive(tokens, "--tokens")
+    check_positive(every, "--every")
+    check_positive(sinks, "--sinks", 0)
+    check_positive(window, "--window")
+    check_positive(num_draft_tokens, "--num-draft-tokens")
+    check_choice(cache, "--cache", CACHES)
+    check_choice(schedule, "--schedule", SCHEDULES)
+    text = read_prompt(prompt, file)
+    for path in (csv, plot):
+        if path is not None:
+            check_output_path(path)
+    if plot is not None:
+        check_matplotlib()
+    target, tokenizer, spec = load_model(model, dtype)
+    draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
+    sinks, window = sizes(spec, sinks, window)
+    prompt_tokens = list(tokenizer.encode(text))
+    runs: dict[str, list[dict]] = {}
+    summaries = []
+    for setting in settings_for(cache, schedule, draft is not None, compare):
+        rows = run_setting(
+            setting, target, tokenizer, draft, prompt_tokens, tokens, sinks, window, every,
+            num_draft_tokens,
+        )  # fmt: skip
+        runs[setting.name] = rows
+        summaries.append(summarize(setting, rows, sinks, window))
+
+    if csv is not None:
+        atomic_write_csv(csv, [r for rows in runs.values() for r in rows])
+    if plot is not None:
+        write_plot(plot, runs)
+    if json_out:
+        typer.echo(json.dumps(summaries if compare else summaries[0]))
+    else:
+        print_report(summaries, runs)
