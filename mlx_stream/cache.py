@@ -56,6 +56,11 @@ class SinkCache(mlx_cache._BaseCache):
         positions (str): ``"cache"`` (bounded StreamingLLM positions) or
             ``"absolute"`` (mlx-lm's behaviour: positions grow with the stream).
             Default: ``"cache"``.
+        kv_bits (int, optional): Store keys and values quantized to 4 or 8 bits with
+            ``mx.quantize`` (attention then runs mlx-lm's quantized path). Sink keys are
+            re-derived from a full-precision copy whenever they move. Default: ``None``.
+        kv_group_size (int): Quantization group size (32, 64 or 128; divides the
+            head dimension). Default: ``64``.
     """
 
     def __init__(
@@ -66,8 +71,10 @@ class SinkCache(mlx_cache._BaseCache):
         stride: int = DEFAULT_STRIDE,
         rope: nn.Module | None = None,
         positions: str = "cache",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
-        validate_sizes(sinks, window, slack, stride, positions)
+        validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size)
         self.sinks, self.window, self.slack, self.stride = sinks, window, slack, stride
         self.positions = positions
         self.rope = rope
@@ -82,6 +89,10 @@ class SinkCache(mlx_cache._BaseCache):
         self._filled = 0  # slots ever written (high-water mark)
         self._layout_applied = (0, 0)  # (base, sink_start) the stored keys are in
         self._mscale = None
+        self.kv_group_size = kv_group_size
+        if kv_bits is not None:
+            # Only a quantized cache has ``bits``: mlx-lm routes on hasattr(cache, "bits").
+            self.bits, self.group_size = kv_bits, kv_group_size
 
     # ----- positions ---------------------------------------------------------------
 
@@ -120,13 +131,13 @@ class SinkCache(mlx_cache._BaseCache):
             )
         B, H, L, D = x.shape
         moved = self.rope(x.reshape(B, H, L, 1, D), offset=d).reshape(B, H, L, D)
-        scale = self._rope_scale(x.dtype)
+        scale = self._rope_scale(D)
         return moved if scale == 1.0 else (moved / scale).astype(x.dtype)
 
-    def _rope_scale(self, dtype) -> float:
+    def _rope_scale(self, head_dim: int) -> float:
         """The magnitude factor of the rope (YaRN's mscale); 1.0 for a pure rotation."""
         if self._mscale is None:
-            probe = mx.random.normal((1, 1, 4, 1, self.keys.shape[-1]), key=mx.random.key(0))
+            probe = mx.random.normal((1, 1, 4, 1, head_dim), key=mx.random.key(0))
             out = self.rope(probe, offset=0)
             scale = (mx.linalg.norm(out) / mx.linalg.norm(probe)).item()
             self._mscale = 1.0 if abs(scale - 1.0) < 1e-4 else scale
@@ -138,13 +149,52 @@ class SinkCache(mlx_cache._BaseCache):
         old_base, old_sink_start = self._layout_applied
         if (base, sink_start) == (old_base, old_sink_start):
             return
-        S = self.sinks
+        S, C = self.sinks, self.capacity
         if base != old_base:
-            self.keys[..., S:, :] = self._shift(self.keys[..., S:, :], old_base - base)
+            self._set(self.keys, S, C, self._moved(self.keys, S, C, old_base - base))
         if S > 0 and sink_start - base != old_sink_start - old_base:
-            # Re-derived from the first-written copy: moves never accumulate error.
-            self.keys[..., :S, :] = self._shift(self.sink_keys, sink_start - base)
+            # Re-derived from the full-precision first-written copy: moves never
+            # accumulate rounding or quantization error.
+            self._set(self.keys, 0, S, self._pack(self._shift(self.sink_keys, sink_start - base)))
         self._layout_applied = (base, sink_start)
+
+    # ----- storage (float arrays, or (packed, scales, biases) tuples) ---------------
+
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self, "bits")
+
+    def _pack(self, x: mx.array):
+        if not self.quantized:
+            return x
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _unpack(self, x):
+        if not self.quantized:
+            return x
+        return mx.dequantize(*x, group_size=self.group_size, bits=self.bits)
+
+    def _zeros(self, B: int, H: int, D: int, dtype):
+        return self._pack(mx.zeros((B, H, self.capacity, D), dtype))
+
+    @staticmethod
+    def _get(buf, start: int, stop: int):
+        if isinstance(buf, tuple):
+            return tuple(b[..., start:stop, :] for b in buf)
+        return buf[..., start:stop, :]
+
+    @staticmethod
+    def _set(buf, start: int, stop: int, src, src_start: int = 0) -> None:
+        n = stop - start
+        if isinstance(buf, tuple):
+            for b, x in zip(buf, src):
+                b[..., start:stop, :] = x[..., src_start : src_start + n, :]
+        else:
+            buf[..., start:stop, :] = src[..., src_start : src_start + n, :]
+
+    def _moved(self, buf, start: int, stop: int, d: int):
+        """Keys of slots ``start:stop`` moved by ``d`` positions, in storage form."""
+        return self._pack(self._shift(self._unpack(self._get(buf, start, stop)), d))
 
     # ----- slots -------------------------------------------------------------------
 
@@ -204,16 +254,17 @@ class SinkCache(mlx_cache._BaseCache):
                 "or feed smaller chunks"
             )
         if self.keys is None:
-            self.keys = mx.zeros((B, n_kv_heads, self.capacity, head_dim), keys.dtype)
-            self.values = mx.zeros((B, n_kv_heads, self.capacity, values.shape[-1]), values.dtype)
+            self.keys = self._zeros(B, n_kv_heads, head_dim, keys.dtype)
+            self.values = self._zeros(B, n_kv_heads, values.shape[-1], values.dtype)
             if self.sinks > 0 and self.positions == "cache":
                 self.sink_keys = mx.zeros((B, n_kv_heads, self.sinks, head_dim), keys.dtype)
         self._apply_layout(n)
+        packed_keys, packed_values = self._pack(keys), self._pack(values)
         for slot, i, length in self._runs(n, N):
-            self.keys[..., slot : slot + length, :] = keys[..., i : i + length, :]
-            self.values[..., slot : slot + length, :] = values[..., i : i + length, :]
+            self._set(self.keys, slot, slot + length, packed_keys, i)
+            self._set(self.values, slot, slot + length, packed_values, i)
             if slot < self.sinks and self.sink_keys is not None:
-                self.sink_keys[..., slot : slot + length, :] = keys[..., i : i + length, :]
+                self._set(self.sink_keys, slot, slot + length, keys, i)
             self._slots[slot : slot + length] = np.arange(n + i, n + i + length)
         in_order = self._in_order(N)
         self.tokens_seen += N
@@ -221,7 +272,7 @@ class SinkCache(mlx_cache._BaseCache):
         L = self.tokens_seen if in_order else self._filled
         if L == self.capacity:
             return self.keys, self.values
-        return self.keys[..., :L, :], self.values[..., :L, :]
+        return self._get(self.keys, 0, L), self._get(self.values, 0, L)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """The mask for the next ``N`` tokens, describing the buffer after they are
@@ -268,10 +319,7 @@ class SinkCache(mlx_cache._BaseCache):
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        extra = self.sink_keys.nbytes if self.sink_keys is not None else 0
-        return self.keys.nbytes + self.values.nbytes + extra
+        return sum(a.nbytes for _, a in tree_flatten(self.state))
 
     @property
     def state(self):
@@ -283,7 +331,8 @@ class SinkCache(mlx_cache._BaseCache):
     @state.setter
     def state(self, v):
         v = list(v)
-        self.keys, self.values = v[0], v[1]
+        as_stored = tuple if self.quantized else (lambda x: x)
+        self.keys, self.values = as_stored(v[0]), as_stored(v[1])
         self.sink_keys = v[2] if len(v) > 2 else None
 
     @property
@@ -298,6 +347,8 @@ class SinkCache(mlx_cache._BaseCache):
             "filled": self._filled,
             "layout_applied": list(self._layout_applied),
             "slots": self._slots.tolist(),
+            "kv_bits": getattr(self, "bits", None),
+            "kv_group_size": self.kv_group_size,
         }
 
     @meta_state.setter
@@ -309,6 +360,8 @@ class SinkCache(mlx_cache._BaseCache):
             meta["stride"],
             self.rope,
             meta["positions"],
+            meta.get("kv_bits"),
+            meta.get("kv_group_size", 64),
         )
         self.tokens_seen = meta["tokens_seen"]
         self._filled = meta["filled"]
@@ -321,7 +374,11 @@ class SinkCache(mlx_cache._BaseCache):
         clone._slots = self._slots.copy()
         for name in ("keys", "values", "sink_keys"):
             value = getattr(self, name)
-            setattr(clone, name, None if value is None else mx.array(value))
+            if isinstance(value, tuple):
+                value = tuple(mx.array(x) for x in value)
+            elif value is not None:
+                value = mx.array(value)
+            setattr(clone, name, value)
         return clone
 
 
@@ -331,6 +388,8 @@ def validate_sizes(
     slack: int = DEFAULT_STRIDE,
     stride: int = DEFAULT_STRIDE,
     positions: str = "cache",
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> None:
     """Raise ValueError, saying what to change, for sizes a SinkCache cannot have."""
     if window < 1:
@@ -343,6 +402,10 @@ def validate_sizes(
         raise ValueError(f"stride must be at least 1 (got {stride})")
     if positions not in POSITIONS:
         raise ValueError(f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
+    if kv_bits not in (None, 4, 8):
+        raise ValueError(f"kv_bits must be 4 or 8 (got {kv_bits})")
+    if kv_bits is not None and kv_group_size not in (32, 64, 128):
+        raise ValueError(f"kv_group_size must be 32, 64 or 128 (got {kv_group_size})")
 
 
 def _layers(model: nn.Module) -> list:
@@ -369,6 +432,8 @@ def make_sink_cache(
     slack: int | None = None,
     stride: int = DEFAULT_STRIDE,
     positions: str = "cache",
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> list:
     """The model's prompt cache with every unbounded ``KVCache`` layer made a SinkCache.
 
@@ -383,12 +448,14 @@ def make_sink_cache(
             Default: ``stride``.
         stride (int): Token stride of sink moves and rebases. Default: ``64``.
         positions (str): ``"cache"`` or ``"absolute"``. Default: ``"cache"``.
+        kv_bits (int, optional): Quantize the cache to 4 or 8 bits. Default: ``None``.
+        kv_group_size (int): Quantization group size. Default: ``64``.
 
     Returns:
         list: One cache per layer, usable as mlx-lm's ``prompt_cache``.
     """
     slack = stride if slack is None else slack
-    validate_sizes(sinks, window, slack, stride, positions)
+    validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size)
     caches = mlx_cache.make_prompt_cache(model)
     layers = _layers(model)
     out = []
@@ -400,7 +467,9 @@ def make_sink_cache(
                     f"layer {i} of {type(model).__name__} has no rope module to move keys "
                     "with; use positions='absolute'"
                 )
-            out.append(SinkCache(sinks, window, slack, stride, rope, positions))
+            out.append(
+                SinkCache(sinks, window, slack, stride, rope, positions, kv_bits, kv_group_size)
+            )
         elif isinstance(c, (mlx_cache.RotatingKVCache, mlx_cache.ArraysCache)):
             out.append(c)
         else:

@@ -62,7 +62,7 @@ def test_bounded_buffer_and_offset_after_ten_windows(model):
     feed(model, cache, TOKENS[S + W + 16 :], chunk=16)
     for c, (shape, nbytes) in zip(sink_layers(cache), sizes):
         assert c.keys.shape == shape == (1, c.keys.shape[1], S + W + 16, c.keys.shape[3])
-        assert c.nbytes == nbytes
+        assert c.nbytes == nbytes > 0
         assert c.tokens_seen == len(TOKENS)
         assert 0 <= c.offset < c.max_offset <= 2 * (S + W + 16 + 16)
         assert c.size() == S + W

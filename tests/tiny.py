@@ -81,15 +81,16 @@ def make_config(arch: str = "llama", **overrides) -> dict:
     return config
 
 
-def make_model(arch: str = "llama", seed: int = 0, dtype=mx.float32, **overrides):
-    """A tiny random-weight mlx-lm model of ``arch`` (deterministic for ``seed``)."""
+def make_model(arch: str = "llama", seed: int = 0, dtype=mx.float32, scale=4.0, **overrides):
+    """A tiny random-weight mlx-lm model of ``arch`` (deterministic for ``seed``).
+
+    ``scale`` multiplies mlx's small random init so logits are not all ties."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     config = make_config(arch, **overrides)
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = module.Model(args)
-    # Random init is tiny; scale weights up so logits are not all ties.
-    params = [(k, (v * 4).astype(dtype)) for k, v in tree_flatten(model.parameters())]
+    params = [(k, (v * scale).astype(dtype)) for k, v in tree_flatten(model.parameters())]
     model.load_weights(params)
     mx.eval(model.parameters())
     return model
