@@ -45,5 +45,10 @@ def root(
     """mlx-stream: a fixed-memory streaming runtime for MLX language models."""
 
 
+from cli.models import app as models_app  # noqa: E402 - typer-only module
+
+app.add_typer(models_app, name="models")
+
+
 def main() -> None:
     app()
