@@ -1,0 +1,151 @@
+"""Helpers shared by the benchmark scripts: options, environment, output, timing.
+
+Every script prints one JSON line per configuration (``emit``), each carrying the
+model, the mlx / mlx-lm versions, the device, the BLAS serving MLX and the machine
+(``environment``), and runs its competitor in the same process so machine noise hits
+both alike. Importing this module preloads an optimized BLAS (``mlx_stream.blas``)
+before MLX is imported, unless ``MLX_STREAM_BLAS=off``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from mlx_stream import blas
+
+blas.preload()  # must run before the first `import mlx.core`
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ENV_DATA = "MLX_STREAM_DATA"
+
+
+def data_dir() -> Path:
+    """The folder of evaluation texts: ``$MLX_STREAM_DATA`` or ``../shared/data``."""
+    return Path(os.environ.get(ENV_DATA, REPO.parent / "shared" / "data"))
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark shares."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="registry name, mlx-lm folder or .gguf file (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, quantized"
+    )
+    parser.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    return parser
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of ``name``, or ``None``."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Versions, device, BLAS and machine, for every JSON line."""
+    active = blas.active_blas()
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": package_version("mlx-lm"),
+        "mlx_stream": package_version("mlx-stream"),
+        "device": str(mx.default_device()),
+        "blas": os.path.basename(active) if active else None,
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus",
+        "python": platform.python_version(),
+    }
+
+
+def emit(record: dict, out: Path | None = None) -> dict:
+    """Print ``record`` as one JSON line (and append it to ``out``)."""
+    line = json.dumps(record, default=_jsonable)
+    print(line, flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(line + "\n")
+    return record
+
+
+def _jsonable(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def load_model(name: str, dtype: str = "auto"):
+    """``(model, tokenizer, weights)`` through mlx-stream's loader (registry names,
+    mlx-lm folders and GGUF files); ``weights`` says what the weights are now."""
+    from mlx_stream import loader
+
+    model, tokenizer, info = loader.load(name, dtype=dtype, return_info=True)
+    return model, tokenizer, info.weights
+
+
+def model_label(name: str) -> str:
+    """A short model name for the JSON lines (a folder's base name)."""
+    return Path(name).name if os.sep in name else name
+
+
+def book_tokens(tokenizer, n: int, book: str = "moby_dick") -> list[int]:
+    """The first ``n`` tokens of ``book`` (``<data>/<book>.txt``), or fewer if it is
+    shorter; only as much text as needed is tokenized."""
+    text = (data_dir() / f"{book}.txt").read_text(encoding="utf-8")
+    chars = max(8 * n, 4096)
+    while True:
+        tokens = tokenizer.encode(text[:chars], add_special_tokens=False)
+        if len(tokens) >= n or chars >= len(text):
+            return tokens[:n]
+        chars *= 2
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (``nan`` when empty)."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def memory_mb() -> dict:
+    """MLX active, peak and pool (cache) memory in MB."""
+    return {
+        "active_mb": round(mx.get_active_memory() / 1e6, 2),
+        "peak_mb": round(mx.get_peak_memory() / 1e6, 2),
+        "pool_mb": round(mx.get_cache_memory() / 1e6, 2),
+    }
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took."""
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def interleave(names: Sequence[str], repeats: int) -> list[str]:
+    """``A, B, A, B, ...``: run order that spreads machine noise over all contenders."""
+    return [name for _ in range(repeats) for name in names]
+
+
+def main_guard(main: Callable[[list[str] | None], object]) -> None:
+    """Run ``main(sys.argv[1:])`` as a script."""
+    main(sys.argv[1:])
