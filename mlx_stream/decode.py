@@ -35,7 +35,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_stream.cache import SinkCache, make_sink_cache, max_call_tokens
-from mlx_stream.reclaim import ReclaimSchedule
+from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
 DEFAULT_SLACK = 64
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
@@ -505,6 +505,7 @@ def stream_generate(
             finish_reason=finish_reason,
         )  # fmt: skip
 
+    wired = set_wired_limit()  # Metal only, like mlx-lm's wired_limit; None elsewhere
     tic = time.perf_counter()
     try:
         for token, logprobs, from_draft in tokens:
@@ -525,6 +526,9 @@ def stream_generate(
             yield response(token, logprobs, from_draft, text)
     finally:
         tokens.close()
+        if wired is not None:
+            mx.synchronize()  # never change the wired limit under a running eval
+            mx.set_wired_limit(wired)
 
 
 class StopOnInterrupt:
