@@ -58,7 +58,7 @@ def _progress(console) -> Iterator[tuple[Any, Any]]:
                 bars.update(task.id, visible=False)
 
     def log(message: str) -> None:
-        bars.console.print(message, markup=False, highlight=False)
+        bars.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     with bars:
         yield progress, log
