@@ -49,6 +49,10 @@ from cli.models import app as models_app  # noqa: E402 - typer-only module
 
 app.add_typer(models_app, name="models")
 
+from cli.doctor import doctor  # noqa: E402 - typer-only module
+
+app.command("doctor")(doctor)
+
 
 def main() -> None:
     app()

@@ -122,3 +122,29 @@ def test_openblas_gives_the_same_logits_on_the_default_model(tmp_path, monkeypat
         pytest.skip("default model not pulled (mlx-stream models pull)")
     tokens = list(range(100, 164))
     compare_logits(tmp_path, loader.model_path(), tokens, 1e-4)
+
+
+def test_doctor_reports_blas_and_model():
+    import typer
+    from typer.testing import CliRunner
+
+    from cli.doctor import doctor
+
+    app = typer.Typer()
+    app.command()(doctor)
+    result = CliRunner().invoke(app, ["--no-speed", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert {"mlx", "mlx_lm", "device", "blas", "blas_preload", "default_model_pulled"} <= set(
+        report
+    )
+    assert report["default_model_pulled"] is False  # the tests' home is empty
+
+
+def test_doctor_hints_at_the_debian_package():
+    from cli.doctor import hints
+
+    report = {"device": "Device(cpu, 0)", "blas_preload": "not-found", "mlx_over_numpy": 0.04}
+    lines = hints(report)
+    assert any("libopenblas0-pthread" in line for line in lines)
+    assert any("4%" in line for line in lines)
