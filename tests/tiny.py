@@ -122,15 +122,15 @@ def make_tokenizer():
     return TokenizerWrapper(make_hf_tokenizer(), eos_token_ids=[1, 3])
 
 
-def save_model_folder(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def save_model_folder(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a tiny model as an mlx-lm folder (weights, config, tokenizer) that
     ``mlx_lm.utils.load`` reads back."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = make_model(arch, seed=seed)
+    model = make_model(arch, seed=seed, **overrides)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights)
-    config = {k: v for k, v in make_config(arch).items() if v is not None}
+    config = {k: v for k, v in make_config(arch, **overrides).items() if v is not None}
     config["eos_token_id"] = [1, 3]
     (path / "config.json").write_text(json.dumps(config, indent=2))
     make_hf_tokenizer().save_pretrained(str(path))

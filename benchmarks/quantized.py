@@ -1,0 +1,135 @@
+"""Quantized sink cache: perplexity, bytes per token and decode speed against the
+float cache, and perplexity at equal memory (a 4-bit window of 4x the tokens).
+
+mlx-lm cannot quantize its rolling cache (``RotatingKVCache.to_quantized`` raises NYI),
+so the comparison is mlx-stream's float SinkCache against its own 8- and 4-bit ones,
+all in the same process on the same token stream. One JSON line per configuration.
+
+    python benchmarks/quantized.py                      # 8k tokens of Moby-Dick, window 256
+    python benchmarks/quantized.py --tokens 32768       # the README run
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from common import (
+    DEFAULT_MODEL,
+    base_parser,
+    book_tokens,
+    emit,
+    environment,
+    load_model,
+    main_guard,
+    model_label,
+)
+
+import mlx.core as mx  # noqa: E402  (after common: it preloads the BLAS)
+
+from mlx_stream.cache import SinkCache, make_sink_cache  # noqa: E402
+from mlx_stream.decode import generate_step  # noqa: E402
+from mlx_stream.evaluate import stream_perplexity  # noqa: E402
+
+
+def configurations(window: int) -> list[tuple[str, int | None, int]]:
+    """(label, kv_bits, window): same window, then equal memory for 4-bit."""
+    return [
+        ("float", None, window),
+        ("8-bit", 8, window),
+        ("4-bit", 4, window),
+        ("4-bit 4x window", 4, 4 * window),
+        ("float 4x window", None, 4 * window),
+    ]
+
+
+def bytes_per_token(cache: list) -> float:
+    """Cache bytes per slot, summed over the layers (after the first update)."""
+    return sum(c.nbytes / c.capacity for c in cache if isinstance(c, SinkCache))
+
+
+def decode_speed(model, cache_factory, prompt: list[int], tokens: int) -> float:
+    """Greedy decode tokens/s on a fresh cache, after ``prompt`` fills the window."""
+    cache = cache_factory()
+    steps = generate_step(prompt, model, cache, max_tokens=tokens + 1)
+    next(steps)  # prefill + first token outside the timing
+    tic = time.perf_counter()
+    n = sum(1 for _ in steps)
+    return n / (time.perf_counter() - tic)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of the stream")
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--book", default="moby_dick")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.window, args.decode_tokens = 256, 32, 8
+        args.group_size = min(args.group_size, 32)
+
+    model, tokenizer, weights = load_model(args.model, args.dtype)
+    stream = book_tokens(tokenizer, args.tokens, args.book)
+    env = environment()
+    records = []
+    for label, bits, window in configurations(args.window):
+
+        def factory(bits=bits, window=window):
+            return make_sink_cache(
+                model, args.sinks, window, kv_bits=bits, kv_group_size=args.group_size
+            )
+
+        cache = factory()
+        result = stream_perplexity(
+            model, stream, args.sinks, window, prompt_cache=cache, segment=len(stream)
+        )
+        speed = decode_speed(model, factory, stream[: window + args.sinks], args.decode_tokens)
+        per_token = bytes_per_token(cache)
+        records.append(
+            emit(
+                {
+                    "benchmark": "quantized",
+                    "config": label,
+                    "model": model_label(args.model or DEFAULT_MODEL),
+                    "weights": weights,
+                    "kv_bits": bits,
+                    "group_size": args.group_size if bits else None,
+                    "sinks": args.sinks,
+                    "window": window,
+                    "tokens": result.tokens,
+                    "perplexity": result.perplexity,
+                    "cache_bytes_per_token": round(per_token, 1),
+                    "cache_mb": round(per_token * (args.sinks + window) / 1e6, 3),
+                    "eval_tokens_per_second": result.tokens_per_second,
+                    "decode_tokens_per_second": speed,
+                    **env,
+                },
+                args.out,
+            )
+        )
+    base = records[0]
+    for r in records:
+        r["perplexity_vs_float"] = r["perplexity"] / base["perplexity"] - 1
+        r["decode_ratio_vs_float"] = (
+            r["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+        )
+        assert math.isfinite(r["perplexity"])
+    emit(
+        {
+            "benchmark": "quantized-summary",
+            "rows": [
+                {k: r[k] for k in ("config", "window", "perplexity", "perplexity_vs_float",
+                                   "cache_bytes_per_token", "cache_mb", "decode_ratio_vs_float")}
+                for r in records
+            ],
+        },
+        args.out,
+    )  # fmt: skip
+    return records
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,29 @@
+"""Smoke test of benchmarks/quantized.py on a tiny model (head_dim 32 for group 32)."""
+
+import math
+import sys
+
+from tests import tiny
+from tests.conftest import REPO
+
+
+def test_quantized_benchmark_quick(tmp_path, monkeypatch):
+    folder = tiny.save_model_folder(tmp_path / "tiny", num_attention_heads=2, num_key_value_heads=1)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sys.modules.pop("quantized", None)
+    import quantized
+
+    records = quantized.main(
+        ["--model", str(folder), "--quick", "--out", str(tmp_path / "q.jsonl")]
+    )
+    assert [r["config"] for r in records] == [c[0] for c in quantized.configurations(32)]
+    float_row, eight, four = records[:3]
+    assert all(
+        math.isfinite(r["perplexity"]) and r["decode_tokens_per_second"] > 0 for r in records
+    )
+    assert (
+        four["cache_bytes_per_token"]
+        < eight["cache_bytes_per_token"]
+        < float_row["cache_bytes_per_token"]
+    )
+    assert len((tmp_path / "q.jsonl").read_text().splitlines()) == len(records) + 1
