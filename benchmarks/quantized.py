@@ -25,11 +25,9 @@ from common import (
     model_label,
 )
 
-import mlx.core as mx  # noqa: E402  (after common: it preloads the BLAS)
-
-from mlx_stream.cache import SinkCache, make_sink_cache  # noqa: E402
-from mlx_stream.decode import generate_step  # noqa: E402
-from mlx_stream.evaluate import stream_perplexity  # noqa: E402
+from mlx_stream.cache import SinkCache, make_sink_cache
+from mlx_stream.decode import generate_step
+from mlx_stream.evaluate import stream_perplexity
 
 
 def configurations(window: int) -> list[tuple[str, int | None, int]]:
