@@ -1,0 +1,163 @@
+"""Decode speed and memory after long contexts: mlx-stream vs mlx-lm.
+
+Three caches are fed the same Moby-Dick tokens in one process:
+
+- ``sink``: mlx-stream's ``generate_step`` on ``make_sink_cache(model, sinks, window)``;
+- ``rotating``: mlx-lm's ``generate_step`` on ``RotatingKVCache(max_size=sinks+window,
+  keep=sinks)`` built per layer (``make_prompt_cache(max_kv_size=...)`` is ignored for
+  llama, DESIGN.md section 4);
+- ``full``: mlx-lm's ``generate_step`` on its growing ``KVCache``.
+
+At each context length (default 1k, 4k, 16k tokens fed) every cache decodes
+``--tokens`` greedy tokens, in the order sink, rotating, full, sink, rotating, full
+(``--repeats``), so machine noise falls on all three alike. One JSON line per (cache,
+context): generation tok/s, per-token latency p50/p90, prefill tok/s of the segment
+that led there, the KV cache's bytes and the process's active/peak memory (all three
+caches are alive at once: ``kv_mb`` is the per-cache figure). A final summary line has
+the sink/rotating tok/s ratio, the sink's latency flatness and the full cache's growth.
+
+    python benchmarks/decode.py                         # ~10 min on 2 cores
+    python benchmarks/decode.py --contexts 1024,4096    # shorter
+"""
+
+from __future__ import annotations
+
+import time
+
+import common
+
+CACHES = ("sink", "rotating", "full")
+
+
+def make_cache(name: str, model, sinks: int, window: int) -> list:
+    """A fresh prompt cache of kind ``name`` for ``model``."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    from mlx_stream.cache import make_sink_cache
+
+    if name == "sink":
+        return make_sink_cache(model, sinks, window)
+    if name == "rotating":
+        return [RotatingKVCache(max_size=sinks + window, keep=sinks) for _ in model.layers]
+    return make_prompt_cache(model)
+
+
+def kv_bytes(cache: list) -> int:
+    """Bytes held by a prompt cache's keys and values."""
+    return sum(c.nbytes for c in cache)
+
+
+def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: int) -> dict:
+    """Feed ``prompt`` then decode ``tokens`` greedily; time to first token and the
+    intervals between tokens."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step as mlx_lm_step
+
+    from mlx_stream.decode import generate_step
+
+    if name == "sink":
+        steps = generate_step(prompt, model, cache, max_tokens=tokens, prefill_step_size=step)
+    else:
+        steps = mlx_lm_step(
+            mx.array(prompt), model, max_tokens=tokens, prompt_cache=cache, prefill_step_size=step
+        )
+    tic = time.perf_counter()
+    stamps = [time.perf_counter() for _ in steps]
+    return {
+        "ttft_s": stamps[0] - tic,
+        "intervals": [b - a for a, b in zip(stamps, stamps[1:])],
+    }
+
+
+def line(name: str, context: int, runs: list[dict], cache: list, base: dict) -> dict:
+    """One JSON record for ``name`` at ``context`` from its interleaved runs."""
+    import mlx.core as mx
+
+    intervals = [x for r in runs for x in r["intervals"]]
+    first = runs[0]
+    return dict(
+        base,
+        cache=name,
+        context=context,
+        decode_tokens=sum(len(r["intervals"]) for r in runs),
+        tok_s=round(len(intervals) / sum(intervals), 2),
+        p50_ms=round(1e3 * common.percentile(intervals, 50), 2),
+        p90_ms=round(1e3 * common.percentile(intervals, 90), 2),
+        prefill_tokens=first["prompt_tokens"],
+        prefill_tps=round(first["prompt_tokens"] / first["ttft_s"], 1),
+        kv_mb=round(kv_bytes(cache) / 1e6, 2),
+        step_peak_extra_mb=round(max(r["peak_extra"] for r in runs) / 1e6, 2),
+        process_active_mb=round(mx.get_active_memory() / 1e6, 2),
+        process_peak_mb=round(max(r["peak"] for r in runs) / 1e6, 2),
+    )
+
+
+def summarize(records: list[dict], base: dict) -> dict:
+    """tok/s ratios sink/rotating, sink latency flatness, full-cache growth."""
+    at = {(r["cache"], r["context"]): r for r in records}
+    contexts = sorted({r["context"] for r in records})
+    lo, hi = contexts[0], contexts[-1]
+    summary = dict(base, summary=True, contexts=contexts)
+    for c in contexts:
+        if ("sink", c) in at and ("rotating", c) in at:
+            ratio = at["sink", c]["tok_s"] / at["rotating", c]["tok_s"]
+            summary[f"sink_over_rotating_tok_s_{c}"] = round(ratio, 3)
+    if ("sink", lo) in at and ("sink", hi) in at:
+        summary["sink_p50_growth"] = round(at["sink", hi]["p50_ms"] / at["sink", lo]["p50_ms"], 3)
+    if ("full", lo) in at and ("full", hi) in at:
+        summary["full_p50_growth"] = round(at["full", hi]["p50_ms"] / at["full", lo]["p50_ms"], 3)
+        summary["full_kv_mb_growth"] = [at["full", lo]["kv_mb"], at["full", hi]["kv_mb"]]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per context")
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--prefill-step", type=int, default=512)
+    parser.add_argument("--caches", default=",".join(CACHES), help="subset of sink,rotating,full")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.tokens, args.repeats, args.window = "48,96", 8, 2, 32
+    import mlx.core as mx
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    names = [n for n in args.caches.split(",") if n in CACHES]
+    model, tokenizer, weights = common.load_model(args.model, args.dtype)
+    book = common.book_tokens(tokenizer, contexts[-1] + args.repeats + 1)
+    base = dict(
+        common.environment(),
+        bench="decode",
+        model=common.model_label(args.model),
+        weights=weights,
+        sinks=args.sinks,
+        window=args.window,
+    )
+    caches = {n: make_cache(n, model, args.sinks, args.window) for n in names}
+    # Warm-up on throwaway caches: first-call compilation is not decode speed.
+    for n in names:
+        decode(n, model, make_cache(n, model, args.sinks, args.window), book[:8], 4, 8)
+    records, fed = [], 0
+    for context in contexts:
+        runs = {n: [] for n in names}
+        for rep in range(args.repeats):
+            prompt = book[fed:context] if rep == 0 else book[context + rep - 1 : context + rep]
+            for n in names:
+                mx.reset_peak_memory()
+                before = mx.get_active_memory()
+                run = decode(n, model, caches[n], prompt, args.tokens, args.prefill_step)
+                peak = mx.get_peak_memory()
+                run.update(prompt_tokens=len(prompt), peak=peak, peak_extra=peak - before)
+                runs[n].append(run)
+        fed = context
+        for n in names:
+            records.append(common.emit(line(n, context, runs[n], caches[n], base), args.out))
+    records.append(common.emit(summarize(records, base), args.out))
+    return records
+
+
+if __name__ == "__main__":
+    main()
