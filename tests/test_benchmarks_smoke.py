@@ -1,0 +1,95 @@
+"""Every benchmark script runs end to end on the tiny model (``--quick``) and prints
+JSON lines with the expected keys and finite figures."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ENVIRONMENT_KEYS = {"mlx", "mlx_lm", "device", "blas", "machine"}
+
+
+def load_script(name: str, monkeypatch):
+    """Import ``benchmarks/<name>.py`` as a module (it imports ``common`` beside it)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(name, monkeypatch, tmp_path, model_dir, *extra) -> list[dict]:
+    out = tmp_path / f"{name}.jsonl"
+    args = ["--quick", "--model", str(model_dir), "--out", str(out), *extra]
+    returned = load_script(name, monkeypatch).main(args)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines and lines == json.loads(json.dumps(returned))
+    for line in lines:
+        assert_finite(line)
+    return lines
+
+
+def assert_finite(value, where="record"):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert_finite(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            assert_finite(v, f"{where}[{i}]")
+    elif isinstance(value, float):
+        assert math.isfinite(value), f"{where} = {value}"
+
+
+def test_decode(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("decode", monkeypatch, tmp_path, tiny_model_dir)
+    *rows, summary = lines
+    assert {r["cache"] for r in rows} == {"sink", "rotating", "full"}
+    for r in rows:
+        assert ENVIRONMENT_KEYS | {"model", "context", "tok_s", "p50_ms", "p90_ms"} <= set(r)
+        assert {"kv_mb", "process_active_mb", "process_peak_mb", "prefill_tps"} <= set(r)
+        assert r["tok_s"] > 0 and r["p90_ms"] >= r["p50_ms"] > 0
+    assert summary["summary"] and "sink_p50_growth" in summary
+    assert any(k.startswith("sink_over_rotating_tok_s_") for k in summary)
+
+
+def test_spec_memory(monkeypatch, tmp_path, tiny_model_dir):
+    png = tmp_path / "pool.png"
+    lines = run("spec_memory", monkeypatch, tmp_path, tiny_model_dir, "--plot", str(png))
+    assert [r["contender"] for r in lines] == ["sink-crossing", "sink-exact", "mlx-lm"]
+    for r in lines:
+        assert ENVIRONMENT_KEYS | {"model", "tokens", "pool_mb_max", "active_mb_max"} <= set(r)
+        assert len(r["series"]["tokens"]) == len(r["series"]["pool_mb"]) > 0
+    assert lines[0]["reclaims"] > 0  # the crossing rule fires under speculative jumps
+    assert png.stat().st_size > 1000
+
+
+def test_perplexity(monkeypatch, tmp_path, tiny_model_dir):
+    png = tmp_path / "ppl.png"
+    lines = run("perplexity", monkeypatch, tmp_path, tiny_model_dir, "--plot", str(png))
+    configs = [r["config"] for r in lines]
+    assert "sinks=4 window=32" in configs and "sinks=4 window=32 absolute" in configs
+    assert any(c.startswith("full cache") for c in configs)
+    oracle = next(r for r in lines if r["config"].startswith("recompute"))
+    assert oracle["perplexity"] > 0 and oracle["same_tokens_perplexity"]
+    fast = lines[-1]
+    assert fast["perplexity_rel_diff"] < 1e-4 and fast["speedup"] > 0
+    assert all(r["segments"] for r in lines if "segments" in r)
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_blas(monkeypatch, tmp_path, tiny_model_dir):
+    *rows, summary = run("blas", monkeypatch, tmp_path, tiny_model_dir)
+    assert [r["config"] for r in rows] == ["netlib", "openblas"]
+    for r in rows:
+        assert ENVIRONMENT_KEYS | {
+            "mlx_gflops",
+            "numpy_gflops",
+            "prefill_tps",
+            "decode_tps",
+        } <= set(r)
+    assert rows[0]["blas_state"] == "off"
+    assert summary["summary"] and set(summary["configs"]) == {"netlib", "openblas"}
