@@ -308,3 +308,21 @@ def test_repetition_penalty_changes_greedy_tokens(tiny_llama, tokenizer):
     assert plain != penalised
     # Greedy with a penalty through the speculative path means the same thing.
     assert run(repetition_penalty=3.0, draft_model=tiny_llama, num_draft_tokens=2) == penalised
+
+
+@pytest.mark.real_model
+def test_real_model_as_its_own_draft_equals_plain_greedy(real_model):
+    from tests.conftest import DATA
+
+    model, tokenizer, _ = real_model
+    window, n_prompt, n_new = 32, 100, 64  # a stream of 164 tokens > 5 windows
+    with open(DATA / "moby_dick.txt", encoding="utf-8") as f:
+        prompt = tokenizer.encode(f.read(4000))[:n_prompt]
+
+    def caches():
+        return make_sink_cache(model, SINKS, window, SLACK)
+
+    plain = greedy(model, caches(), prompt, max_tokens=n_new)
+    spec = greedy(model, caches() + caches(), prompt, max_tokens=n_new, draft_model=model,
+                  num_draft_tokens=3)  # fmt: skip
+    assert spec == plain
