@@ -43,10 +43,11 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_totals(tiny_llama, tmp_p
     rest = stream_perplexity(tiny_llama, TOKENS, SINKS, WINDOW, segment=100, checkpoint=path,
                              resume=True)  # fmt: skip
     assert rest.tokens == whole.tokens
-    assert rest.nll == pytest.approx(whole.nll, abs=1e-6)
+    # float32 round-off only: a resume that lost the cache or the pending token is off by ~1.
+    assert rest.nll == pytest.approx(whole.nll, abs=1e-4)
     for a, b in zip(rest.segments, whole.segments, strict=True):
         assert (a["start"], a["end"], a["tokens"]) == (b["start"], b["end"], b["tokens"])
-        assert a["nll"] == pytest.approx(b["nll"], abs=1e-6)
+        assert a["nll"] == pytest.approx(b["nll"], abs=1e-4)
 
 
 def test_limit_tokens_stops_the_stream(tiny_llama):
