@@ -19,7 +19,6 @@ imports nothing from MLX.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 import sys
@@ -83,6 +82,8 @@ def find_openblas() -> str | None:
     for path in _candidates():
         if os.path.isfile(path):
             return os.path.realpath(path)
+    import ctypes.util  # runs ldconfig: only when no known path matched
+
     name = ctypes.util.find_library("openblas")
     return name or None
 

@@ -4,6 +4,7 @@ A preload must precede the first ``import mlx.core`` and cannot be undone, so th
 tests that compare BLAS libraries run fresh interpreters.
 """
 
+import ctypes.util
 import json
 import os
 import subprocess
@@ -58,7 +59,7 @@ def test_off_is_a_no_op():
 def test_not_found_does_nothing_and_says_so(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(blas, "_candidates", lambda: [])
-    monkeypatch.setattr(blas.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     monkeypatch.setattr(blas, "_handle", None)
     monkeypatch.setattr(blas, "_status", None)
     monkeypatch.setenv(blas.ENV, "auto")
