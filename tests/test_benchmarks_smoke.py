@@ -53,6 +53,7 @@ def test_decode(monkeypatch, tmp_path, tiny_model_dir):
         assert r["tok_s"] > 0 and r["p90_ms"] >= r["p50_ms"] > 0
     assert summary["summary"] and "sink_p50_growth" in summary
     assert any(k.startswith("sink_over_rotating_tok_s_") for k in summary)
+    assert "| sink |" in load_script("tables", monkeypatch).decode_tables(lines)
 
 
 def test_spec_memory(monkeypatch, tmp_path, tiny_model_dir):
@@ -64,6 +65,7 @@ def test_spec_memory(monkeypatch, tmp_path, tiny_model_dir):
         assert len(r["series"]["tokens"]) == len(r["series"]["pool_mb"]) > 0
     assert lines[0]["reclaims"] > 0  # the crossing rule fires under speculative jumps
     assert png.stat().st_size > 1000
+    assert "| mlx-lm |" in load_script("tables", monkeypatch).spec_tables(lines)
 
 
 def test_perplexity(monkeypatch, tmp_path, tiny_model_dir):
@@ -78,6 +80,7 @@ def test_perplexity(monkeypatch, tmp_path, tiny_model_dir):
     assert fast["perplexity_rel_diff"] < 1e-4 and fast["speedup"] > 0
     assert all(r["segments"] for r in lines if "segments" in r)
     assert png.stat().st_size > 1000
+    assert "(oracle)" in load_script("tables", monkeypatch).perplexity_tables(lines)
 
 
 @pytest.mark.slow
@@ -93,3 +96,4 @@ def test_blas(monkeypatch, tmp_path, tiny_model_dir):
         } <= set(r)
     assert rows[0]["blas_state"] == "off"
     assert summary["summary"] and set(summary["configs"]) == {"netlib", "openblas"}
+    assert "| netlib |" in load_script("tables", monkeypatch).blas_tables([*rows, summary])

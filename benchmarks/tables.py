@@ -1,0 +1,187 @@
+"""Markdown tables (for the README) from the JSON lines under ``benchmarks/results``.
+
+python benchmarks/tables.py                       # every known results file
+python benchmarks/tables.py --results other/dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def read(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine(r: dict) -> str:
+    """One line naming the model, machine, versions and BLAS of a record."""
+    return (
+        f"{r.get('model')} ({r.get('weights')}), {r['machine']}, {r['device']}, "
+        f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, BLAS {r.get('blas')}"
+    )
+
+
+def decode_tables(records: list[dict]) -> str:
+    rows = [r for r in records if "cache" in r]
+    if not rows:
+        return ""
+    out = [f"Machine: {machine(rows[0])}.", ""]
+    out.append(
+        table(
+            ["cache", "context", "tok/s", "p50 ms", "p90 ms", "prefill tok/s", "KV MB"],
+            [
+                [
+                    r["cache"],
+                    r["context"],
+                    r["tok_s"],
+                    r["p50_ms"],
+                    r["p90_ms"],
+                    r["prefill_tps"],
+                    r["kv_mb"],
+                ]  # fmt: skip
+                for r in sorted(rows, key=lambda r: (r["context"], r["cache"]))
+            ],
+        )
+    )
+    summary = next((r for r in records if r.get("summary")), None)
+    if summary:
+        ratios = {k.rsplit("_", 1)[-1]: v for k, v in summary.items() if "sink_over" in k}
+        out += ["", f"sink / rotating tok/s by context: {ratios}; "
+                f"sink p50 growth {summary.get('sink_p50_growth')}, full-cache p50 growth "
+                f"{summary.get('full_p50_growth')}, full KV MB {summary.get('full_kv_mb_growth')}."]  # fmt: skip
+    return "\n".join(out)
+
+
+def spec_tables(records: list[dict]) -> str:
+    if not records:
+        return ""
+    r0 = records[0]
+    out = [
+        f"Machine: {machine(r0)}. Draft {r0['draft']}, {r0['num_draft_tokens']} drafts/round, "
+        f"{r0['tokens']} tokens, reclaim every {r0['every']}.",
+        "",
+    ]
+    out.append(
+        table(
+            [
+                "contender",
+                "pool MB max",
+                "pool MB last",
+                "active MB max",
+                "KV MB",
+                "reclaims",
+                "tok/s",
+                "accepted",
+            ],  # fmt: skip
+            [
+                [
+                    r["contender"],
+                    r["pool_mb_max"],
+                    r["pool_mb_last"],
+                    r["active_mb_max"],
+                    r["kv_mb"],
+                    r["reclaims"],
+                    r["tok_s"],
+                    r["accepted_fraction"],
+                ]  # fmt: skip
+                for r in records
+            ],
+        )
+    )
+    return "\n".join(out)
+
+
+def perplexity_tables(records: list[dict]) -> str:
+    rows = [r for r in records if "segments" in r]
+    if not rows:
+        return ""
+    out = [f"Machine: {machine(rows[0])}. Stream: {rows[0]['stream_tokens']} tokens of "
+           f"{rows[0]['book']}.", ""]  # fmt: skip
+    out.append(
+        table(
+            ["configuration", "tokens scored", "perplexity", "tok/s", "peak MB"],
+            [[r["config"], r["tokens"], r["perplexity"], r["tok_s"], r["peak_mb"]] for r in rows],
+        )
+    )
+    for r in records:
+        if r["config"].startswith("recompute"):
+            same = ", ".join(f"{k}: {v}" for k, v in r["same_tokens_perplexity"].items())
+            out += ["", f"{r['config']} (oracle) on {r['tokens']} sampled tokens: "
+                    f"{r['perplexity']} at {r['tok_s']} tok/s. Same tokens: {same}."]  # fmt: skip
+        if r["config"].startswith("throughput"):
+            out += ["", f"Chunked vs token-by-token ({r['config']}, {r['tokens']} tokens): "
+                    f"perplexity {r['chunked_perplexity']} vs {r['token_by_token_perplexity']}, "
+                    f"{r['chunked_tok_s']} vs {r['token_by_token_tok_s']} tok/s "
+                    f"({r['speedup']}x)."]  # fmt: skip
+    return "\n".join(out)
+
+
+def blas_tables(records: list[dict]) -> str:
+    summary = next((r for r in records if r.get("summary")), None)
+    rows = [r for r in records if not r.get("summary")]
+    if not summary or not rows:
+        return ""
+    out = [f"Machine: {machine(rows[0])} (BLAS column per configuration).", ""]
+    out.append(
+        table(
+            [
+                "configuration",
+                "MLX GFLOP/s",
+                "numpy GFLOP/s",
+                "MLX/numpy",
+                "prefill tok/s",
+                "decode tok/s",
+            ],  # fmt: skip
+            [
+                [
+                    name,
+                    m.get("mlx_gflops"),
+                    m.get("numpy_gflops"),
+                    m.get("mlx_over_numpy"),
+                    m.get("prefill_tps"),
+                    m.get("decode_tps"),
+                ]  # fmt: skip
+                for name, m in summary["configs"].items()
+            ],
+        )
+    )
+    speedups = {k: v for k, v in summary.items() if k.endswith("_speedup")}
+    out += ["", f"Speed-ups over netlib (medians of {len(rows)} interleaved runs): {speedups}."]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    parts = []
+    for title, name, render in (
+        ("BLAS", "blas.jsonl", blas_tables),
+        ("Decode", "decode.jsonl", decode_tables),
+        ("Speculative decoding memory", "spec_memory.jsonl", spec_tables),
+        ("Perplexity", "perplexity.jsonl", perplexity_tables),
+    ):
+        text = render(read(args.results / name))
+        if text:
+            parts.append(f"### {title}\n\n{text}\n")
+    output = "\n".join(parts)
+    print(output)
+    return output
+
+
+if __name__ == "__main__":
+    main()
