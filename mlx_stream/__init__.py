@@ -6,4 +6,10 @@ loops (``decode``), model loading (``registry``, ``loader``, ``gguf``) and strea
 evaluation (``evaluate``). It never imports typer or rich.
 """
 
+from mlx_stream import blas as _blas
+
+# On Linux, an installed OpenBLAS must be loaded before mlx.core to serve MLX's CPU
+# matmuls (its vendored reference BLAS is ~30x slower); a no-op elsewhere.
+_blas.preload()
+
 __version__ = "0.1.0"

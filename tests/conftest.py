@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+import mlx_stream  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
 from tests import tiny
 
 # Where the real default model lives, captured before any test redirects the home.
