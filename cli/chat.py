@@ -44,6 +44,7 @@ HELP = """\
 /quit          exit (Ctrl-D too); Ctrl-C stops a reply"""
 STATE_KEY = "mlx_stream_chat"
 DEFAULT_SLACK = 64
+SENTINEL = "\x00mlx-stream\x00"
 
 
 @dataclass
@@ -128,16 +129,20 @@ class ChatSession:
     def system_tokens(self) -> int:
         """Tokens of the rendered system prompt: what ``--keep-system`` makes the sinks.
 
-        With a template that adds its own default system prompt and no ``--system``,
-        that default is kept (everything before the first user message).
+        Without ``--system``, a template that writes a default system prompt (SmolLM2's
+        does) keeps that: everything rendered before the first user message. Returns 0
+        when there is no system prompt at all.
         """
+        first_turn = [{"role": "user", "content": SENTINEL}]
+        full = self.render(self.conversation(first_turn))
         if self.system:
             text = self.render(self.conversation([]), add_generation_prompt=False)
-            if self.render(self.conversation([{"role": "user", "content": "x"}])).startswith(text):
+            if full.startswith(text):
                 return len(self.encode(text))
-        marker = "\x00mlx-stream\x00"
-        full = self.render(self.conversation([{"role": "user", "content": marker}]))
-        return len(self.encode(full[: full.index(marker)])) if marker in full else 0
+        head = full[: full.index(SENTINEL)] if SENTINEL in full else ""
+        if not self.system and "system" not in head:
+            return 0
+        return len(self.encode(head))
 
     def turn_tokens(self, user_text: str) -> tuple[list[int], str]:
         """Tokens to feed for a new user message, and the rendered conversation after it."""

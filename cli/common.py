@@ -148,10 +148,12 @@ def check_text_file(path: str | Path) -> Path:
     if b"\x00" in head:
         fail(f"{path}: looks like a binary file, expected UTF-8 text")
     try:
-        # A multi-byte character cut at the sniff boundary is fine (final=False).
+        # A multi-byte character cut at the sniff boundary is fine; at the end of the
+        # file it is not.
         import codecs
 
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        whole = len(head) < SNIFF_BYTES
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=whole)
     except UnicodeDecodeError as exc:
         fail(f"{path}: not UTF-8 text (bad byte at offset {exc.start})")
     if not head.strip():

@@ -45,6 +45,13 @@ def root(
     """mlx-stream: a fixed-memory streaming runtime for MLX language models."""
 
 
+from cli import chat, profile, stream_run  # noqa: E402 - typer-only modules
+
+app.command("chat")(chat.chat)
+app.command("stream-run")(stream_run.stream_run)
+app.command("profile")(profile.profile)
+
+
 from cli.models import app as models_app  # noqa: E402 - typer-only module
 
 app.add_typer(models_app, name="models")

@@ -15,7 +15,7 @@ import typer
 # Defaults shared by the commands (mlx-lm's names where a value passes straight through).
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 3
-DEFAULT_CHUNK = 512
+DEFAULT_CHUNK = 64
 DEFAULT_SEGMENT = 1024
 DEFAULT_PROFILE_TOKENS = 1000
 DEFAULT_EVERY = 256

@@ -177,7 +177,7 @@ def summarize(setting: Setting, rows: list[dict[str, Any]], sinks: int, window: 
         "reclaims": rows[-1]["reclaims"],
         "active_memory_mb": {"start": active[0], "end": active[-1], "max": max(active)},
         "cache_memory_mb": {"max": max(pool), "end": pool[-1]},
-        "kv_cache_mb": rows[-1]["kv_cache_mb"],
+        "kv_cache_mb": {"start": rows[0]["kv_cache_mb"], "end": rows[-1]["kv_cache_mb"]},
         "peak_memory_mb": max(r["peak_memory_mb"] for r in rows),
         "tokens_per_second": round(len(latency) / decode_s, 3) if decode_s > 0 else None,
         "latency_ms": {
@@ -244,9 +244,9 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
 
 def check_matplotlib() -> None:
     """One-line error when ``--plot`` cannot work."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         fail("--plot needs matplotlib: pip install 'mlx-stream[plot]'")
 
 

@@ -1,0 +1,80 @@
+"""``mlx-stream chat`` in a real pseudo-terminal: prompt, streaming, Ctrl-C mid-reply
+returns to the prompt with the conversation intact, Ctrl-D exits with status 0."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+PROMPT = ">>> "
+
+
+@pytest.fixture(scope="module")
+def endless_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its end-of-sequence embeddings zeroed (tied weights: their
+    logits are 0 while the best of ~70 random logits is positive), so a reply only
+    ends at --max-tokens or Ctrl-C."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("endless") / "tiny"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    key = "model.embed_tokens.weight"
+    keep = mx.ones((weights[key].shape[0], 1))
+    keep[1] = 0  # <|endoftext|>
+    keep[3] = 0  # <|im_end|>
+    weights[key] = weights[key] * keep
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+def test_ctrl_c_stops_a_reply_and_ctrl_d_exits(endless_model):
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-c",
+            "from cli.main import main; main()",
+            "chat",
+            "-m",
+            str(endless_model),
+            "--max-tokens",
+            "100000",
+            "--window",
+            "64",
+        ],  # fmt: skip
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(40, 200),
+    )
+    try:
+        child.expect("/help for commands")
+        child.expect_exact(PROMPT)
+        child.sendline("hello there")
+        child.expect(r"\w+ \w+ \w+ \w+")  # it is streaming a reply
+        time.sleep(0.2)
+        child.sendintr()
+        # Back at the prompt after the stats line of the stopped reply.
+        child.expect("stopped")
+        child.expect_exact(PROMPT)
+        child.sendline("/stats")
+        child.expect(r"turns\s+1")
+        child.expect_exact(PROMPT)
+        child.sendline("the sea")
+        # A full reply would take 100000 tokens: stop this one too.
+        child.expect(r"\w+ \w+ \w+")
+        child.sendintr()
+        child.expect_exact(PROMPT)
+        child.sendline("/stats")
+        child.expect(r"turns\s+2")
+        child.expect_exact(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)

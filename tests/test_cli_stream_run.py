@@ -1,0 +1,209 @@
+"""``mlx-stream stream-run`` on the tiny model: JSON and CSV figures, checkpoint and
+resume, --prompt, stdin, bad input; and a real-model run on Alice in Wonderland."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests import tiny as tiny_mod
+from tests.conftest import DATA
+
+runner = CliRunner()
+BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """About 700 tokens of the tiny vocabulary, one paragraph every 12 words."""
+    rng = random.Random(0)
+    words = [rng.choice(tiny_mod.VOCAB_WORDS) for _ in range(700)]
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    path = tmp_path_factory.mktemp("text") / "book.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def run(*args: str, input: str | None = None):
+    return runner.invoke(app, ["stream-run", *args], input=input)
+
+
+def run_json(*args: str, input: str | None = None) -> dict:
+    result = run(*args, "--json", input=input)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def assert_one_line_error(result, code: int, *words: str) -> None:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in result.stdout + result.stderr
+    for word in words:
+        assert word in err, err
+
+
+def test_json_has_the_figures(tiny_model_dir, text_file):
+    data = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE)
+    for key in ("tokens", "perplexity", "segments", "sinks", "window", "tokens_per_second",
+                "peak_memory_mb", "positions"):  # fmt: skip
+        assert key in data, key
+    assert data["tokens"] == 699 and (data["sinks"], data["window"]) == (4, 32)
+    assert math.isfinite(data["perplexity"]) and data["perplexity"] > 1
+    segments = data["segments"]
+    assert [(s["start"], s["end"]) for s in segments] == [(i, i + 100) for i in range(0, 700, 100)]
+    assert all(math.isfinite(s["perplexity"]) for s in segments)
+    assert data["peak_memory_mb"] > 0 and data["tokens_per_second"] > 0
+
+
+def test_table_output_and_limit_tokens(tiny_model_dir, text_file):
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--limit-tokens", "250")
+    assert result.exit_code == 0, result.stderr
+    assert "200–250" in result.stdout
+    assert "over 249 tokens" in result.stdout
+
+
+def test_csv_has_one_row_per_segment(tiny_model_dir, text_file, tmp_path):
+    out = tmp_path / "segments.csv"
+    data = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, "--csv", str(out))
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == len(data["segments"]) == 7
+    assert [int(r["start"]) for r in rows] == [s["start"] for s in data["segments"]]
+    assert float(rows[3]["perplexity"]) == pytest.approx(data["segments"][3]["perplexity"])
+
+
+def test_resume_equals_an_uninterrupted_run(tiny_model_dir, text_file, tmp_path):
+    args = [str(text_file), "-m", str(tiny_model_dir), *BASE]
+    whole = run_json(*args, "--limit-tokens", "600")
+    ckpt = tmp_path / "run.safetensors"
+    half = run_json(*args, "--limit-tokens", "300", "--checkpoint", str(ckpt))
+    assert half["tokens"] == 299 and ckpt.is_file()
+    rest = run_json(*args, "--limit-tokens", "600", "--resume", str(ckpt))
+    assert rest["tokens"] == whole["tokens"] == 599
+    assert rest["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
+    for a, b in zip(rest["segments"], whole["segments"], strict=True):
+        assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-5)
+
+
+def test_resume_into_another_checkpoint_keeps_the_first(tiny_model_dir, text_file, tmp_path):
+    args = [str(text_file), "-m", str(tiny_model_dir), *BASE]
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    run_json(*args, "--limit-tokens", "200", "--checkpoint", str(first))
+    before = first.read_bytes()
+    data = run_json(*args, "--limit-tokens", "400", "--resume", str(first), "--checkpoint", str(second))  # fmt: skip
+    assert data["tokens"] == 399 and second.is_file()
+    assert first.read_bytes() == before
+
+
+def test_prompt_answers_from_the_window(tiny_model_dir, text_file):
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--prompt", "who is the captain",
+                 "--max-tokens", "6")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    answer = result.stdout.strip().splitlines()[-1]
+    assert 1 <= len(answer.split()) <= 6
+    data = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, "--prompt",
+                    "who is the captain", "--max-tokens", "6")  # fmt: skip
+    assert data["answer"].strip() == answer  # same greedy answer, inside the JSON
+
+
+def test_stdin_and_absolute_positions(tiny_model_dir, text_file):
+    text = text_file.read_text()
+    from_stdin = run_json("-", "-m", str(tiny_model_dir), *BASE, input=text)
+    from_file = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE)
+    assert from_stdin["perplexity"] == pytest.approx(from_file["perplexity"], rel=1e-6)
+    absolute = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, "--positions",
+                        "absolute", "--chunk", "16", "--dtype", "float32")  # fmt: skip
+    assert absolute["positions"] == "absolute" and math.isfinite(absolute["perplexity"])
+    assert absolute["perplexity"] != from_file["perplexity"]  # positions do matter
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: p / "missing.txt", ["no such file"]),
+        (lambda p: p, ["is a directory"]),
+        (lambda p: (p / "empty.txt", (p / "empty.txt").write_text(""))[0], ["empty"]),
+        (lambda p: (p / "bin", (p / "bin").write_bytes(b"\x7fELF\x00\x00"))[0], ["binary"]),
+        (
+            lambda p: (p / "l1.txt", (p / "l1.txt").write_bytes("caf\xe9\n".encode("latin-1")))[0],
+            ["not UTF-8"],
+        ),  # fmt: skip
+    ],
+)
+def test_bad_input_files(tiny_model_dir, tmp_path, make, words):
+    path = make(tmp_path)
+    assert_one_line_error(run(str(path), "-m", str(tiny_model_dir)), 2, str(path), *words)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--window", "0"], ["--window"]),
+        (["--sinks", "-1"], ["--sinks"]),
+        (["--chunk", "0"], ["--chunk"]),
+        (["--positions", "relative"], ["--positions"]),
+        (["-m", "no-such-model"], ["no-such-model"]),
+        (["--csv", "/nonexistent-dir/x.csv"], ["/nonexistent-dir"]),
+        (["--checkpoint", "ckpt.bin"], ["--checkpoint", ".safetensors"]),
+    ],
+)
+def test_bad_options(tiny_model_dir, text_file, args, words):
+    model = [] if "-m" in args else ["-m", str(tiny_model_dir)]
+    assert_one_line_error(run(str(text_file), *model, *args), 2, *words)
+
+
+def test_resume_from_missing_or_foreign_file(tiny_model_dir, text_file, tmp_path):
+    args = [str(text_file), "-m", str(tiny_model_dir), *BASE]
+    missing = tmp_path / "none.safetensors"
+    assert_one_line_error(run(*args, "--resume", str(missing)), 2, "no such checkpoint")
+    foreign = tmp_path / "junk.safetensors"
+    foreign.write_bytes(b"junk")
+    assert_one_line_error(run(*args, "--resume", str(foreign)), 2, "not a stream-run checkpoint")
+    ckpt = tmp_path / "ok.safetensors"
+    run_json(*args, "--limit-tokens", "100", "--checkpoint", str(ckpt))
+    result = run(*args, "--segment", "50", "--resume", str(ckpt))
+    assert_one_line_error(result, 2, "--segment 100")
+
+
+def test_unwritable_csv_leaves_nothing_behind(tiny_model_dir, text_file, tmp_path):
+    if __import__("os").geteuid() == 0:
+        pytest.skip("root can write anywhere")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    result = run(str(text_file), "-m", str(tiny_model_dir), "--csv", str(locked / "x.csv"))
+    assert_one_line_error(result, 2, "not writable")
+
+
+# ------------------------------------------------------------------------ real model
+
+
+@pytest.mark.real_model
+def test_real_model_alice_perplexity_is_finite(real_model_path):
+    """2,000 tokens of Alice in Wonderland through the real command (a subprocess, so
+    MLX gets the optimized BLAS preloaded)."""
+    alice = DATA / "alice_in_wonderland.txt"
+    if not alice.is_file():
+        pytest.skip(f"{alice} is missing")
+    proc = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", "stream-run", str(alice),
+         "-m", str(real_model_path), "--window", "256", "--limit-tokens", "2000",
+         "--segment", "500", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["tokens"] == 1999
+    assert math.isfinite(data["perplexity"]) and 1 < data["perplexity"] < 200
+    assert len(data["segments"]) == 4
