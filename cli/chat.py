@@ -312,15 +312,20 @@ class ChatSession:
         }
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
-        """Save the KV cache and the transcript (both atomically)."""
+        """Save the KV cache and the transcript (each file atomically); with a draft
+        model its cache goes to ``PATH.draft.safetensors``."""
         from mlx_stream.cache import save_cache
 
         cache_path, transcript_path = checkpoint_paths(path)
+        draft_path = draft_cache_path(cache_path)
         for p in (cache_path, transcript_path):
             check_output_path(p)
         state = self.state()
         with atomic_path(cache_path) as tmp:
-            save_cache(tmp, self.caches, {STATE_KEY: json.dumps(state)})
+            save_cache(tmp, self.caches[: self.n_target], {STATE_KEY: json.dumps(state)})
+        if self.draft_model is not None:
+            with atomic_path(draft_path) as tmp:
+                save_cache(tmp, self.caches[self.n_target :])
         atomic_write_text(transcript_path, json.dumps(state, indent=2, ensure_ascii=False) + "\n")
         return cache_path, transcript_path
 
@@ -329,16 +334,22 @@ class ChatSession:
         from mlx_stream.cache import load_cache
 
         cache_path, _ = checkpoint_paths(path)
+        draft_path = draft_cache_path(cache_path)
         if not cache_path.is_file():
             fail(f"{cache_path}: no such file")
+        if self.draft_model is not None and not draft_path.is_file():
+            fail(f"{cache_path}: saved without a draft model (no {draft_path.name})")
         try:
             caches, meta = load_cache(cache_path, self.model)
             state = json.loads(meta[STATE_KEY])
+            if self.draft_model is not None:
+                caches += load_cache(draft_path, self.draft_model)[0]
         except (ValueError, KeyError, OSError, RuntimeError) as exc:
             fail(f"{cache_path}: not a chat saved with /save ({exc})")
-        expected = self.n_target + (len(self.caches) - self.n_target)
-        if len(caches) != expected:
-            fail(f"{cache_path}: saved for a model with {len(caches)} cache layers, not {expected}")
+        if len(caches) != len(self.caches):
+            fail(
+                f"{cache_path}: saved for another model ({len(caches)} cache layers, not {len(self.caches)})"
+            )
         self.caches = caches
         self.system = state["system"]
         self.messages = state["messages"]
@@ -348,6 +359,11 @@ class ChatSession:
         self.settings.window = state["window"]
         self.last = None
         return cache_path
+
+
+def draft_cache_path(cache_path: Path) -> Path:
+    """Where ``/save`` puts the draft model's cache: ``PATH.draft.safetensors``."""
+    return cache_path.with_name(cache_path.name.removesuffix(".safetensors") + ".draft.safetensors")
 
 
 def checkpoint_paths(path: str | Path) -> tuple[Path, Path]:

@@ -8,6 +8,7 @@ question of whatever the window still holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -132,19 +133,15 @@ def make_progress(console: Any):
         BarColumn,
         MofNCompleteColumn,
         Progress,
-        TaskProgressColumn,
         TextColumn,
-        TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
     return Progress(
-        TextColumn("[bold]streaming"),
-        BarColumn(),
-        TaskProgressColumn(),
+        TextColumn("[bold]stream-run"),
+        BarColumn(bar_width=20),
         MofNCompleteColumn(),
-        TextColumn("tokens · {task.fields[tps]:.0f} tok/s · ppl {task.fields[ppl]:.2f}"),
-        TimeElapsedColumn(),
+        TextColumn("tokens · {task.fields[tps]} tok/s · ppl {task.fields[ppl]} · eta"),
         TimeRemainingColumn(),
         console=console,
         transient=True,
@@ -164,7 +161,6 @@ def evaluate(
     limit_tokens: int | None,
     checkpoint: Path | None,
     resume: bool,
-    show_progress: bool,
 ):
     """Run ``evaluate.stream_perplexity`` under a progress bar.
 
@@ -180,7 +176,7 @@ def evaluate(
     caches = None if resume else make_sink_cache(model, sinks, window, positions=positions)
     console = stderr_console()
     progress = make_progress(console)
-    task = progress.add_task("stream", total=limit_tokens, tps=0.0, ppl=float("nan"))
+    task = progress.add_task("stream", total=limit_tokens, tps="-", ppl="-")
     tic = time.perf_counter()
     first: list[int] = []
 
@@ -194,11 +190,12 @@ def evaluate(
             total = min(total or estimate, max(estimate, position))
         elapsed = time.perf_counter() - tic
         progress.update(
-            task, completed=position, total=total, ppl=perplexity,
-            tps=(position - first[0]) / elapsed if elapsed > 0 else 0.0,
+            task, completed=position, total=total, ppl=fmt_ppl(perplexity),
+            tps=f"{(position - first[0]) / elapsed:.0f}" if elapsed > 0 else "-",
         )  # fmt: skip
 
-    with progress if show_progress else _nothing():
+    # Only a terminal gets the live bar; a log file or a pipe stays clean.
+    with progress if console.is_terminal else contextlib.nullcontext():
         result = stream_perplexity(
             model, tokens, sinks=sinks, window=window, chunk=chunk, positions=positions,
             prompt_cache=caches, callback=callback, segment=segment,
@@ -207,14 +204,6 @@ def evaluate(
     if checkpoint is not None:
         caches, _ = load_cache(checkpoint, model)
     return result, caches
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def answer(
@@ -336,7 +325,7 @@ def stream_run(
         tokens = Tracked(iter_tokens(reader, tokenizer))
         result, caches = evaluate(
             target, tokens, reader, size, sinks, window, chunk, positions, segment,
-            limit_tokens, checkpoint, resume is not None, show_progress=True,
+            limit_tokens, checkpoint, resume is not None,
         )  # fmt: skip
     finally:
         if f is not sys.stdin:

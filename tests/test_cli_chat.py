@@ -177,6 +177,20 @@ def test_save_then_load_restores_the_conversation(tiny, tmp_path):
     assert "turns          3" in second.stdout
 
 
+def test_save_and_load_with_a_draft_model(tiny, tmp_path):
+    from tests import tiny as tiny_mod
+
+    draft = tiny_mod.save_model_folder(tmp_path / "draft", seed=1)
+    args = ["--max-tokens", "6", "--draft-model", str(draft)]
+    whole = chat(*args, input="hello\nthe sea\n")
+    first = chat(*args, input=f"hello\n/save {tmp_path / 'talk'}\n")
+    assert first.exit_code == 0, first.stderr
+    assert (tmp_path / "talk.draft.safetensors").is_file()
+    second = chat(*args, input=f"/load {tmp_path / 'talk'}\nthe sea\n")
+    assert second.exit_code == 0, second.stderr
+    assert replies(second)[1] == replies(whole)[1]
+
+
 def test_load_of_a_missing_or_foreign_file_is_one_line(tiny, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
     result = chat(input=f"/load {tmp_path / 'nope'}\n/load {tmp_path / 'junk'}\n/save\n")

@@ -117,7 +117,9 @@ def test_plot_without_matplotlib_is_one_line(tiny_model_dir, tmp_path, monkeypat
 def test_prompt_from_a_file(tiny_model_dir, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the old man and the sea\n")
-    data = profile_json("-m", str(tiny_model_dir), "--file", str(prompt), "--tokens", "20")
+    data = profile_json(
+        "-m", str(tiny_model_dir), "--file", str(prompt), "--tokens", "20", "--dtype", "float32"
+    )
     other = profile_json("-m", str(tiny_model_dir), "--prompt", "the old man and the sea\n",
                          "--tokens", "20")  # fmt: skip
     assert data["tokens"] == other["tokens"] == 20

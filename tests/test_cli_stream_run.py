@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -176,14 +177,20 @@ def test_resume_from_missing_or_foreign_file(tiny_model_dir, text_file, tmp_path
     assert_one_line_error(result, 2, "--segment 100")
 
 
-def test_unwritable_csv_leaves_nothing_behind(tiny_model_dir, text_file, tmp_path):
-    if __import__("os").geteuid() == 0:
-        pytest.skip("root can write anywhere")
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    result = run(str(text_file), "-m", str(tiny_model_dir), "--csv", str(locked / "x.csv"))
-    assert_one_line_error(result, 2, "not writable")
+def test_unwritable_output_paths(tiny_model_dir, text_file, tmp_path):
+    args = [str(text_file), "-m", str(tiny_model_dir)]
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert_one_line_error(run(*args, "--csv", str(not_a_dir / "x.csv")), 2, "not a directory")
+    assert_one_line_error(run(*args, "--csv", str(tmp_path)), 2, "is a directory")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        assert_one_line_error(run(*args, "--csv", str(locked / "x.csv")), 2, "not writable")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + (
+        [] if os.geteuid() == 0 else ["locked"]
+    )
 
 
 # ------------------------------------------------------------------------ real model
