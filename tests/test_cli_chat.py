@@ -264,6 +264,22 @@ def test_each_turn_feeds_only_what_is_new(loaded):
     assert session.fed_text == session.render(messages[:-1]) + messages[-1]["content"]
 
 
+def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
+    """The engine feeds the eos it sampled; the chat trims it so the template's own
+    end-of-turn text is what the next turn feeds (no doubled end-of-turn token)."""
+    from cli.chat import cache_count
+
+    session = make_session(loaded, sinks=4, window=64)
+    session.settings.max_tokens = 2000
+    first = session.reply("hello there", lambda s: None)
+    assert first.finish_reason == "stop" and first.tokens < 2000
+    session.settings.max_tokens = 4
+    session.reply("the sea", lambda s: None)
+    assert cache_count(session.caches) + len(session.pending) == len(
+        session.encode(session.fed_text)
+    )
+
+
 def test_ctrl_c_mid_reply_keeps_the_partial_reply(loaded):
     from cli.chat import cache_count
 
