@@ -14,7 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 
@@ -33,15 +33,9 @@ def _user_error_class() -> type[Exception]:
     return UserError
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Raise the engine's one-line user error (exit 2) with ``message``."""
     raise _user_error_class()(message)
-
-
-def require(condition: bool, message: str) -> None:
-    """``fail(message)`` unless ``condition`` holds."""
-    if not condition:
-        fail(message)
 
 
 def error_line(message: str) -> None:
@@ -311,11 +305,6 @@ def sizes(spec, sinks: int | None, window: int | None) -> tuple[int, int]:
     if window is None:
         window = spec.window if spec is not None else DEFAULT_WINDOW
     return sinks, window
-
-
-def mb(nbytes: float | None) -> float | None:
-    """Bytes to megabytes (None stays None)."""
-    return None if nbytes is None else nbytes / 1e6
 
 
 def is_interactive(stream=None) -> bool:
