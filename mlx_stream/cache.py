@@ -538,7 +538,10 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
     Returns:
         tuple: ``(caches, metadata)``.
     """
-    arrays, header = mx.load(str(path), return_metadata=True)
+    try:
+        arrays, header = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable cache file ({e})") from e
     if "mlx_stream" not in header:
         raise ValueError(f"{path} is not an mlx-stream cache file")
     layers = json.loads(header.pop("mlx_stream"))["layers"]

@@ -251,8 +251,8 @@ def test_save_load_round_trip_continues_identically(tmp_path, tiny_gemma3):
     model = tiny_gemma3
     cache = make_sink_cache(model, sinks=S, window=W, slack=16, stride=16)
     feed(model, cache, TOKENS[:150], 16)
-    save_cache(tmp_path / "ckpt.safetensors", cache, {"note": "mid-stream"})
-    loaded, meta = load_cache(tmp_path / "ckpt.safetensors", model)
+    save_cache(tmp_path / "ckpt.bin", cache, {"note": "mid-stream"})  # any file name
+    loaded, meta = load_cache(tmp_path / "ckpt.bin", model)
     assert meta["note"] == "mid-stream"
     assert [type(c) for c in loaded] == [type(c) for c in cache]
 
@@ -312,3 +312,13 @@ def test_mlx_lm_speculative_runs_past_wraps(tiny_llama, tiny_draft):
     assert target[0].tokens_seen == len(prompt) + n - 1
     assert target[0].tokens_seen > target[0].capacity  # wrapped several times
     assert all(c.tokens_seen == target[0].tokens_seen for c in target)
+
+
+def test_load_cache_refuses_other_files(tmp_path, tiny_llama):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a cache at all")
+    with pytest.raises(ValueError, match="not a readable cache file"):
+        load_cache(garbage, tiny_llama)
+    mx.save_safetensors(str(tmp_path / "other.safetensors"), {"x": mx.zeros(2)})
+    with pytest.raises(ValueError, match="not an mlx-stream cache file"):
+        load_cache(tmp_path / "other.safetensors", tiny_llama)
