@@ -22,6 +22,7 @@ from cli import options as opt
 from cli.common import (
     atomic_path,
     atomic_write_text,
+    check_kv_bits,
     check_output_path,
     check_positive,
     check_sampling,
@@ -58,6 +59,8 @@ class Settings:
     temp: float = 0.0
     top_p: float = 1.0
     num_draft_tokens: int = opt.DEFAULT_NUM_DRAFT_TOKENS
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 @dataclass
@@ -167,12 +170,11 @@ class ChatSession:
         s = self.settings
         # Slack must cover a speculative verify block and its rollback.
         slack = max(s.num_draft_tokens + 1, DEFAULT_SLACK)
-        caches = make_sink_cache(self.model, sinks=self.sinks, window=s.window, slack=slack)
+        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size}
+        caches = make_sink_cache(self.model, self.sinks, s.window, slack, **kv)
         self.n_target = len(caches)
         if self.draft_model is not None:
-            caches += make_sink_cache(
-                self.draft_model, sinks=self.sinks, window=s.window, slack=slack
-            )
+            caches += make_sink_cache(self.draft_model, self.sinks, s.window, slack, **kv)
         return caches
 
     def generate(self, tokens: list[int]) -> Iterator[Any]:
@@ -506,6 +508,8 @@ def chat(
     draft_model: opt.DraftModel = None,
     num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
     dtype: opt.Dtype = "auto",
+    kv_bits: opt.KvBits = None,
+    kv_group_size: opt.KvGroupSize = 64,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -518,6 +522,7 @@ def chat(
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
+    check_kv_bits(kv_bits, kv_group_size)
     interactive = is_interactive()
     from rich.console import Console
 
@@ -537,6 +542,8 @@ def chat(
         temp=temp,
         top_p=top_p,
         num_draft_tokens=num_draft_tokens,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
     )
     session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
     if interactive:

@@ -57,6 +57,17 @@ NumDraftTokens = Annotated[
     int,
     typer.Option("--num-draft-tokens", help="Tokens drafted per speculative round."),
 ]
+KvBits = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-bits",
+        help="Store the KV cache quantized to 4 or 8 bits (sinks keep a full-precision copy).",
+    ),
+]
+KvGroupSize = Annotated[
+    int,
+    typer.Option("--kv-group-size", help="Quantization group size for --kv-bits: 32, 64, 128."),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 Csv = Annotated[Path | None, typer.Option("--csv", help="Write per-row CSV here (atomic).")]
 Prompt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text.")]

@@ -26,6 +26,7 @@ from cli.common import (
     atomic_path,
     atomic_write_csv,
     check_choice,
+    check_kv_bits,
     check_output_path,
     check_positive,
     check_text_file,
@@ -65,7 +66,7 @@ def settings_for(cache: str, schedule: str, draft: bool, compare: bool) -> list[
     return [Setting(c, schedule, False) for c in CACHES]
 
 
-def make_caches(model: Any, kind: str, sinks: int, window: int) -> list:
+def make_caches(model: Any, kind: str, sinks: int, window: int, kv: dict | None = None) -> list:
     """A prompt cache of ``kind``: our SinkCache, mlx-lm's growing KVCache, or mlx-lm's
     ``RotatingKVCache(max_size=sinks + window, keep=sinks)`` built per layer (mlx-lm's
     ``max_kv_size`` is ignored by models that define ``make_cache``)."""
@@ -74,7 +75,7 @@ def make_caches(model: Any, kind: str, sinks: int, window: int) -> list:
     if kind == "sink":
         from mlx_stream.cache import make_sink_cache
 
-        return make_sink_cache(model, sinks=sinks, window=window)
+        return make_sink_cache(model, sinks=sinks, window=window, **(kv or {}))
     if kind == "full":
         return mlx_cache.make_prompt_cache(model)
     return [
@@ -105,6 +106,7 @@ def run_setting(
     window: int,
     every: int,
     num_draft_tokens: int,
+    kv: dict | None = None,
 ) -> list[dict[str, Any]]:
     """Decode ``tokens`` tokens under ``setting``; one row per yielded token."""
     import mlx.core as mx
@@ -112,9 +114,9 @@ def run_setting(
     from mlx_stream.decode import stream_generate
     from mlx_stream.reclaim import ReclaimSchedule, memory_snapshot
 
-    caches = make_caches(model, setting.cache, sinks, window)
+    caches = make_caches(model, setting.cache, sinks, window, kv)
     if setting.draft:
-        caches += make_caches(draft_model, setting.cache, sinks, window)
+        caches += make_caches(draft_model, setting.cache, sinks, window, kv)
     schedule = ReclaimSchedule(every, setting.schedule)
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -308,6 +310,8 @@ def profile(
     csv: opt.Csv = None,
     plot: opt.Plot = None,
     dtype: opt.Dtype = "auto",
+    kv_bits: opt.KvBits = None,
+    kv_group_size: opt.KvGroupSize = 64,
 ) -> None:
     """Profile memory and latency per decoded token.
 
@@ -322,6 +326,9 @@ def profile(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_choice(cache, "--cache", CACHES)
     check_choice(schedule, "--schedule", SCHEDULES)
+    check_kv_bits(kv_bits, kv_group_size)
+    if kv_bits is not None and (cache != "sink" or (compare and not draft_model)):
+        fail("--kv-bits quantizes the sink cache: use it with --cache sink, without --compare")
     text = read_prompt(prompt, file)
     for path in (csv, plot):
         if path is not None:
@@ -337,7 +344,7 @@ def profile(
     for setting in settings_for(cache, schedule, draft is not None, compare):
         rows = run_setting(
             setting, target, tokenizer, draft, prompt_tokens, tokens, sinks, window, every,
-            num_draft_tokens,
+            num_draft_tokens, {"kv_bits": kv_bits, "kv_group_size": kv_group_size},
         )  # fmt: skip
         runs[setting.name] = rows
         summaries.append(summarize(setting, rows, sinks, window))

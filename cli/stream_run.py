@@ -23,6 +23,7 @@ from cli.common import (
     atomic_path,
     atomic_write_csv,
     check_choice,
+    check_kv_bits,
     check_output_path,
     check_positive,
     check_text_file,
@@ -161,6 +162,7 @@ def evaluate(
     limit_tokens: int | None,
     checkpoint: Path | None,
     resume: bool,
+    kv: dict,
 ):
     """Run ``evaluate.stream_perplexity`` under a progress bar.
 
@@ -173,7 +175,9 @@ def evaluate(
     from mlx_stream.cache import load_cache, make_sink_cache
     from mlx_stream.evaluate import stream_perplexity
 
-    caches = None if resume else make_sink_cache(model, sinks, window, positions=positions)
+    caches = None
+    if not resume:
+        caches = make_sink_cache(model, sinks, window, positions=positions, **kv)
     console = stderr_console()
     progress = make_progress(console)
     task = progress.add_task("stream", total=limit_tokens, tps="-", ppl="-")
@@ -294,6 +298,8 @@ def stream_run(
     checkpoint: opt.Checkpoint = None,
     resume: opt.Resume = None,
     dtype: opt.Dtype = "auto",
+    kv_bits: opt.KvBits = None,
+    kv_group_size: opt.KvGroupSize = 64,
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
@@ -307,6 +313,7 @@ def stream_run(
     check_positive(limit_tokens, "--limit-tokens", 2)
     check_positive(max_tokens, "--max-tokens")
     check_choice(positions, "--positions", POSITIONS)
+    check_kv_bits(kv_bits, kv_group_size)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
     if csv is not None:
@@ -326,6 +333,7 @@ def stream_run(
         result, caches = evaluate(
             target, tokens, reader, size, sinks, window, chunk, positions, segment,
             limit_tokens, checkpoint, resume is not None,
+            {"kv_bits": kv_bits, "kv_group_size": kv_group_size},
         )  # fmt: skip
     finally:
         if f is not sys.stdin:

@@ -254,6 +254,13 @@ class SinkCache(mlx_cache._BaseCache):
                 "or feed smaller chunks"
             )
         if self.keys is None:
+            if self.quantized and (
+                head_dim % self.group_size or values.shape[-1] % self.group_size
+            ):
+                raise ValueError(
+                    f"kv_group_size {self.group_size} does not divide the head dimension "
+                    f"{head_dim}; use a group size that does"
+                )
             self.keys = self._zeros(B, n_kv_heads, head_dim, keys.dtype)
             self.values = self._zeros(B, n_kv_heads, values.shape[-1], values.dtype)
             if self.sinks > 0 and self.positions == "cache":

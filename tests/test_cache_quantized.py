@@ -120,3 +120,9 @@ def test_bad_bits_are_refused(model):
         make_sink_cache(model, kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size must be"):
         make_sink_cache(model, kv_bits=4, kv_group_size=48)
+
+
+def test_group_size_must_divide_head_dim(tiny_llama):
+    cache = make_sink_cache(tiny_llama, kv_bits=8, kv_group_size=32)  # head_dim 16
+    with pytest.raises(ValueError, match="does not divide the head dimension 16"):
+        tiny_llama(mx.array([TOKENS[:4]]), cache=cache)

@@ -1,0 +1,76 @@
+"""--kv-bits / --kv-group-size on chat, stream-run and profile (tiny model, head_dim 32)."""
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests import tiny
+
+runner = CliRunner()
+SIZES = ["--sinks", "4", "--window", "32"]
+KV = ["--kv-bits", "4", "--kv-group-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kv") / "tiny-hd32"
+    return str(tiny.save_model_folder(folder, num_attention_heads=2, num_key_value_heads=1))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    words = (tiny.VOCAB_WORDS * 8)[:300]
+    path = tmp_path_factory.mktemp("kvtext") / "t.txt"
+    path.write_text(" ".join(words) + "\n")
+    return str(path)
+
+
+def test_stream_run_quantized_cache(model_dir, text_file):
+    floats = runner.invoke(app, ["stream-run", text_file, "-m", model_dir, *SIZES, "--json"])
+    quant = runner.invoke(app, ["stream-run", text_file, "-m", model_dir, *SIZES, *KV, "--json"])
+    assert floats.exit_code == 0 and quant.exit_code == 0, quant.stderr
+    a, b = json.loads(floats.stdout), json.loads(quant.stdout)
+    assert a["tokens"] == b["tokens"] and math.isfinite(b["perplexity"])
+    assert b["perplexity"] != a["perplexity"]  # the cache really was quantized
+
+
+def test_profile_quantized_cache_is_smaller(model_dir):
+    args = ["profile", "-m", model_dir, *SIZES, "--tokens", "60", "--json"]
+    floats = json.loads(runner.invoke(app, args).stdout)
+    quant = runner.invoke(app, [*args, *KV])
+    assert quant.exit_code == 0, quant.stderr
+    assert json.loads(quant.stdout)["kv_cache_mb"]["end"] < floats["kv_cache_mb"]["end"] / 3
+
+
+def test_chat_quantized_cache_replies(model_dir):
+    result = runner.invoke(
+        app,
+        ["chat", "-m", model_dir, *SIZES, *KV, "--max-tokens", "8"],
+        input="hi there\nthe sea\n",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [(["--kv-bits", "3"], "--kv-bits must be 4 or 8"),
+     (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size must be")],
+)  # fmt: skip
+def test_bad_kv_bits_is_one_line(model_dir, args, words):
+    result = runner.invoke(app, ["profile", "-m", model_dir, *args])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert words in result.stderr
+
+
+def test_group_size_not_dividing_head_dim_is_one_line(tiny_model_dir, text_file):
+    result = runner.invoke(
+        app, ["stream-run", text_file, "-m", str(tiny_model_dir), *SIZES, *KV]
+    )  # head_dim 16
+    assert result.exit_code != 0
+    assert "does not divide the head dimension" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
