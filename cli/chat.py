@@ -61,6 +61,7 @@ class Settings:
     num_draft_tokens: int = opt.DEFAULT_NUM_DRAFT_TOKENS
     kv_bits: int | None = None
     kv_group_size: int = 64
+    kv_key_bits: int | None = None
 
 
 @dataclass
@@ -170,7 +171,7 @@ class ChatSession:
         s = self.settings
         # Slack must cover a speculative verify block and its rollback.
         slack = max(s.num_draft_tokens + 1, DEFAULT_SLACK)
-        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size}
+        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
         caches = make_sink_cache(self.model, self.sinks, s.window, slack, **kv)
         self.n_target = len(caches)
         if self.draft_model is not None:
@@ -510,6 +511,7 @@ def chat(
     dtype: opt.Dtype = "auto",
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
+    kv_key_bits: opt.KvKeyBits = None,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -522,7 +524,7 @@ def chat(
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
-    check_kv_bits(kv_bits, kv_group_size)
+    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     interactive = is_interactive()
     from rich.console import Console
 
@@ -544,6 +546,7 @@ def chat(
         num_draft_tokens=num_draft_tokens,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
+        kv_key_bits=kv_key_bits,
     )
     session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
     if interactive:

@@ -112,10 +112,12 @@ def check_choice(value: str, flag: str, choices: tuple[str, ...]) -> None:
         fail(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
 
 
-def check_kv_bits(kv_bits: int | None, kv_group_size: int) -> None:
+def check_kv_bits(kv_bits: int | None, kv_group_size: int, key_bits: int | None = None) -> None:
     """One-line error for a cache quantization the SinkCache cannot store."""
     if kv_bits is not None and kv_bits not in (4, 8):
         fail(f"--kv-bits must be 4 or 8 (got {kv_bits})")
+    if key_bits is not None and (kv_bits is None or key_bits not in (4, 8)):
+        fail(f"--kv-key-bits must be 4 or 8, with --kv-bits (got {key_bits})")
     if kv_group_size not in (32, 64, 128):
         fail(f"--kv-group-size must be 32, 64 or 128 (got {kv_group_size})")
 

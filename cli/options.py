@@ -64,6 +64,13 @@ KvBits = Annotated[
         help="Store the KV cache quantized to 4 or 8 bits (sinks keep a full-precision copy).",
     ),
 ]
+KvKeyBits = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-key-bits",
+        help="Bits for the keys when they differ from --kv-bits (8 keeps 4-bit values accurate).",
+    ),
+]
 KvGroupSize = Annotated[
     int,
     typer.Option("--kv-group-size", help="Quantization group size for --kv-bits: 32, 64, 128."),

@@ -312,6 +312,7 @@ def profile(
     dtype: opt.Dtype = "auto",
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
+    kv_key_bits: opt.KvKeyBits = None,
 ) -> None:
     """Profile memory and latency per decoded token.
 
@@ -326,7 +327,7 @@ def profile(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_choice(cache, "--cache", CACHES)
     check_choice(schedule, "--schedule", SCHEDULES)
-    check_kv_bits(kv_bits, kv_group_size)
+    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     if kv_bits is not None and (cache != "sink" or (compare and not draft_model)):
         fail("--kv-bits quantizes the sink cache: use it with --cache sink, without --compare")
     text = read_prompt(prompt, file)
@@ -344,7 +345,8 @@ def profile(
     for setting in settings_for(cache, schedule, draft is not None, compare):
         rows = run_setting(
             setting, target, tokenizer, draft, prompt_tokens, tokens, sinks, window, every,
-            num_draft_tokens, {"kv_bits": kv_bits, "kv_group_size": kv_group_size},
+            num_draft_tokens,
+            {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits},
         )  # fmt: skip
         runs[setting.name] = rows
         summaries.append(summarize(setting, rows, sinks, window))

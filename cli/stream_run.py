@@ -300,6 +300,7 @@ def stream_run(
     dtype: opt.Dtype = "auto",
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
+    kv_key_bits: opt.KvKeyBits = None,
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
@@ -313,7 +314,7 @@ def stream_run(
     check_positive(limit_tokens, "--limit-tokens", 2)
     check_positive(max_tokens, "--max-tokens")
     check_choice(positions, "--positions", POSITIONS)
-    check_kv_bits(kv_bits, kv_group_size)
+    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
     if csv is not None:
@@ -333,7 +334,7 @@ def stream_run(
         result, caches = evaluate(
             target, tokens, reader, size, sinks, window, chunk, positions, segment,
             limit_tokens, checkpoint, resume is not None,
-            {"kv_bits": kv_bits, "kv_group_size": kv_group_size},
+            {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits},
         )  # fmt: skip
     finally:
         if f is not sys.stdin:

@@ -61,6 +61,10 @@ class SinkCache(mlx_cache._BaseCache):
             re-derived from a full-precision copy whenever they move. Default: ``None``.
         kv_group_size (int): Quantization group size (32, 64 or 128; divides the
             head dimension). Default: ``64``.
+        key_bits (int, optional): Bits for the keys when they differ from ``kv_bits``
+            (keys carry most of the quantization error: 8-bit keys with 4-bit values
+            cost little perplexity). Attention then runs on dequantized float keys and
+            values. Default: ``kv_bits``.
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class SinkCache(mlx_cache._BaseCache):
         positions: str = "cache",
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        key_bits: int | None = None,
     ):
-        validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size)
+        key_bits = kv_bits if key_bits is None else key_bits
+        validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
         self.sinks, self.window, self.slack, self.stride = sinks, window, slack, stride
         self.positions = positions
         self.rope = rope
@@ -90,8 +96,10 @@ class SinkCache(mlx_cache._BaseCache):
         self._layout_applied = (0, 0)  # (base, sink_start) the stored keys are in
         self._mscale = None
         self.kv_group_size = kv_group_size
-        if kv_bits is not None:
-            # Only a quantized cache has ``bits``: mlx-lm routes on hasattr(cache, "bits").
+        self.key_bits, self.value_bits = key_bits, kv_bits
+        if kv_bits is not None and key_bits == kv_bits:
+            # Only a cache that returns quantized tuples has ``bits``: mlx-lm routes
+            # attention to its quantized kernel on hasattr(cache, "bits").
             self.bits, self.group_size = kv_bits, kv_group_size
 
     # ----- positions ---------------------------------------------------------------
@@ -155,27 +163,29 @@ class SinkCache(mlx_cache._BaseCache):
         if S > 0 and sink_start - base != old_sink_start - old_base:
             # Re-derived from the full-precision first-written copy: moves never
             # accumulate rounding or quantization error.
-            self._set(self.keys, 0, S, self._pack(self._shift(self.sink_keys, sink_start - base)))
+            moved = self._shift(self.sink_keys, sink_start - base)
+            self._set(self.keys, 0, S, self._pack(moved, self.key_bits))
         self._layout_applied = (base, sink_start)
 
     # ----- storage (float arrays, or (packed, scales, biases) tuples) ---------------
 
     @property
     def quantized(self) -> bool:
-        return hasattr(self, "bits")
+        """Whether keys or values are stored quantized."""
+        return self.value_bits is not None
 
-    def _pack(self, x: mx.array):
-        if not self.quantized:
+    def _pack(self, x: mx.array, bits: int | None):
+        if bits is None:
             return x
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+        return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=bits))
 
-    def _unpack(self, x):
-        if not self.quantized:
+    def _unpack(self, x, bits: int | None):
+        if bits is None:
             return x
-        return mx.dequantize(*x, group_size=self.group_size, bits=self.bits)
+        return mx.dequantize(*x, group_size=self.kv_group_size, bits=bits)
 
-    def _zeros(self, B: int, H: int, D: int, dtype):
-        return self._pack(mx.zeros((B, H, self.capacity, D), dtype))
+    def _zeros(self, B: int, H: int, D: int, dtype, bits: int | None):
+        return self._pack(mx.zeros((B, H, self.capacity, D), dtype), bits)
 
     @staticmethod
     def _get(buf, start: int, stop: int):
@@ -194,7 +204,8 @@ class SinkCache(mlx_cache._BaseCache):
 
     def _moved(self, buf, start: int, stop: int, d: int):
         """Keys of slots ``start:stop`` moved by ``d`` positions, in storage form."""
-        return self._pack(self._shift(self._unpack(self._get(buf, start, stop)), d))
+        bits = self.key_bits
+        return self._pack(self._shift(self._unpack(self._get(buf, start, stop), bits), d), bits)
 
     # ----- slots -------------------------------------------------------------------
 
@@ -255,18 +266,21 @@ class SinkCache(mlx_cache._BaseCache):
             )
         if self.keys is None:
             if self.quantized and (
-                head_dim % self.group_size or values.shape[-1] % self.group_size
+                head_dim % self.kv_group_size or values.shape[-1] % self.kv_group_size
             ):
                 raise ValueError(
-                    f"kv_group_size {self.group_size} does not divide the head dimension "
+                    f"kv_group_size {self.kv_group_size} does not divide the head dimension "
                     f"{head_dim}; use a group size that does"
                 )
-            self.keys = self._zeros(B, n_kv_heads, head_dim, keys.dtype)
-            self.values = self._zeros(B, n_kv_heads, values.shape[-1], values.dtype)
+            self.keys = self._zeros(B, n_kv_heads, head_dim, keys.dtype, self.key_bits)
+            self.values = self._zeros(
+                B, n_kv_heads, values.shape[-1], values.dtype, self.value_bits
+            )
             if self.sinks > 0 and self.positions == "cache":
                 self.sink_keys = mx.zeros((B, n_kv_heads, self.sinks, head_dim), keys.dtype)
         self._apply_layout(n)
-        packed_keys, packed_values = self._pack(keys), self._pack(values)
+        packed_keys = self._pack(keys, self.key_bits)
+        packed_values = self._pack(values, self.value_bits)
         for slot, i, length in self._runs(n, N):
             self._set(self.keys, slot, slot + length, packed_keys, i)
             self._set(self.values, slot, slot + length, packed_values, i)
@@ -277,9 +291,11 @@ class SinkCache(mlx_cache._BaseCache):
         self.tokens_seen += N
         self._filled = max(self._filled, min(self.capacity, self.tokens_seen))
         L = self.tokens_seen if in_order else self._filled
-        if L == self.capacity:
-            return self.keys, self.values
-        return self._get(self.keys, 0, L), self._get(self.values, 0, L)
+        keys, values = self._get(self.keys, 0, L), self._get(self.values, 0, L)
+        if self.quantized and not hasattr(self, "bits"):
+            # Mixed key/value bits: attention runs on dequantized floats.
+            return self._unpack(keys, self.key_bits), self._unpack(values, self.value_bits)
+        return keys, values
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """The mask for the next ``N`` tokens, describing the buffer after they are
@@ -338,8 +354,8 @@ class SinkCache(mlx_cache._BaseCache):
     @state.setter
     def state(self, v):
         v = list(v)
-        as_stored = tuple if self.quantized else (lambda x: x)
-        self.keys, self.values = as_stored(v[0]), as_stored(v[1])
+        self.keys = tuple(v[0]) if self.key_bits else v[0]
+        self.values = tuple(v[1]) if self.value_bits else v[1]
         self.sink_keys = v[2] if len(v) > 2 else None
 
     @property
@@ -354,8 +370,9 @@ class SinkCache(mlx_cache._BaseCache):
             "filled": self._filled,
             "layout_applied": list(self._layout_applied),
             "slots": self._slots.tolist(),
-            "kv_bits": getattr(self, "bits", None),
+            "kv_bits": self.value_bits,
             "kv_group_size": self.kv_group_size,
+            "key_bits": self.key_bits,
         }
 
     @meta_state.setter
@@ -369,6 +386,7 @@ class SinkCache(mlx_cache._BaseCache):
             meta["positions"],
             meta.get("kv_bits"),
             meta.get("kv_group_size", 64),
+            meta.get("key_bits"),
         )
         self.tokens_seen = meta["tokens_seen"]
         self._filled = meta["filled"]
@@ -397,6 +415,7 @@ def validate_sizes(
     positions: str = "cache",
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    key_bits: int | None = None,
 ) -> None:
     """Raise ValueError, saying what to change, for sizes a SinkCache cannot have."""
     if window < 1:
@@ -411,6 +430,8 @@ def validate_sizes(
         raise ValueError(f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
     if kv_bits not in (None, 4, 8):
         raise ValueError(f"kv_bits must be 4 or 8 (got {kv_bits})")
+    if key_bits not in (None, 4, 8) or (key_bits is not None and kv_bits is None):
+        raise ValueError(f"key_bits must be 4 or 8, with kv_bits set (got {key_bits})")
     if kv_bits is not None and kv_group_size not in (32, 64, 128):
         raise ValueError(f"kv_group_size must be 32, 64 or 128 (got {kv_group_size})")
 
@@ -441,6 +462,7 @@ def make_sink_cache(
     positions: str = "cache",
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    key_bits: int | None = None,
 ) -> list:
     """The model's prompt cache with every unbounded ``KVCache`` layer made a SinkCache.
 
@@ -457,12 +479,14 @@ def make_sink_cache(
         positions (str): ``"cache"`` or ``"absolute"``. Default: ``"cache"``.
         kv_bits (int, optional): Quantize the cache to 4 or 8 bits. Default: ``None``.
         kv_group_size (int): Quantization group size. Default: ``64``.
+        key_bits (int, optional): Key bits when they differ from ``kv_bits``.
+            Default: ``kv_bits``.
 
     Returns:
         list: One cache per layer, usable as mlx-lm's ``prompt_cache``.
     """
     slack = stride if slack is None else slack
-    validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size)
+    validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
     caches = mlx_cache.make_prompt_cache(model)
     layers = _layers(model)
     out = []
@@ -475,7 +499,17 @@ def make_sink_cache(
                     "with; use positions='absolute'"
                 )
             out.append(
-                SinkCache(sinks, window, slack, stride, rope, positions, kv_bits, kv_group_size)
+                SinkCache(
+                    sinks,
+                    window,
+                    slack,
+                    stride,
+                    rope,
+                    positions,
+                    kv_bits,
+                    kv_group_size,
+                    key_bits,
+                )  # fmt: skip
             )
         elif isinstance(c, (mlx_cache.RotatingKVCache, mlx_cache.ArraysCache)):
             out.append(c)

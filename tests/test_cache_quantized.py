@@ -76,7 +76,8 @@ def test_sinks_do_not_drift_over_100_moves(model):
 
     def sink_error():
         c, f = cache[0], floats[0]
-        return mx.abs(c._unpack(c._get(c.keys, 0, S)) - f.keys[..., :S, :]).max().item()
+        sinks = c._unpack(c._get(c.keys, 0, S), c.key_bits)
+        return mx.abs(sinks - f.keys[..., :S, :]).max().item()
 
     first = sink_error()
     feed(model, cache, TOKENS[S + W + 2 : S + W + 110], 1)
@@ -126,3 +127,30 @@ def test_group_size_must_divide_head_dim(tiny_llama):
     cache = make_sink_cache(tiny_llama, kv_bits=8, kv_group_size=32)  # head_dim 16
     with pytest.raises(ValueError, match="does not divide the head dimension 16"):
         tiny_llama(mx.array([TOKENS[:4]]), cache=cache)
+
+
+def test_eight_bit_keys_four_bit_values(tmp_path, model):
+    mixed = quantized(model, 4, key_bits=8)
+    assert not hasattr(mixed[0], "bits")  # returns floats: mlx-lm's float attention
+    ref = make_sink_cache(model, sinks=S, window=W, slack=16)
+    ours = feed(model, mixed, TOKENS[:150], 16)
+    floats = feed(model, ref, TOKENS[:150], 16)
+    four = feed(model, quantized(model, 4), TOKENS[:150], 16)
+    eight = quantized(model, 8)
+    feed(model, eight, TOKENS[:150], 16)
+    # Keys carry most of the error: 8-bit keys beat 4-bit keys at the same value bits.
+    assert mx.abs(ours - floats).max().item() < mx.abs(four - floats).max().item()
+    assert mixed[0].nbytes < eight[0].nbytes
+    expected = copy.deepcopy(mixed)
+    model(mx.array([TOKENS[150:160]]), cache=mixed)
+    mlx_cache.trim_prompt_cache(mixed, 10)
+    save_cache(tmp_path / "mixed.safetensors", mixed)
+    loaded, _ = load_cache(tmp_path / "mixed.safetensors", model)
+    assert (loaded[0].key_bits, loaded[0].value_bits) == (8, 4)
+    nxt = mx.array([TOKENS[150:158]])
+    assert mx.array_equal(model(nxt, cache=loaded), model(nxt, cache=expected))
+
+
+def test_key_bits_need_kv_bits(model):
+    with pytest.raises(ValueError, match="key_bits must be 4 or 8, with kv_bits set"):
+        make_sink_cache(model, key_bits=8)

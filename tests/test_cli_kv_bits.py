@@ -45,12 +45,10 @@ def test_profile_quantized_cache_is_smaller(model_dir):
     assert json.loads(quant.stdout)["kv_cache_mb"]["end"] < floats["kv_cache_mb"]["end"] / 3
 
 
-def test_chat_quantized_cache_replies(model_dir):
-    result = runner.invoke(
-        app,
-        ["chat", "-m", model_dir, *SIZES, *KV, "--max-tokens", "8"],
-        input="hi there\nthe sea\n",
-    )
+@pytest.mark.parametrize("extra", [[], ["--kv-key-bits", "8"]])
+def test_chat_quantized_cache_replies(model_dir, extra):
+    args = ["chat", "-m", model_dir, *SIZES, *KV, *extra, "--max-tokens", "8"]
+    result = runner.invoke(app, args, input="hi there\nthe sea\n")
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip()
 
@@ -58,7 +56,8 @@ def test_chat_quantized_cache_replies(model_dir):
 @pytest.mark.parametrize(
     "args, words",
     [(["--kv-bits", "3"], "--kv-bits must be 4 or 8"),
-     (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size must be")],
+     (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size must be"),
+     (["--kv-key-bits", "8"], "--kv-key-bits must be 4 or 8, with --kv-bits")],
 )  # fmt: skip
 def test_bad_kv_bits_is_one_line(model_dir, args, words):
     result = runner.invoke(app, ["profile", "-m", model_dir, *args])
