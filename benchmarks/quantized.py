@@ -12,6 +12,7 @@ all in the same process on the same token stream. One JSON line per configuratio
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 from common import (
@@ -30,14 +31,17 @@ from mlx_stream.decode import generate_step
 from mlx_stream.evaluate import stream_perplexity
 
 
-def configurations(window: int) -> list[tuple[str, int | None, int]]:
-    """(label, kv_bits, window): same window, then equal memory for 4-bit."""
+def configurations(window: int) -> list[tuple[str, int | None, int | None, int]]:
+    """(label, kv_bits, key_bits, window): the same window, then 4x the window in about
+    the float cache's bytes (4-bit values take ~1/4 of float16, ~1/6 of float32)."""
     return [
-        ("float", None, window),
-        ("8-bit", 8, window),
-        ("4-bit", 4, window),
-        ("4-bit 4x window", 4, 4 * window),
-        ("float 4x window", None, 4 * window),
+        ("float", None, None, window),
+        ("8-bit", 8, None, window),
+        ("4-bit", 4, None, window),
+        ("8-bit keys, 4-bit values", 4, 8, window),
+        ("4-bit, 4x window", 4, None, 4 * window),
+        ("8-bit keys, 4-bit values, 4x window", 4, 8, 4 * window),
+        ("float, 4x window", None, None, 4 * window),
     ]
 
 
@@ -56,35 +60,49 @@ def decode_speed(model, cache_factory, prompt: list[int], tokens: int) -> float:
     return n / (time.perf_counter() - tic)
 
 
+def interleaved_speeds(model, factories, prompts, tokens: int, repeats: int) -> list[float]:
+    """Median decode tokens/s per configuration, measured A, B, C, A, B, C, ... so that
+    machine noise spreads over all of them."""
+    runs = [[] for _ in factories]
+    for _ in range(repeats):
+        for i, (factory, prompt) in enumerate(zip(factories, prompts)):
+            runs[i].append(decode_speed(model, factory, prompt, tokens))
+    return [statistics.median(r) for r in runs]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192, help="tokens of the stream")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved decode rounds")
     parser.add_argument("--book", default="moby_dick")
     args = parser.parse_args(argv)
     if args.quick:
-        args.tokens, args.window, args.decode_tokens = 256, 32, 8
+        args.tokens, args.window, args.decode_tokens, args.repeats = 256, 32, 8, 1
         args.group_size = min(args.group_size, 32)
 
     model, tokenizer, weights = load_model(args.model, args.dtype)
     stream = book_tokens(tokenizer, args.tokens, args.book)
     env = environment()
+    configs = configurations(args.window)
+    factories = [
+        lambda bits=bits, key_bits=key_bits, window=window: make_sink_cache(
+            model, args.sinks, window, kv_bits=bits, kv_group_size=args.group_size,
+            key_bits=key_bits,
+        )
+        for _, bits, key_bits, window in configs
+    ]  # fmt: skip
+    prompts = [stream[: window + args.sinks] for *_, window in configs]
+    speeds = interleaved_speeds(model, factories, prompts, args.decode_tokens, args.repeats)
     records = []
-    for label, bits, window in configurations(args.window):
-
-        def factory(bits=bits, window=window):
-            return make_sink_cache(
-                model, args.sinks, window, kv_bits=bits, kv_group_size=args.group_size
-            )
-
+    for (label, bits, key_bits, window), factory, speed in zip(configs, factories, speeds):
         cache = factory()
         result = stream_perplexity(
             model, stream, args.sinks, window, prompt_cache=cache, segment=len(stream)
         )
-        speed = decode_speed(model, factory, stream[: window + args.sinks], args.decode_tokens)
         per_token = bytes_per_token(cache)
         records.append(
             emit(
@@ -94,6 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "model": model_label(args.model or DEFAULT_MODEL),
                     "weights": weights,
                     "kv_bits": bits,
+                    "key_bits": key_bits,
                     "group_size": args.group_size if bits else None,
                     "sinks": args.sinks,
                     "window": window,

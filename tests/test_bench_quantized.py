@@ -17,7 +17,7 @@ def test_quantized_benchmark_quick(tmp_path, monkeypatch):
         ["--model", str(folder), "--quick", "--out", str(tmp_path / "q.jsonl")]
     )
     assert [r["config"] for r in records] == [c[0] for c in quantized.configurations(32)]
-    float_row, eight, four = records[:3]
+    float_row, eight, four, mixed = records[:4]
     assert all(
         math.isfinite(r["perplexity"]) and r["decode_tokens_per_second"] > 0 for r in records
     )
