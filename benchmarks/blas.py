@@ -127,7 +127,7 @@ def summarize(records: list[dict]) -> dict:
     for r in records:
         by.setdefault(r["config"], []).append(r)
     medians = {
-        name: {k: float(np.median([r[k] for r in rs])) for k in keys if k in rs[0]}
+        name: {k: round(float(np.median([r[k] for r in rs])), 3) for k in keys if k in rs[0]}
         for name, rs in by.items()
     }
     summary = {"summary": True, "configs": medians}

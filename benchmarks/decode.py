@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for rep in range(args.repeats):
             prompt = book[fed:context] if rep == 0 else book[context + rep - 1 : context + rep]
             for n in names:
+                mx.clear_cache()  # every run starts from an empty pool (mlx-lm clears at n=0)
                 mx.reset_peak_memory()
                 before = mx.get_active_memory()
                 run = decode(n, model, caches[n], prompt, args.tokens, args.prefill_step)
