@@ -189,6 +189,8 @@ class SinkCache(mlx_cache._BaseCache):
 
     @staticmethod
     def _get(buf, start: int, stop: int):
+        if start == 0 and stop == (buf[0] if isinstance(buf, tuple) else buf).shape[-2]:
+            return buf  # the whole buffer: no slice op in the decode graph
         if isinstance(buf, tuple):
             return tuple(b[..., start:stop, :] for b in buf)
         return buf[..., start:stop, :]
