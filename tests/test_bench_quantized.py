@@ -27,3 +27,14 @@ def test_quantized_benchmark_quick(tmp_path, monkeypatch):
         < float_row["cache_bytes_per_token"]
     )
     assert len((tmp_path / "q.jsonl").read_text().splitlines()) == len(records) + 1
+
+
+def test_quantized_benchmark_decode_only(tmp_path, monkeypatch):
+    folder = tiny.save_model_folder(tmp_path / "tiny", num_attention_heads=2, num_key_value_heads=1)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sys.modules.pop("quantized", None)
+    import quantized
+
+    records = quantized.main(["--model", str(folder), "--quick", "--decode-only"])
+    assert all(r["perplexity"] is None and r["decode_tokens_per_second"] > 0 for r in records)
+    assert records[0]["decode_ratio_vs_float"] == 1.0
