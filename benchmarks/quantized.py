@@ -15,8 +15,7 @@ import math
 import statistics
 import time
 
-import mlx.core as mx
-from common import (
+from common import (  # first: it preloads OpenBLAS before mlx.core
     DEFAULT_MODEL,
     base_parser,
     book_tokens,
@@ -25,6 +24,7 @@ from common import (
     load_model,
     main_guard,
     model_label,
+    mx,
 )
 
 from mlx_stream.cache import SinkCache, make_sink_cache
