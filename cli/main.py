@@ -62,4 +62,6 @@ app.command("doctor")(doctor)
 
 
 def main() -> None:
+    import mlx_stream  # noqa: F401 - before any command imports mlx: preloads OpenBLAS
+
     app()
