@@ -12,6 +12,16 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data"
 
 
+def assert_one_line_error(result, code: int, *words: str) -> None:
+    """A CLI result failed with ``code`` and one stderr line naming ``words``, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in result.stdout + result.stderr
+    for word in words:
+        assert word in err, err
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No network, and a throwaway user directory for every test."""

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from tests.conftest import assert_one_line_error
 
 runner = CliRunner()
 
@@ -40,15 +41,6 @@ def chat(*args: str, input: str = ""):
 
 def replies(result) -> list[str]:
     return [line for line in result.stdout.splitlines() if line.strip()]
-
-
-def assert_one_line_error(result, code: int, *words: str) -> None:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    err = result.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in result.stdout + result.stderr
-    for word in words:
-        assert word in err, err
 
 
 # ------------------------------------------------------------------ scripted turns

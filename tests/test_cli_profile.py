@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
+from tests.conftest import assert_one_line_error
 
 runner = CliRunner()
 BASE = ["--window", "24", "--sinks", "4"]
@@ -28,15 +29,6 @@ def profile_json(*args: str):
     result = profile(*args, "--json")
     assert result.exit_code == 0, result.stderr
     return json.loads(result.stdout)
-
-
-def assert_one_line_error(result, code: int, *words: str) -> None:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    err = result.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in result.stdout + result.stderr
-    for word in words:
-        assert word in err, err
 
 
 @pytest.fixture(scope="module")

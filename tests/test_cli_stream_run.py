@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import DATA
+from tests.conftest import DATA, assert_one_line_error
 
 runner = CliRunner()
 BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]
@@ -41,15 +41,6 @@ def run_json(*args: str, input: str | None = None) -> dict:
     result = run(*args, "--json", input=input)
     assert result.exit_code == 0, result.stderr
     return json.loads(result.stdout)
-
-
-def assert_one_line_error(result, code: int, *words: str) -> None:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    err = result.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in result.stdout + result.stderr
-    for word in words:
-        assert word in err, err
 
 
 def test_json_has_the_figures(tiny_model_dir, text_file):
