@@ -146,6 +146,24 @@ def interleave(names: Sequence[str], repeats: int) -> list[str]:
     return [name for _ in range(repeats) for name in names]
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` (folders made) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    pyplot().close(fig)
+
+
 def main_guard(main: Callable[[list[str] | None], object]) -> None:
     """Run ``main(sys.argv[1:])`` as a script."""
     main(sys.argv[1:])

@@ -108,10 +108,7 @@ def throughput(model, tokens, window: int, sinks: int) -> dict:
 
 def plot(records: list[dict], path: Path, title: str) -> None:
     """Perplexity per segment, one panel per window (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     windows = sorted({r["window"] for r in records if "window" in r})
     fig, axes = plt.subplots(1, len(windows), figsize=(6 * len(windows), 4), dpi=90, squeeze=False)
@@ -126,10 +123,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
         ax.set_title(f"{title}, window {window}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

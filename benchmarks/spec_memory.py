@@ -83,10 +83,7 @@ def series_run(name: str, model, draft, prompt: list[int], args) -> dict:
 
 def plot(records: list[dict], path: Path, title: str) -> None:
     """Pool memory against tokens, one line per contender (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for r in records:
@@ -99,10 +96,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
