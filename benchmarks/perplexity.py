@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--segment", type=int, default=4096, help="tokens per segment")
     parser.add_argument("--plot", type=Path, help="PNG of perplexity per segment")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.tokens, args.windows, args.sinks, args.full = 160, "32", "0,4", 160
-        args.oracle, args.throughput, args.segment = 4, 80, 64
+    if args.quick:  # small sizes; a section set to 0 stays off
+        args.tokens, args.windows, args.sinks, args.segment = 160, "32", "0,4", 64
+        args.full, args.oracle = min(args.full, 160), min(args.oracle, 4)
+        args.throughput = min(args.throughput, 80)
     args.windows = [int(w) for w in args.windows.split(",")]
     args.sinks = [int(s) for s in args.sinks.split(",") if s]
     args.absolute = [int(s) for s in args.absolute.split(",") if s]
@@ -165,12 +166,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         record, nlls[label] = evaluate(model, tokens, label, args.segment, **kwargs)
         records.append(common.emit(dict(base, **kwargs, **record), args.out))
     full = tokens[: args.full]
-    record, nlls["full"] = evaluate(
-        model, full, f"full cache (first {len(full)})", args.segment,
-        prompt_cache=make_prompt_cache(model),
-    )  # fmt: skip
-    records.append(common.emit(dict(base, **record), args.out))
-    for window in args.windows:
+    if len(full) > 1:  # --full 0 skips the full-cache row
+        record, nlls["full"] = evaluate(
+            model, full, f"full cache (first {len(full)})", args.segment,
+            prompt_cache=make_prompt_cache(model),
+        )  # fmt: skip
+        records.append(common.emit(dict(base, **record), args.out))
+    for window in args.windows if args.oracle > 0 else []:
         sinks = 4
         idx = oracle_indices(len(tokens), window, sinks, args.oracle)
         oracle = recompute_perplexity(model, tokens, sinks=sinks, window=window, indices=idx)
@@ -189,9 +191,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             same_tokens_perplexity=same,
         )
         records.append(common.emit(record, args.out))
-    window = args.windows[0]
-    fast = throughput(model, tokens[: args.throughput], window, 4)
-    records.append(common.emit(dict(base, **fast), args.out))
+    if args.throughput > 1:
+        fast = throughput(model, tokens[: args.throughput], args.windows[0], 4)
+        records.append(common.emit(dict(base, **fast), args.out))
     if args.plot:
         plot(records, args.plot, f"{base['model']}, {args.book}")
     return records

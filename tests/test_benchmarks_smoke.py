@@ -97,3 +97,12 @@ def test_blas(monkeypatch, tmp_path, tiny_model_dir):
     assert rows[0]["blas_state"] == "off"
     assert summary["summary"] and set(summary["configs"]) == {"netlib", "openblas"}
     assert "| netlib |" in load_script("tables", monkeypatch).blas_tables([*rows, summary])
+
+
+def test_perplexity_skips_sections_set_to_zero(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run(
+        "perplexity", monkeypatch, tmp_path, tiny_model_dir,
+        "--full", "0", "--oracle", "0", "--throughput", "0",
+    )  # fmt: skip
+    configs = [r["config"] for r in lines]
+    assert configs and all(c.startswith("sinks=") for c in configs)
