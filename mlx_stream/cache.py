@@ -94,6 +94,7 @@ class SinkCache(mlx_cache._BaseCache):
         self._slots = np.full(self.capacity, -1, dtype=np.int64)  # token index per slot
         self._filled = 0  # slots ever written (high-water mark)
         self._layout_applied = (0, 0)  # (base, sink_start) the stored keys are in
+        self._layout_span = (0, 0)  # token indices [lo, hi) known to share that layout
         self._mscale = None
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
@@ -153,7 +154,12 @@ class SinkCache(mlx_cache._BaseCache):
 
     def _apply_layout(self, n: int) -> None:
         """Bring stored keys into the layout of a call starting at token ``n``."""
+        lo, hi = self._layout_span
+        if lo <= n < hi:  # the layout only changes at stride multiples
+            return
         base, sink_start = self._layout(n)
+        first = (n // self.stride) * self.stride
+        self._layout_span = (first, first + self.stride)
         old_base, old_sink_start = self._layout_applied
         if (base, sink_start) == (old_base, old_sink_start):
             return
@@ -198,11 +204,10 @@ class SinkCache(mlx_cache._BaseCache):
     @staticmethod
     def _set(buf, start: int, stop: int, src, src_start: int = 0) -> None:
         n = stop - start
-        if isinstance(buf, tuple):
-            for b, x in zip(buf, src):
-                b[..., start:stop, :] = x[..., src_start : src_start + n, :]
-        else:
-            buf[..., start:stop, :] = src[..., src_start : src_start + n, :]
+        pairs = zip(buf, src) if isinstance(buf, tuple) else ((buf, src),)
+        for b, x in pairs:
+            whole = src_start == 0 and x.shape[-2] == n  # no slice op on the decode path
+            b[..., start:stop, :] = x if whole else x[..., src_start : src_start + n, :]
 
     def _moved(self, buf, start: int, stop: int, d: int):
         """Keys of slots ``start:stop`` moved by ``d`` positions, in storage form."""
@@ -217,6 +222,8 @@ class SinkCache(mlx_cache._BaseCache):
 
     def _runs(self, n: int, N: int):
         """Contiguous (slot, source, length) runs where tokens ``n..n+N-1`` go."""
+        if N == 1:
+            return ((self._slot(n), 0, 1),)
         runs, i = [], 0
         while i < N:
             slot = self._slot(n + i)
@@ -288,7 +295,7 @@ class SinkCache(mlx_cache._BaseCache):
             self._set(self.values, slot, slot + length, packed_values, i)
             if slot < self.sinks and self.sink_keys is not None:
                 self._set(self.sink_keys, slot, slot + length, keys, i)
-            self._slots[slot : slot + length] = np.arange(n + i, n + i + length)
+            self._slots[slot : slot + length] = range(n + i, n + i + length)
         in_order = self._in_order(N)
         self.tokens_seen += N
         self._filled = max(self._filled, min(self.capacity, self.tokens_seen))
