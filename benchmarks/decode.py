@@ -8,15 +8,20 @@ Three caches are fed the same Moby-Dick tokens in one process:
   llama, DESIGN.md section 4);
 - ``full``: mlx-lm's ``generate_step`` on its growing ``KVCache``.
 
-At each context length (default 1k, 4k, 16k tokens fed) every cache decodes
+At each context length (default 1k, 4k, 8k, 16k tokens fed; the full cache stops at
+``--full-max``, the model's 8k context) every cache decodes
 ``--tokens`` greedy tokens, in the order sink, rotating, full, sink, rotating, full
 (``--repeats``), so machine noise falls on all three alike. One JSON line per (cache,
 context): generation tok/s, per-token latency p50/p90, prefill tok/s of the segment
 that led there, the KV cache's bytes and the process's active/peak memory (all three
-caches are alive at once: ``kv_mb`` is the per-cache figure). A final summary line has
-the sink/rotating tok/s ratio, the sink's latency flatness and the full cache's growth.
+caches are alive at once: ``kv_mb`` is the per-cache figure), and ``bare_p50_ms``: the
+median of ``--bare`` one-token model calls per cache, timed round-robin outside any
+generation loop (the cost of the cache alone). A final summary line has the
+sink/rotating tok/s and bare-call ratios, the sink's latency flatness and the full
+cache's growth.
 
     python benchmarks/decode.py                         # ~10 min on 2 cores
+    python benchmarks/decode.py --full-max 16384        # the full cache at 16k too (~17 min)
     python benchmarks/decode.py --contexts 1024,4096    # shorter
 """
 
@@ -69,6 +74,21 @@ def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: 
     }
 
 
+def bare_steps(model, caches: dict, names: list[str], token: int, count: int) -> dict:
+    """Milliseconds per bare one-token model call on each cache, round-robin (no
+    generation loop, no sampling, no pipelining): the cost of the cache alone."""
+    import mlx.core as mx
+
+    times = {n: [] for n in names}
+    y = mx.array([[token]])
+    for _ in range(count):
+        for n in names:
+            tic = time.perf_counter()
+            mx.eval(model(y, cache=caches[n]))
+            times[n].append(1e3 * (time.perf_counter() - tic))
+    return {n: round(common.percentile(t, 50), 2) for n, t in times.items() if t}
+
+
 def line(name: str, context: int, runs: list[dict], cache: list, base: dict) -> dict:
     """One JSON record for ``name`` at ``context`` from its interleaved runs."""
     import mlx.core as mx
@@ -102,9 +122,15 @@ def summarize(records: list[dict], base: dict) -> dict:
         if ("sink", c) in at and ("rotating", c) in at:
             ratio = at["sink", c]["tok_s"] / at["rotating", c]["tok_s"]
             summary[f"sink_over_rotating_tok_s_{c}"] = round(ratio, 3)
+            if "bare_p50_ms" in at["sink", c]:
+                ratio = at["sink", c]["bare_p50_ms"] / at["rotating", c]["bare_p50_ms"]
+                summary[f"sink_over_rotating_bare_ms_{c}"] = round(ratio, 3)
     if ("sink", lo) in at and ("sink", hi) in at:
         summary["sink_p50_growth"] = round(at["sink", hi]["p50_ms"] / at["sink", lo]["p50_ms"], 3)
-    if ("full", lo) in at and ("full", hi) in at:
+    full = [c for c in contexts if ("full", c) in at]
+    if len(full) > 1:
+        lo, hi = full[0], full[-1]
+        summary["full_contexts"] = [lo, hi]
         summary["full_p50_growth"] = round(at["full", hi]["p50_ms"] / at["full", lo]["p50_ms"], 3)
         summary["full_kv_mb_growth"] = [at["full", lo]["kv_mb"], at["full", hi]["kv_mb"]]
     return summary
@@ -112,16 +138,25 @@ def summarize(records: list[dict], base: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated")
+    parser.add_argument("--contexts", default="1024,4096,8192,16384", help="comma-separated")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per context")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--caches", default=",".join(CACHES), help="subset of sink,rotating,full")
+    parser.add_argument(
+        "--bare", type=int, default=16,
+        help="bare one-token model calls per cache and context, timed round-robin",
+    )  # fmt: skip
+    parser.add_argument(
+        "--full-max", type=int, default=8192,
+        help="largest context for the full cache (its 16k prefill alone takes ~10 min here)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts, args.tokens, args.repeats, args.window = "48,96", 8, 2, 32
+        args.bare = min(args.bare, 2)
     import mlx.core as mx
 
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -143,9 +178,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records, fed = [], 0
     for context in contexts:
         runs = {n: [] for n in names}
+        active = [n for n in names if n != "full" or context <= args.full_max]
         for rep in range(args.repeats):
             prompt = book[fed:context] if rep == 0 else book[context + rep - 1 : context + rep]
-            for n in names:
+            for n in active:
                 mx.clear_cache()  # every run starts from an empty pool (mlx-lm clears at n=0)
                 mx.reset_peak_memory()
                 before = mx.get_active_memory()
@@ -154,8 +190,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 run.update(prompt_tokens=len(prompt), peak=peak, peak_extra=peak - before)
                 runs[n].append(run)
         fed = context
-        for n in names:
-            records.append(common.emit(line(n, context, runs[n], caches[n], base), args.out))
+        bare = bare_steps(model, caches, active, book[context], args.bare)
+        for n in active:
+            record = line(n, context, runs[n], caches[n], base)
+            if n in bare:
+                record["bare_p50_ms"] = bare[n]
+            records.append(common.emit(record, args.out))
+        if "full" not in active:  # it would need the whole stream again later
+            caches.pop("full", None)
     records.append(common.emit(summarize(records, base), args.out))
     return records
 

@@ -27,6 +27,11 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def rounded(x, digits: int = 3):
+    """``x`` to ``digits`` significant figures (medians print as 4.8100000000000005)."""
+    return float(f"{x:.{digits}g}") if isinstance(x, float) else x
+
+
 def machine(r: dict) -> str:
     """One line naming the model, machine, versions and BLAS of a record."""
     return (
@@ -42,7 +47,16 @@ def decode_tables(records: list[dict]) -> str:
     out = [f"Machine: {machine(rows[0])}.", ""]
     out.append(
         table(
-            ["cache", "context", "tok/s", "p50 ms", "p90 ms", "prefill tok/s", "KV MB"],
+            [
+                "cache",
+                "context",
+                "tok/s",
+                "p50 ms",
+                "p90 ms",
+                "bare call ms",
+                "prefill tok/s",
+                "KV MB",
+            ],
             [
                 [
                     r["cache"],
@@ -50,6 +64,7 @@ def decode_tables(records: list[dict]) -> str:
                     r["tok_s"],
                     r["p50_ms"],
                     r["p90_ms"],
+                    r.get("bare_p50_ms", ""),
                     r["prefill_tps"],
                     r["kv_mb"],
                 ]  # fmt: skip
@@ -59,8 +74,15 @@ def decode_tables(records: list[dict]) -> str:
     )
     summary = next((r for r in records if r.get("summary")), None)
     if summary:
-        ratios = {k.rsplit("_", 1)[-1]: v for k, v in summary.items() if "sink_over" in k}
-        out += ["", f"sink / rotating tok/s by context: {ratios}; "
+
+        def by_context(prefix: str) -> dict:
+            return {k.rsplit("_", 1)[-1]: v for k, v in summary.items() if k.startswith(prefix)}
+
+        ratios, bare = (
+            by_context("sink_over_rotating_tok_s_"),
+            by_context("sink_over_rotating_bare_"),
+        )
+        out += ["", f"sink / rotating tok/s by context: {ratios}; bare call ms: {bare}; "
                 f"sink p50 growth {summary.get('sink_p50_growth')}, full-cache p50 growth "
                 f"{summary.get('full_p50_growth')}, full KV MB {summary.get('full_kv_mb_growth')}."]  # fmt: skip
     return "\n".join(out)
@@ -147,13 +169,16 @@ def blas_tables(records: list[dict]) -> str:
                 "decode tok/s",
             ],  # fmt: skip
             [
-                [
-                    name,
-                    m.get("mlx_gflops"),
-                    m.get("numpy_gflops"),
-                    m.get("mlx_over_numpy"),
-                    m.get("prefill_tps"),
-                    m.get("decode_tps"),
+                [name]
+                + [
+                    rounded(m.get(k))
+                    for k in (
+                        "mlx_gflops",
+                        "numpy_gflops",
+                        "mlx_over_numpy",
+                        "prefill_tps",
+                        "decode_tps",
+                    )
                 ]  # fmt: skip
                 for name, m in summary["configs"].items()
             ],

@@ -50,10 +50,19 @@ def test_decode(monkeypatch, tmp_path, tiny_model_dir):
     for r in rows:
         assert ENVIRONMENT_KEYS | {"model", "context", "tok_s", "p50_ms", "p90_ms"} <= set(r)
         assert {"kv_mb", "process_active_mb", "process_peak_mb", "prefill_tps"} <= set(r)
-        assert r["tok_s"] > 0 and r["p90_ms"] >= r["p50_ms"] > 0
+        assert r["tok_s"] > 0 and r["p90_ms"] >= r["p50_ms"] > 0 and r["bare_p50_ms"] > 0
     assert summary["summary"] and "sink_p50_growth" in summary
     assert any(k.startswith("sink_over_rotating_tok_s_") for k in summary)
+    assert summary["sink_over_rotating_bare_ms_96"] > 0
     assert "| sink |" in load_script("tables", monkeypatch).decode_tables(lines)
+
+
+def test_decode_full_max(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--full-max", "48")
+    *rows, summary = lines
+    contexts = {c: {r["cache"] for r in rows if r["context"] == c} for c in (48, 96)}
+    assert contexts == {48: {"sink", "rotating", "full"}, 96: {"sink", "rotating"}}
+    assert "full_p50_growth" not in summary  # one full-cache context: no growth to report
 
 
 def test_spec_memory(monkeypatch, tmp_path, tiny_model_dir):
