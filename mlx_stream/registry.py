@@ -339,6 +339,29 @@ def notify(progress: ProgressCallback | None, done: int, total: int | None, stag
         progress(done, total, stage)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def remove_stale_partials(target: Path) -> list[Path]:
+    """Remove temp dirs left beside ``target`` by a killed pull (``SIGKILL`` skips the
+    cleanup): ``.NAME.partial-PID-*`` and ``.NAME.old-PID-*`` whose process is gone."""
+    removed = []
+    for kind in ("partial", "old"):
+        for path in target.parent.glob(f".{target.name}.{kind}-*"):
+            pid = path.name[len(f".{target.name}.{kind}-") :].split("-", 1)[0]
+            if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
 @contextmanager
 def atomic_folder(target: Path) -> Iterator[Path]:
     """Build a folder in a temp dir beside ``target`` and move it into place at the end.
@@ -350,13 +373,15 @@ def atomic_folder(target: Path) -> Iterator[Path]:
         The temp dir to fill.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    remove_stale_partials(target)
+    pid = os.getpid()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{pid}-", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not secret
     try:
         yield tmp
         if target.exists():
             # os.replace cannot replace a non-empty directory: move the old one aside.
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{pid}-", dir=target.parent))
             os.replace(target, old / "x")
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)

@@ -1,5 +1,6 @@
 """The registry: packaged models.yaml, user overrides, one-line validation errors."""
 
+import os
 import subprocess
 import sys
 
@@ -123,6 +124,23 @@ def test_atomic_folder_leaves_nothing_on_failure(tmp_path):
         (tmp / "b").write_text("2")
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["m"]
     assert [p.name for p in target.iterdir()] == ["b"]
+
+
+def test_atomic_folder_removes_what_a_killed_pull_left(tmp_path):
+    models = tmp_path / "models"
+    # A pull killed with SIGKILL: its process is gone, its temp dirs stay.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = [models / f".m.partial-{dead.pid}-abc", models / f".m.old-{dead.pid}-def"]
+    running = models / f".m.partial-{os.getpid()}-xyz"  # a pull still in progress
+    other = models / f".other.partial-{dead.pid}-abc"  # another model's
+    for path in [*left, running, other]:
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"x" * 10)
+    with registry.atomic_folder(models / "m") as tmp:
+        (tmp / "a").write_text("1")
+    assert all(not p.exists() for p in left)
+    assert running.exists() and other.exists() and (models / "m" / "a").exists()
 
 
 def test_registry_does_not_import_mlx():
