@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from pathlib import Path
 
 import common
@@ -52,7 +53,14 @@ def evaluate(model, tokens, label: str, segment: int, **kwargs) -> tuple[dict, n
     """Run ``stream_perplexity`` with per-token NLLs; a record and the NLL array."""
     from mlx_stream.evaluate import stream_perplexity
 
-    result = stream_perplexity(model, tokens, segment=1, **kwargs)
+    every, total, last = 8192, len(tokens), [0]
+
+    def progress(position: int, ppl: float) -> None:  # long runs say where they are
+        if position // every != last[0] // every or position == total:
+            print(f"{label}: {position}/{total} tokens, perplexity {ppl:.3f}", file=sys.stderr)
+        last[0] = position
+
+    result = stream_perplexity(model, tokens, segment=1, callback=progress, **kwargs)
     nll = per_token_nll(result, len(tokens))
     record = {
         "config": label,
