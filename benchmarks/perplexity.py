@@ -15,10 +15,12 @@ tokens, tokens/s) and a PNG of perplexity per segment (``--plot``).
 
     python benchmarks/perplexity.py                      # 8k tokens, window 256: ~10 min
     python benchmarks/perplexity.py --tokens 131072 --windows 256,1024 --oracle 256
+    python benchmarks/perplexity.py --replot results/a.jsonl results/b.jsonl --plot x.png
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -146,7 +148,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--throughput", type=int, default=512, help="tokens for chunk vs 1")
     parser.add_argument("--segment", type=int, default=4096, help="tokens per segment")
     parser.add_argument("--plot", type=Path, help="PNG of perplexity per segment")
+    parser.add_argument(
+        "--replot", type=Path, nargs="+", metavar="JSONL",
+        help="no run: draw --plot from these saved JSON lines (e.g. several 100k runs)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot")
+        records = [json.loads(x) for f in args.replot for x in f.read_text().splitlines() if x]
+        records = [r for r in records if r.get("segments")]
+        r0 = records[0]
+        plot(records, args.plot, f"{r0['model']}, {r0['book']}, {r0['stream_tokens']} tokens")
+        return records
     if args.quick:  # small sizes; a section set to 0 stays off
         args.tokens, args.windows, args.sinks, args.segment = 160, "32", "0,4", 64
         args.full, args.oracle = min(args.full, 160), min(args.oracle, 4)

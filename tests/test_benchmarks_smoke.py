@@ -90,6 +90,12 @@ def test_perplexity(monkeypatch, tmp_path, tiny_model_dir):
     assert all(r["segments"] for r in lines if "segments" in r)
     assert png.stat().st_size > 1000
     assert "(oracle)" in load_script("tables", monkeypatch).perplexity_tables(lines)
+    # --replot draws the same figure from the saved lines, without the model.
+    again = tmp_path / "again.png"
+    script = load_script("perplexity", monkeypatch)
+    replotted = script.main(["--replot", str(tmp_path / "perplexity.jsonl"), "--plot", str(again)])
+    assert [r["config"] for r in replotted] == [r["config"] for r in lines if r.get("segments")]
+    assert again.stat().st_size > 1000
 
 
 @pytest.mark.slow
