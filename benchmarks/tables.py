@@ -1,6 +1,6 @@
 """Markdown tables (for the README) from the JSON lines under ``benchmarks/results``.
 
-python benchmarks/tables.py                       # every known results file
+python benchmarks/tables.py                       # every results file of a known kind
 python benchmarks/tables.py --results other/dir
 """
 
@@ -193,16 +193,19 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    renderers = (  # by file-name prefix: every results file of a kind, long runs too
+        ("blas", "BLAS", blas_tables),
+        ("decode", "Decode", decode_tables),
+        ("spec_memory", "Speculative decoding memory", spec_tables),
+        ("perplexity", "Perplexity", perplexity_tables),
+    )
     parts = []
-    for title, name, render in (
-        ("BLAS", "blas.jsonl", blas_tables),
-        ("Decode", "decode.jsonl", decode_tables),
-        ("Speculative decoding memory", "spec_memory.jsonl", spec_tables),
-        ("Perplexity", "perplexity.jsonl", perplexity_tables),
-    ):
-        text = render(read(args.results / name))
-        if text:
-            parts.append(f"### {title}\n\n{text}\n")
+    for path in sorted(args.results.glob("*.jsonl")):
+        for prefix, title, render in renderers:
+            if path.name.startswith(prefix):
+                text = render(read(path))
+                if text:
+                    parts.append(f"### {title} (`{path.name}`)\n\n{text}\n")
     output = "\n".join(parts)
     print(output)
     return output

@@ -55,6 +55,13 @@ def test_decode(monkeypatch, tmp_path, tiny_model_dir):
     assert any(k.startswith("sink_over_rotating_tok_s_") for k in summary)
     assert summary["sink_over_rotating_bare_ms_96"] > 0
     assert "| sink |" in load_script("tables", monkeypatch).decode_tables(lines)
+    # tables.py renders every results file of a kind, named in its heading.
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("decode.jsonl", "decode_long.jsonl"):
+        (results / name).write_text((tmp_path / "decode.jsonl").read_text())
+    text = load_script("tables", monkeypatch).main(["--results", str(results)])
+    assert "### Decode (`decode.jsonl`)" in text and "### Decode (`decode_long.jsonl`)" in text
 
 
 def test_decode_full_max(monkeypatch, tmp_path, tiny_model_dir):
