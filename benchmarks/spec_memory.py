@@ -15,10 +15,12 @@ memory against tokens (``--plot``).
 
     python benchmarks/spec_memory.py                   # 2,048 tokens each, ~10 min
     python benchmarks/spec_memory.py --tokens 10240    # the long run
+    python benchmarks/spec_memory.py --replot a.jsonl b.jsonl --plot pool.png
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -81,6 +83,14 @@ def series_run(name: str, model, draft, prompt: list[int], args) -> dict:
     }
 
 
+def title(r: dict) -> str:
+    """The plot title from a record's settings."""
+    return (
+        f"{r['model']}, draft {r['draft']}, {r['num_draft_tokens']} drafts/round, "
+        f"reclaim every {r['every']}"
+    )
+
+
 def plot(records: list[dict], path: Path, title: str) -> None:
     """Pool memory against tokens, one line per contender (matplotlib, Agg)."""
     plt = common.pyplot()
@@ -111,7 +121,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sample", type=int, default=16, help="sample memory every N tokens")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--plot", type=Path, help="PNG of pool memory against tokens")
+    parser.add_argument(
+        "--replot", type=Path, nargs="+", metavar="JSONL",
+        help="no run: draw --plot from these saved JSON lines (contenders run apart)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot")
+        records = [json.loads(x) for f in args.replot for x in f.read_text().splitlines() if x]
+        plot(records, args.plot, title(records[0]))
+        return records
     if args.quick:
         args.tokens, args.window, args.every, args.sample, args.prompt = 48, 16, 8, 4, 10
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
@@ -135,11 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             common.emit(dict(base, **series_run(name, model, draft, prompt, args)), args.out)
         )
     if args.plot:
-        title = (
-            f"{base['model']}, draft {base['draft']}, {args.num_draft_tokens} drafts/round, "
-            f"reclaim every {args.every}"
-        )
-        plot(records, args.plot, title)
+        plot(records, args.plot, title(base))
     return records
 
 

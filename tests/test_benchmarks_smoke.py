@@ -82,6 +82,10 @@ def test_spec_memory(monkeypatch, tmp_path, tiny_model_dir):
     assert lines[0]["reclaims"] > 0  # the crossing rule fires under speculative jumps
     assert png.stat().st_size > 1000
     assert "| mlx-lm |" in load_script("tables", monkeypatch).spec_tables(lines)
+    again = tmp_path / "again.png"
+    script = load_script("spec_memory", monkeypatch)
+    replotted = script.main(["--replot", str(tmp_path / "spec_memory.jsonl"), "--plot", str(again)])
+    assert replotted == lines and again.stat().st_size > 1000
 
 
 def test_perplexity(monkeypatch, tmp_path, tiny_model_dir):
