@@ -4,6 +4,7 @@ stream, a resumed run equals an uninterrupted one, and files tokenize as a whole
 import math
 import random
 
+import mlx.core as mx
 import pytest
 
 from mlx_stream.cache import make_sink_cache
@@ -77,6 +78,17 @@ def test_one_layer_stride_one_stream_equals_recomputation(tiny_draft):
 def test_recomputation_subsample_scores_only_the_given_indices(tiny_llama):
     r = recompute_perplexity(tiny_llama, TOKENS, SINKS, WINDOW, indices=[5, 100, 399])
     assert r.tokens == 3 and math.isfinite(r.nll)
+
+
+def test_recomputation_equals_one_full_forward_per_token(tiny_llama):
+    # The oracle prefills the context then scores its last token: one forward over the
+    # whole context (sinks + window, positions from 0) must give the same NLL.
+    i = 300
+    context = TOKENS[:SINKS] + TOKENS[i - WINDOW : i]
+    logits = tiny_llama(mx.array(context)[None])[0, -1].astype(mx.float32)
+    expected = (mx.logsumexp(logits) - logits[TOKENS[i]]).item()
+    r = recompute_perplexity(tiny_llama, TOKENS, SINKS, WINDOW, indices=[i])
+    assert r.nll == pytest.approx(expected, abs=1e-4)
 
 
 def test_absolute_positions_baseline_differs_once_the_window_slides(tiny_llama):
