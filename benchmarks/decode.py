@@ -20,7 +20,7 @@ generation loop (the cost of the cache alone). A final summary line has the
 sink/rotating tok/s and bare-call ratios, the sink's latency flatness and the full
 cache's growth.
 
-    python benchmarks/decode.py                         # ~10 min on 2 cores
+    python benchmarks/decode.py                         # ~10 min on 2 cores (estimated)
     python benchmarks/decode.py --full-max 16384        # the full cache at 16k too (~17 min)
     python benchmarks/decode.py --contexts 1024,4096    # shorter
 """
