@@ -20,7 +20,6 @@ tokens, tokens/s) and a PNG of perplexity per segment (``--plot``).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -156,7 +155,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot")
-        records = [json.loads(x) for f in args.replot for x in f.read_text().splitlines() if x]
+        from tables import read  # the JSON-lines reader tables.py renders from
+
+        records = [r for f in args.replot for r in read(f)]
         records = [r for r in records if r.get("segments")]
         r0 = records[0]
         plot(records, args.plot, f"{r0['model']}, {r0['book']}, {r0['stream_tokens']} tokens")

@@ -20,7 +20,6 @@ memory against tokens (``--plot``).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -129,7 +128,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot")
-        records = [json.loads(x) for f in args.replot for x in f.read_text().splitlines() if x]
+        from tables import read  # the JSON-lines reader tables.py renders from
+
+        records = [r for f in args.replot for r in read(f)]
         plot(records, args.plot, title(records[0]))
         return records
     if args.quick:

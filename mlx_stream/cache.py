@@ -94,7 +94,7 @@ class SinkCache(mlx_cache._BaseCache):
         self._slots = np.full(self.capacity, -1, dtype=np.int64)  # token index per slot
         self._filled = 0  # slots ever written (high-water mark)
         self._layout_applied = (0, 0)  # (base, sink_start) the stored keys are in
-        self._layout_span = (0, 0)  # token indices [lo, hi) known to share that layout
+        self._layout_stride = -1  # stride index (token // stride) the layout was set for
         self._mscale = None
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
@@ -154,12 +154,10 @@ class SinkCache(mlx_cache._BaseCache):
 
     def _apply_layout(self, n: int) -> None:
         """Bring stored keys into the layout of a call starting at token ``n``."""
-        lo, hi = self._layout_span
-        if lo <= n < hi:  # the layout only changes at stride multiples
+        if n // self.stride == self._layout_stride:  # it only changes at stride multiples
             return
         base, sink_start = self._layout(n)
-        first = (n // self.stride) * self.stride
-        self._layout_span = (first, first + self.stride)
+        self._layout_stride = n // self.stride
         old_base, old_sink_start = self._layout_applied
         if (base, sink_start) == (old_base, old_sink_start):
             return
