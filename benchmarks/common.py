@@ -164,6 +164,26 @@ def save_figure(fig, path: Path) -> None:
     pyplot().close(fig)
 
 
+def saved_records(
+    parser: argparse.ArgumentParser, paths: Sequence[Path], usable: Callable[[dict], bool]
+) -> list[dict]:
+    """The usable records of saved JSON-lines files, for ``--replot``; a missing,
+    unreadable or empty input is a one-line usage error, not a traceback."""
+    from tables import read  # the JSON-lines reader tables.py renders from
+
+    records = []
+    for path in paths:
+        if not path.is_file():
+            parser.error(f"{path}: no such file")
+        try:
+            records += [r for r in read(path) if usable(r)]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            parser.error(f"{path}: not JSON lines ({e})")
+    if not records:
+        parser.error(f"nothing to plot in {', '.join(str(p) for p in paths)}")
+    return records
+
+
 def main_guard(main: Callable[[list[str] | None], object]) -> None:
     """Run ``main(sys.argv[1:])`` as a script."""
     main(sys.argv[1:])

@@ -17,7 +17,8 @@ that led there, the KV cache's bytes and the process's active/peak memory (all t
 caches are alive at once: ``kv_mb`` is the per-cache figure), and ``bare_p50_ms``: the
 median of ``--bare`` one-token model calls per cache, timed round-robin outside any
 generation loop (the cost of the cache alone). A final summary line has the
-sink/rotating tok/s and bare-call ratios, the sink's latency flatness and the full
+sink/rotating tok/s and bare-call ratios (with the range of the per-repeat tok/s
+ratios, each sink run against the rotating run right after it), the sink's latency flatness and the full
 cache's growth.
 
     python benchmarks/decode.py                         # ~10 min on 2 cores (estimated)
@@ -101,6 +102,7 @@ def line(name: str, context: int, runs: list[dict], cache: list, base: dict) -> 
         context=context,
         decode_tokens=sum(len(r["intervals"]) for r in runs),
         tok_s=round(len(intervals) / sum(intervals), 2),
+        run_tok_s=[round(len(r["intervals"]) / sum(r["intervals"]), 2) for r in runs],
         p50_ms=round(1e3 * common.percentile(intervals, 50), 2),
         p90_ms=round(1e3 * common.percentile(intervals, 90), 2),
         prefill_tokens=first["prompt_tokens"],
@@ -122,6 +124,11 @@ def summarize(records: list[dict], base: dict) -> dict:
         if ("sink", c) in at and ("rotating", c) in at:
             ratio = at["sink", c]["tok_s"] / at["rotating", c]["tok_s"]
             summary[f"sink_over_rotating_tok_s_{c}"] = round(ratio, 3)
+            pairs = zip(at["sink", c]["run_tok_s"], at["rotating", c]["run_tok_s"])
+            ratios = [s / r for s, r in pairs]  # run i of each: neighbours in time
+            summary[f"sink_over_rotating_tok_s_{c}_range"] = [
+                round(min(ratios), 3), round(max(ratios), 3)
+            ]  # fmt: skip
             if "bare_p50_ms" in at["sink", c]:
                 ratio = at["sink", c]["bare_p50_ms"] / at["rotating", c]["bare_p50_ms"]
                 summary[f"sink_over_rotating_bare_ms_{c}"] = round(ratio, 3)

@@ -155,10 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot")
-        from tables import read  # the JSON-lines reader tables.py renders from
-
-        records = [r for f in args.replot for r in read(f)]
-        records = [r for r in records if r.get("segments")]
+        records = common.saved_records(parser, args.replot, lambda r: bool(r.get("segments")))
         r0 = records[0]
         plot(records, args.plot, f"{r0['model']}, {r0['book']}, {r0['stream_tokens']} tokens")
         return records

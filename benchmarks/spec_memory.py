@@ -128,9 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot")
-        from tables import read  # the JSON-lines reader tables.py renders from
-
-        records = [r for f in args.replot for r in read(f)]
+        records = common.saved_records(parser, args.replot, lambda r: "series" in r)
         plot(records, args.plot, title(records[0]))
         return records
     if args.quick:

@@ -76,7 +76,13 @@ def decode_tables(records: list[dict]) -> str:
     if summary:
 
         def by_context(prefix: str) -> dict:
-            return {k.rsplit("_", 1)[-1]: v for k, v in summary.items() if k.startswith(prefix)}
+            """context -> value, with the per-repeat range where the summary has one."""
+            out = {}
+            for k, v in summary.items():
+                if k.startswith(prefix) and not k.endswith("_range"):
+                    spread = summary.get(f"{k}_range")
+                    out[k.rsplit("_", 1)[-1]] = f"{v} ({spread[0]}-{spread[1]})" if spread else v
+            return out
 
         ratios, bare = (
             by_context("sink_over_rotating_tok_s_"),

@@ -54,6 +54,8 @@ def test_decode(monkeypatch, tmp_path, tiny_model_dir):
     assert summary["summary"] and "sink_p50_growth" in summary
     assert any(k.startswith("sink_over_rotating_tok_s_") for k in summary)
     assert summary["sink_over_rotating_bare_ms_96"] > 0
+    lo, hi = summary["sink_over_rotating_tok_s_96_range"]  # one ratio per repeat
+    assert 0 < lo <= summary["sink_over_rotating_tok_s_96"] * 1.001 and lo <= hi
     assert "| sink |" in load_script("tables", monkeypatch).decode_tables(lines)
     # tables.py renders every results file of a kind, named in its heading.
     results = tmp_path / "results"
@@ -107,6 +109,21 @@ def test_perplexity(monkeypatch, tmp_path, tiny_model_dir):
     replotted = script.main(["--replot", str(tmp_path / "perplexity.jsonl"), "--plot", str(again)])
     assert [r["config"] for r in replotted] == [r["config"] for r in lines if r.get("segments")]
     assert again.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", ["perplexity", "spec_memory"])
+def test_replot_bad_input_is_a_usage_error(name, monkeypatch, tmp_path, capsys):
+    script = load_script(name, monkeypatch)
+    empty, binary, png = tmp_path / "empty.jsonl", tmp_path / "bin.jsonl", tmp_path / "x.png"
+    empty.write_text("")
+    binary.write_bytes(b"\x89PNG\x00\xff")
+    for path, says in [(tmp_path / "missing.jsonl", "no such file"), (empty, "nothing to plot"),
+                       (binary, "not JSON lines")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--replot", str(path), "--plot", str(png)])
+        assert exit_info.value.code == 2
+        assert says in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not png.exists()
 
 
 @pytest.mark.slow
