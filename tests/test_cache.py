@@ -235,16 +235,21 @@ def test_unknown_cache_layer_is_named(tiny_llama):
 def test_no_sinks_is_window_only(tiny_llama):
     cache = make_sink_cache(tiny_llama, sinks=0, window=W, slack=16, stride=16)
     feed(tiny_llama, cache, TOKENS[:200], 16)
-    mask = cache[0].make_mask(1)
+    mask = cache[0].make_mask(1, return_array=True)
     assert mask.sum().item() == W  # one query sees exactly the window, itself included
 
 
 def test_mask_shows_sinks_and_window_per_row(tiny_llama):
     cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=16, stride=16)
     feed(tiny_llama, cache, TOKENS[:160], 16)
-    mask = cache[0].make_mask(16)
-    assert mask.shape == (16, cache[0].capacity)
+    mask = cache[0].make_mask(16, return_array=True)
+    assert mask.dtype == mx.bool_ and mask.shape == (16, cache[0].capacity)
     assert (mask.sum(axis=1) == S + W).all().item()
+    # A model that only passes the mask to attention gets the additive form: 0 where
+    # the boolean mask is True, -inf elsewhere, in the cache's dtype.
+    additive = cache[0].make_mask(16)
+    assert additive.dtype == cache[0].values.dtype
+    assert mx.array_equal(additive, mx.where(mask, 0.0, -mx.inf).astype(additive.dtype)).item()
 
 
 def test_save_load_round_trip_continues_identically(tmp_path, tiny_gemma3):
