@@ -75,6 +75,11 @@ def environment() -> dict:
     }
 
 
+def base_record(bench: str, model: str, weights: str, **fields) -> dict:
+    """The fields every JSON line of a run starts with: environment, bench, model."""
+    return dict(environment(), bench=bench, model=model_label(model), weights=weights, **fields)
+
+
 def emit(record: dict, out: Path | None = None) -> dict:
     """Print ``record`` as one JSON line (and append it to ``out``)."""
     line = json.dumps(record, default=_jsonable)

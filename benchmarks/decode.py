@@ -170,11 +170,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = [n for n in args.caches.split(",") if n in CACHES]
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     book = common.book_tokens(tokenizer, contexts[-1] + args.repeats + 1)
-    base = dict(
-        common.environment(),
-        bench="decode",
-        model=common.model_label(args.model),
-        weights=weights,
+    base = common.base_record(
+        "decode",
+        args.model,
+        weights,
         sinks=args.sinks,
         window=args.window,
     )

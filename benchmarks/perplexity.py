@@ -173,11 +173,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     tokens = common.book_tokens(tokenizer, args.tokens, args.book)
-    base = dict(
-        common.environment(),
-        bench="perplexity",
-        model=common.model_label(args.model),
-        weights=weights,
+    base = common.base_record(
+        "perplexity",
+        args.model,
+        weights,
         book=args.book,
         stream_tokens=len(tokens),
     )

@@ -136,12 +136,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     draft = model if args.draft in (None, args.model) else common.load_model(args.draft)[0]
     prompt = common.book_tokens(tokenizer, args.prompt)
-    base = dict(
-        common.environment(),
-        bench="spec_memory",
-        model=common.model_label(args.model),
+    base = common.base_record(
+        "spec_memory",
+        args.model,
+        weights,
         draft=common.model_label(args.draft or args.model),
-        weights=weights,
         num_draft_tokens=args.num_draft_tokens,
         prompt_tokens=len(prompt),
         sinks=args.sinks,

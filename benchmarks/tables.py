@@ -158,6 +158,21 @@ def perplexity_tables(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+def attention_tables(records: list[dict]) -> str:
+    if not records:
+        return ""
+    r0 = records[0]
+    out = [
+        f"Machine: {machine(r0)}. Decode attention of {r0['layers']} layers "
+        f"({r0['heads']} query / {r0['kv_heads']} key-value heads, head dim {r0['head_dim']}), "
+        f"sinks {r0['sinks']}, window {r0['window']}, median of {r0['rounds']} tokens.",
+        "",
+    ]
+    rows = [[r["contender"], r["keys"], r["ms_per_token"], r["over_rotating"]] for r in records]
+    out.append(table(["cache", "keys attended", "ms per token", "over rotating"], rows))
+    return "\n".join(out)
+
+
 def blas_tables(records: list[dict]) -> str:
     summary = next((r for r in records if r.get("summary")), None)
     rows = [r for r in records if not r.get("summary")]
@@ -200,6 +215,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     renderers = (  # by file-name prefix: every results file of a kind, long runs too
+        ("attention", "Decode attention", attention_tables),
         ("blas", "BLAS", blas_tables),
         ("decode", "Decode", decode_tables),
         ("spec_memory", "Speculative decoding memory", spec_tables),

@@ -66,6 +66,17 @@ def test_decode(monkeypatch, tmp_path, tiny_model_dir):
     assert "### Decode (`decode.jsonl`)" in text and "### Decode (`decode_long.jsonl`)" in text
 
 
+def test_attention(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("attention", monkeypatch, tmp_path, tiny_model_dir)
+    assert [r["contender"] for r in lines] == ["rotating", "sink", "sink-bool"]
+    keys = {r["contender"]: r["keys"] for r in lines}
+    # rotating attends to sinks + window keys; the sink cache also to its 64 slack slots
+    assert keys == {"rotating": 4 + 32, "sink": 4 + 32 + 64, "sink-bool": 4 + 32 + 64}
+    assert lines[0]["over_rotating"] == 1.0 and all(r["ms_per_token"] > 0 for r in lines)
+    assert ENVIRONMENT_KEYS | {"layers", "heads", "kv_heads", "head_dim"} <= set(lines[0])
+    assert "| sink-bool | 100 |" in load_script("tables", monkeypatch).attention_tables(lines)
+
+
 def test_decode_full_max(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--full-max", "48")
     *rows, summary = lines
