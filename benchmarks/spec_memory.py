@@ -13,7 +13,7 @@ MLX's pool (``mx.get_cache_memory``) and active memory are sampled every ``--sam
 tokens. One JSON line per contender (with the sampled series), and a PNG of pool
 memory against tokens (``--plot``).
 
-    python benchmarks/spec_memory.py                   # 2,048 tokens each, ~10 min
+    python benchmarks/spec_memory.py                   # 2,048 tokens each: 8.0 min, quiet
     python benchmarks/spec_memory.py --tokens 10240    # the long run
     python benchmarks/spec_memory.py --replot a.jsonl b.jsonl --plot pool.png
 """
