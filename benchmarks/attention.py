@@ -1,9 +1,10 @@
 """Decode attention per cache: what the sink cache's design costs per token.
 
-One decode step's attention for every layer of the model and nothing else: each
-layer's cache builds its mask for one token (``make_mask``), takes the token's keys and
-values (``update_and_fetch``) and feeds ``mx.fast.scaled_dot_product_attention``, on
-caches already past their first eviction. Keys, values and queries are random in the
+One decode step's attention for every layer of the model and nothing else: the first
+layer's cache builds the mask for one token (``make_mask``, once per token as mlx-lm
+models do), then each layer's cache takes the token's keys and values
+(``update_and_fetch``) and feeds ``mx.fast.scaled_dot_product_attention``, on caches
+already past their first eviction. Keys, values and queries are random in the
 model's shapes; the model's matmuls are left out, so the figures isolate the cache.
 Contenders, timed round-robin:
 
@@ -17,7 +18,7 @@ Contenders, timed round-robin:
 One JSON line per contender: median milliseconds per token over all layers and the
 ratio to ``rotating``.
 
-    python benchmarks/attention.py                     # default model's shapes, ~1 min
+    python benchmarks/attention.py                     # default model's shapes, < 1 min
     python benchmarks/attention.py --window 4096
 """
 
@@ -71,8 +72,8 @@ def step(caches: list, q, k, v, scale: float, boolean: bool) -> tuple[list, int]
     import mlx.core as mx
 
     outs = []
+    mask = caches[0].make_mask(1, return_array=boolean)  # once per token, as models do
     for c in caches:
-        mask = c.make_mask(1, return_array=boolean)
         keys, values = c.update_and_fetch(k, v)
         outs.append(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask))
     return outs, keys.shape[-2]

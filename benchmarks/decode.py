@@ -6,7 +6,9 @@ Three caches are fed the same Moby-Dick tokens in one process:
 - ``rotating``: mlx-lm's ``generate_step`` on ``RotatingKVCache(max_size=sinks+window,
   keep=sinks)`` built per layer (``make_prompt_cache(max_kv_size=...)`` is ignored for
   llama, DESIGN.md section 4);
-- ``full``: mlx-lm's ``generate_step`` on its growing ``KVCache``.
+- ``full``: mlx-lm's ``generate_step`` on its growing ``KVCache``;
+- ``rotating-ours`` (only when named in ``--caches``): mlx-stream's ``generate_step`` on
+  the same ``RotatingKVCache``, to tell the decode loop's cost from the cache's.
 
 At each context length (default 1k, 4k, 8k, 16k tokens fed; the full cache stops at
 ``--full-max``, the model's 8k context) every cache decodes
@@ -33,6 +35,9 @@ import time
 import common
 
 CACHES = ("sink", "rotating", "full")
+# Only with --caches: mlx-stream's generate_step on mlx-lm's RotatingKVCache, which
+# splits the sink/rotating ratio into what the decode loop costs and what the cache costs.
+EXTRA = ("rotating-ours",)
 
 
 def make_cache(name: str, model, sinks: int, window: int) -> list:
@@ -43,7 +48,7 @@ def make_cache(name: str, model, sinks: int, window: int) -> list:
 
     if name == "sink":
         return make_sink_cache(model, sinks, window)
-    if name == "rotating":
+    if name.startswith("rotating"):
         return [RotatingKVCache(max_size=sinks + window, keep=sinks) for _ in model.layers]
     return make_prompt_cache(model)
 
@@ -61,7 +66,7 @@ def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: 
 
     from mlx_stream.decode import generate_step
 
-    if name == "sink":
+    if name in ("sink", "rotating-ours"):
         steps = generate_step(prompt, model, cache, max_tokens=tokens, prefill_step_size=step)
     else:
         steps = mlx_lm_step(
@@ -121,6 +126,10 @@ def summarize(records: list[dict], base: dict) -> dict:
     lo, hi = contexts[0], contexts[-1]
     summary = dict(base, summary=True, contexts=contexts)
     for c in contexts:
+        for a, b in (("sink", "rotating-ours"), ("rotating-ours", "rotating")):
+            if (a, c) in at and (b, c) in at:
+                ratio = at[a, c]["tok_s"] / at[b, c]["tok_s"]
+                summary[f"{a}_over_{b}_tok_s_{c}".replace("-", "_")] = round(ratio, 3)
         if ("sink", c) in at and ("rotating", c) in at:
             ratio = at["sink", c]["tok_s"] / at["rotating", c]["tok_s"]
             summary[f"sink_over_rotating_tok_s_{c}"] = round(ratio, 3)
@@ -151,7 +160,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--prefill-step", type=int, default=512)
-    parser.add_argument("--caches", default=",".join(CACHES), help="subset of sink,rotating,full")
+    parser.add_argument(
+        "--caches", default=",".join(CACHES),
+        help="subset of sink,rotating,full, and rotating-ours (our loop, mlx-lm's cache)",
+    )  # fmt: skip
     parser.add_argument(
         "--bare", type=int, default=16,
         help="bare one-token model calls per cache and context, timed round-robin",
@@ -167,7 +179,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import mlx.core as mx
 
     contexts = [int(c) for c in args.contexts.split(",")]
-    names = [n for n in args.caches.split(",") if n in CACHES]
+    names = args.caches.split(",")
+    unknown = [n for n in names if n not in CACHES + EXTRA]
+    if unknown:
+        parser.error(
+            f"unknown cache {', '.join(unknown)} (choose from {', '.join(CACHES + EXTRA)})"
+        )
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     book = common.book_tokens(tokenizer, contexts[-1] + args.repeats + 1)
     base = common.base_record(

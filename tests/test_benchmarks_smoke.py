@@ -77,6 +77,20 @@ def test_attention(monkeypatch, tmp_path, tiny_model_dir):
     assert "| sink-bool | 100 |" in load_script("tables", monkeypatch).attention_tables(lines)
 
 
+def test_decode_splits_loop_and_cache(monkeypatch, tmp_path, tiny_model_dir, capsys):
+    lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--caches",
+                "sink,rotating,rotating-ours")  # fmt: skip
+    *rows, summary = lines
+    assert {r["cache"] for r in rows} == {"sink", "rotating", "rotating-ours"}
+    for c in (48, 96):  # the sink/rotating ratio is the product of the two parts
+        parts = summary[f"sink_over_rotating_ours_tok_s_{c}"]
+        parts *= summary[f"rotating_ours_over_rotating_tok_s_{c}"]
+        assert parts == pytest.approx(summary[f"sink_over_rotating_tok_s_{c}"], rel=0.01)
+    with pytest.raises(SystemExit):
+        load_script("decode", monkeypatch).main(["--quick", "--caches", "sink,rotatin"])
+    assert "unknown cache rotatin" in capsys.readouterr().err
+
+
 def test_decode_full_max(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--full-max", "48")
     *rows, summary = lines
