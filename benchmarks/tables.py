@@ -88,6 +88,11 @@ def decode_tables(records: list[dict]) -> str:
             by_context("sink_over_rotating_tok_s_"),
             by_context("sink_over_rotating_bare_"),
         )
+        loop = by_context("rotating_ours_over_rotating_tok_s_")
+        if loop:  # --caches rotating-ours: the ratio split into loop and cache
+            cache = by_context("sink_over_rotating_ours_tok_s_")
+            out += ["", f"Loop (ours/mlx-lm, both on RotatingKVCache): {loop}; cache "
+                    f"(SinkCache/RotatingKVCache, both in our loop): {cache}."]  # fmt: skip
         out += ["", f"sink / rotating tok/s by context: {ratios}; bare call ms: {bare}; "
                 f"sink p50 growth {summary.get('sink_p50_growth')}, full-cache p50 growth "
                 f"{summary.get('full_p50_growth')}, full KV MB {summary.get('full_kv_mb_growth')}."]  # fmt: skip

@@ -86,6 +86,7 @@ def test_decode_splits_loop_and_cache(monkeypatch, tmp_path, tiny_model_dir, cap
         parts = summary[f"sink_over_rotating_ours_tok_s_{c}"]
         parts *= summary[f"rotating_ours_over_rotating_tok_s_{c}"]
         assert parts == pytest.approx(summary[f"sink_over_rotating_tok_s_{c}"], rel=0.01)
+    assert "Loop (ours/mlx-lm" in load_script("tables", monkeypatch).decode_tables(lines)
     with pytest.raises(SystemExit):
         load_script("decode", monkeypatch).main(["--quick", "--caches", "sink,rotatin"])
     assert "unknown cache rotatin" in capsys.readouterr().err
