@@ -178,6 +178,26 @@ def attention_tables(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+def quantized_tables(records: list[dict]) -> str:
+    summary = next((r for r in records if r.get("benchmark") == "quantized-summary"), None)
+    if not summary:
+        return ""
+    r0 = next(r for r in records if r.get("benchmark") == "quantized")
+    scored = f"{r0['tokens']} tokens scored" if r0["tokens"] else "decode speed only"
+    out = [f"Machine: {machine(r0)}. Sinks {r0['sinks']}, {scored}.", ""]
+    rows = [
+        [r["config"], r["window"], rounded(r.get("perplexity"), 5),
+         rounded(100 * r["perplexity_vs_float"]) if r.get("perplexity_vs_float") is not None
+         else "", round(r["cache_bytes_per_token"]), r["cache_mb"],
+         rounded(r["decode_ratio_vs_float"])]
+        for r in summary["rows"]
+    ]  # fmt: skip
+    header = ["cache", "window", "perplexity", "vs float %", "bytes/token", "cache MB",
+              "decode vs float"]  # fmt: skip
+    out.append(table(header, rows))
+    return "\n".join(out)
+
+
 def blas_tables(records: list[dict]) -> str:
     summary = next((r for r in records if r.get("summary")), None)
     rows = [r for r in records if not r.get("summary")]
@@ -225,6 +245,7 @@ def main(argv: list[str] | None = None) -> str:
         ("decode", "Decode", decode_tables),
         ("spec_memory", "Speculative decoding memory", spec_tables),
         ("perplexity", "Perplexity", perplexity_tables),
+        ("quantized", "Quantized cache", quantized_tables),
     )
     parts = []
     for path in sorted(args.results.glob("*.jsonl")):

@@ -27,6 +27,13 @@ def test_quantized_benchmark_quick(tmp_path, monkeypatch):
         < float_row["cache_bytes_per_token"]
     )
     assert len((tmp_path / "q.jsonl").read_text().splitlines()) == len(records) + 1
+    # tables.py renders the saved file (records and the summary line) as a table
+    sys.modules.pop("tables", None)
+    import tables
+
+    saved = tables.read(tmp_path / "q.jsonl")
+    rendered = tables.quantized_tables(saved)
+    assert "| 8-bit | 32 |" in rendered and "tokens scored" in rendered
 
 
 def test_quantized_benchmark_decode_only(tmp_path, monkeypatch):
