@@ -52,7 +52,7 @@ def make_caches(model, sinks: int, window: int) -> dict[str, list]:
     }
 
 
-def fill(caches: list, kv_heads: int, head_dim: int, tokens: int, chunk: int) -> None:
+def fill(caches: list, kv_heads: int, head_dim: int, tokens: int, chunk: int, dtype) -> None:
     """Feed ``tokens`` random keys/values to every layer's cache, ``chunk`` at a time
     (within what a SinkCache admits per call)."""
     import mlx.core as mx
@@ -62,7 +62,7 @@ def fill(caches: list, kv_heads: int, head_dim: int, tokens: int, chunk: int) ->
     done = 0
     while done < tokens:
         n = min(chunk, tokens - done, max_call_tokens(caches) or chunk)
-        kv = mx.random.normal((2, 1, kv_heads, n, head_dim), key=mx.random.key(done))
+        kv = mx.random.normal((2, 1, kv_heads, n, head_dim), key=mx.random.key(done)).astype(dtype)
         mx.eval([c.update_and_fetch(kv[0], kv[1]) for c in caches])
         done += n
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     caches = make_caches(model, args.sinks, args.window)
     past = args.sinks + args.window + 3 * 64  # past the first eviction and a rebase
     for cache in caches.values():
-        fill(cache, kv_heads, head_dim, past, 64)
+        fill(cache, kv_heads, head_dim, past, 64, dtype)
     key = mx.random.key(1)
     q = mx.random.normal((1, heads, 1, head_dim), key=key).astype(dtype)
     k, v = mx.random.normal((2, 1, kv_heads, 1, head_dim), key=key).astype(dtype)
