@@ -5,7 +5,7 @@ mlx-lm cannot quantize its rolling cache (``RotatingKVCache.to_quantized`` raise
 so the comparison is mlx-stream's float SinkCache against its own 8- and 4-bit ones,
 all in the same process on the same token stream. One JSON line per configuration.
 
-    python benchmarks/quantized.py                      # 4k tokens of Moby-Dick, window 256: 8.8 min, quiet
+    python benchmarks/quantized.py                      # 4k tokens, window 256: 8.8 min, quiet
     python benchmarks/quantized.py --tokens 8192        # the README run (14.1 min, quiet)
 """
 
