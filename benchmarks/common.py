@@ -30,11 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENV_DATA = "MLX_STREAM_DATA"
+DATA = REPO / "benchmarks" / "data"
 
 
 def data_dir() -> Path:
-    """The folder of evaluation texts: ``$MLX_STREAM_DATA`` or ``../shared/data``."""
-    return Path(os.environ.get(ENV_DATA, REPO.parent / "shared" / "data"))
+    """The folder of evaluation texts: ``$MLX_STREAM_DATA``, else the public-domain
+    books this repository carries in ``benchmarks/data`` (see its MANIFEST.json)."""
+    return Path(os.environ.get(ENV_DATA, DATA))
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ Three caches are fed the same Moby-Dick tokens in one process:
 - ``sink``: mlx-stream's ``generate_step`` on ``make_sink_cache(model, sinks, window)``;
 - ``rotating``: mlx-lm's ``generate_step`` on ``RotatingKVCache(max_size=sinks+window,
   keep=sinks)`` built per layer (``make_prompt_cache(max_kv_size=...)`` is ignored for
-  llama, DESIGN.md section 4);
+  llama: mlx-lm's ``make_cache`` wins);
 - ``full``: mlx-lm's ``generate_step`` on its growing ``KVCache``;
 - ``rotating-ours`` (only when named in ``--caches``): mlx-stream's ``generate_step`` on
   the same ``RotatingKVCache``, to tell the decode loop's cost from the cache's.

@@ -6,7 +6,7 @@ token of the previous call plus all but the last of the new tokens, and scores t
 tokens; the last new token becomes pending. So every token after the first is scored
 exactly once, and a checkpoint needs only the cache, the sums, the stream position and
 that pending token. Calls never feed more than ``max_call_tokens`` of the cache, so
-chunked evaluation gives the token-by-token numbers (DESIGN section 3).
+chunked evaluation gives the token-by-token numbers (see ``mlx_stream.cache``).
 
 Baselines: ``positions="absolute"`` (mlx-lm-style sinks at absolute positions),
 ``sinks=0`` (window only), a ``prompt_cache`` of mlx-lm ``KVCache``s (full cache), and

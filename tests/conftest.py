@@ -9,7 +9,7 @@ from tests import tiny
 # Where the real default model lives, captured before any test redirects the home.
 REAL_HOME = os.environ.get("MLX_STREAM_HOME")
 REPO = Path(__file__).resolve().parent.parent
-DATA = REPO.parent / "shared" / "data"
+DATA = REPO / "benchmarks" / "data"  # public-domain books carried by the repository
 
 
 def assert_one_line_error(result, code: int, *words: str) -> None:
