@@ -1,0 +1,169 @@
+"""Soak: one stream of a million tokens through ``stream-run``'s engine, in fixed memory.
+
+The books in ``benchmarks/data`` are repeated end to end as one token stream and fed
+through ``mlx_stream.evaluate.stream_perplexity`` (what ``mlx-stream stream-run`` runs)
+with the sink + window cache. Every ``--sample`` tokens one JSON line records MLX's
+active memory, its buffer pool, the process's resident memory, the cache's RoPE offset
+(bounded by ``max_offset``) and the perplexity of the tokens since the previous line.
+Lines are appended to ``--out`` as they come, so a run cut short keeps what it measured;
+the plot is redrawn every ``--plot-every`` samples and at the end.
+
+    OPENBLAS_NUM_THREADS=1 nice python benchmarks/soak.py --tokens 1000000 --window 1024
+    python benchmarks/soak.py --quick                          # 4k tokens, window 64
+    python benchmarks/soak.py --replot results/soak.jsonl --plot results/soak.png
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import common
+
+BOOKS = ("moby_dick", "paradise_lost", "botchan", "alice_in_wonderland")
+
+
+def book_stream(tokenizer, books=BOOKS) -> Iterator[int]:
+    """The books tokenized block by block, one after another, forever."""
+    from mlx_stream.evaluate import iter_tokens
+
+    first = True
+    while True:
+        for book in books:
+            path = common.data_dir() / f"{book}.txt"
+            yield from iter_tokens(path, tokenizer, add_special_tokens=first)
+            first = False
+
+
+def rss_mb() -> float | None:
+    """Resident memory of this process in MB (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1e3
+    except OSError:
+        return None
+    return None
+
+
+class Sampler:
+    """The stream_perplexity callback: one JSON line every ``every`` tokens."""
+
+    def __init__(self, caches: list, every: int, out: Path | None, plot: Path | None,
+                 plot_every: int, base: dict):  # fmt: skip
+        self.caches, self.every, self.out = caches, every, out
+        self.plot, self.plot_every, self.base = plot, plot_every, base
+        self.last_position, self.last_nll_sum = 1, 0.0
+        self.records: list[dict] = []
+        self.tic = time.perf_counter()
+
+    def __call__(self, position: int, perplexity: float) -> None:
+        if position // self.every == self.last_position // self.every:
+            return
+        import mlx.core as mx
+
+        # Scored tokens are position - 1; the running mean NLL gives the segment's sum.
+        nll_sum = math.log(perplexity) * (position - 1)
+        scored = position - self.last_position
+        segment_nll = (nll_sum - self.last_nll_sum) / scored
+        sink = next(c for c in self.caches if hasattr(c, "max_offset"))
+        record = dict(
+            self.base,
+            tokens=position,
+            seconds=round(time.perf_counter() - self.tic, 1),
+            active_mb=round(mx.get_active_memory() / 1e6, 2),
+            pool_mb=round(mx.get_cache_memory() / 1e6, 2),
+            peak_mb=round(mx.get_peak_memory() / 1e6, 2),
+            rss_mb=rss_mb(),
+            cache_nbytes_mb=round(sum(c.nbytes for c in self.caches) / 1e6, 3),
+            offset=sink.offset,
+            max_offset=sink.max_offset,
+            segment_tokens=scored,
+            segment_ppl=round(math.exp(segment_nll), 4),
+            running_ppl=round(perplexity, 4),
+        )
+        common.emit(record, self.out)
+        self.records.append(record)
+        self.last_position, self.last_nll_sum = position, nll_sum
+        if self.plot is not None and len(self.records) % self.plot_every == 0:
+            draw(self.records, self.plot)
+
+
+def draw(records: list[dict], path: Path) -> None:
+    """Three panels against tokens: memory, the cache's RoPE offset, segment perplexity."""
+    plt = common.pyplot()
+    x = [r["tokens"] / 1e6 for r in records]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    ax = axes[0]
+    ax.plot(x, [r["active_mb"] for r in records], label="MLX active")
+    ax.plot(x, [r["pool_mb"] for r in records], label="MLX buffer pool")
+    if all(r.get("rss_mb") is not None for r in records):
+        ax.plot(x, [r["rss_mb"] for r in records], label="process RSS")
+    ax.set_ylabel("MB")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="center right")
+    last = records[-1]
+    ax.set_title(
+        f"soak: {last['model']}, sinks {last['sinks']} + window {last['window']}, "
+        f"{last['tokens']:,} tokens"
+    )
+    ax = axes[1]
+    ax.plot(x, [r["offset"] for r in records], ".", markersize=4, label="cache offset")
+    ax.axhline(last["max_offset"], color="gray", linestyle="--", label="max_offset")
+    ax.set_ylabel("RoPE position")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="center right")
+    ax = axes[2]
+    ax.plot(x, [r["segment_ppl"] for r in records], label=f"per {last['sample']} tokens")
+    ax.set_ylabel("perplexity")
+    ax.set_xlabel("tokens streamed (millions)")
+    ax.legend(loc="upper right")
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="stream length")
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--sample", type=int, default=8192, help="tokens per JSON line")
+    parser.add_argument("--plot", type=Path, help="PNG of the samples")
+    parser.add_argument("--plot-every", type=int, default=16, help="redraw every N samples")
+    parser.add_argument("--replot", type=Path, nargs="+", help="only plot saved JSON lines")
+    args = parser.parse_args(argv)
+    if args.replot:
+        records = common.saved_records(parser, args.replot, lambda r: r.get("bench") == "soak")
+        draw(records, args.plot or args.replot[0].with_suffix(".png"))
+        return
+    if args.quick:
+        args.tokens, args.window, args.sample = 4096, 64, 512
+    from mlx_stream.cache import make_sink_cache
+    from mlx_stream.evaluate import stream_perplexity
+
+    model, tokenizer, weights = common.load_model(args.model, args.dtype)
+    caches = make_sink_cache(model, args.sinks, args.window)
+    base = common.base_record(
+        "soak", args.model, weights, sinks=args.sinks, window=args.window, chunk=args.chunk,
+        sample=args.sample, target_tokens=args.tokens,
+    )  # fmt: skip
+    sampler = Sampler(caches, args.sample, args.out, args.plot, args.plot_every, base)
+    result = stream_perplexity(
+        model, book_stream(tokenizer), sinks=args.sinks, window=args.window, chunk=args.chunk,
+        prompt_cache=caches, callback=sampler, segment=args.sample, limit_tokens=args.tokens,
+    )  # fmt: skip
+    if args.plot is not None and sampler.records:
+        draw(sampler.records, args.plot)
+    print(
+        f"soak: {result.position} tokens, perplexity {result.perplexity:.3f}, "
+        f"{result.tokens_per_second:.0f} tok/s, {result.seconds:.0f} s",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    common.main_guard(main)
