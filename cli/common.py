@@ -23,6 +23,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `cmd | head`
 DEBUG_ENV = "MLX_STREAM_DEBUG"
 SNIFF_BYTES = 1 << 16
 
@@ -78,7 +79,12 @@ def handle_errors(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return result
+        except BrokenPipeError:
+            silence_stdout()
+            raise typer.Exit(EXIT_BROKEN_PIPE) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except KeyboardInterrupt:
@@ -95,6 +101,43 @@ def handle_errors(func: F) -> F:
             raise typer.Exit(exit_code_for(exc)) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null: the reader of a pipe went away (``| head``), and
+    Python's final flush must not print a traceback about it."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def json_line(data: Any) -> str:
+    """``data`` as one JSON line in which NaN and infinities are ``null`` (JSON has
+    no such numbers, and a reader must never mistake one for a figure)."""
+    import json
+    import math
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(data), allow_nan=False)
+
+
+def lenient_stdin():
+    """Standard input as text where undecodable bytes become U+FFFD, not a crash."""
+    import io
+
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # already text (a test runner's stand-in)
+        return sys.stdin
+    return io.TextIOWrapper(buffer, encoding="utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------- checks
@@ -185,6 +228,26 @@ def check_output_path(path: str | Path) -> Path:
     return path
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (an existing file by inode, else by path)."""
+    a, b = Path(a), Path(b)
+    with contextlib.suppress(OSError):
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def check_distinct(outputs: dict[str, Any], inputs: dict[str, Any]) -> None:
+    """One-line error when an output path (``{flag: path}``, None skipped) names an
+    input or another output: writing it would destroy what it is computed from."""
+    outs = [(flag, path) for flag, path in outputs.items() if path is not None]
+    ins = [(flag, path) for flag, path in inputs.items() if path not in (None, "-")]
+    for i, (flag, path) in enumerate(outs):
+        for other, where in ins + outs[:i]:
+            if same_file(path, where):
+                fail(f"{flag} {path} is the same file as {other} {where}: choose another path")
+
+
 # ----------------------------------------------------------------- atomic writes
 
 
@@ -193,17 +256,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success move it over ``path``.
 
     The temporary name keeps the suffix of ``path`` (some writers pick the format
-    from it). On any error the temporary file is removed and ``path`` is untouched,
-    so readers never see a half-written file.
+    from it) and carries this process's pid, so a later run removes it if this one is
+    killed. On any error the temporary file is removed and ``path`` is untouched, so
+    readers never see a half-written file. The file gets the mode the umask gives.
     """
+    from mlx_stream import files
+
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
-    )
+    files.remove_stale(path)  # what a killed run left beside it
+    fd, tmp = tempfile.mkstemp(prefix=files.temp_prefix(path), suffix=path.suffix, dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, files.file_mode())  # mkstemp makes it private; follow the umask
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -308,7 +374,7 @@ def _pull_progress(console, what: str) -> Iterator[Callable[..., None]]:
 
 def sizes(spec, sinks: int | None, window: int | None) -> tuple[int, int]:
     """``(sinks, window)``: the options if given, else the registry entry's defaults."""
-    from mlx_stream.cache import DEFAULT_SINKS, DEFAULT_WINDOW
+    from mlx_stream.defaults import DEFAULT_SINKS, DEFAULT_WINDOW
 
     if sinks is None:
         sinks = spec.sinks if spec is not None else DEFAULT_SINKS

@@ -12,13 +12,17 @@ from typing import Annotated
 
 import typer
 
-# Defaults shared by the commands (mlx-lm's names where a value passes straight through).
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_NUM_DRAFT_TOKENS = 3
-DEFAULT_CHUNK = 64
+from mlx_stream.defaults import (  # noqa: F401 - the commands read them from here
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHUNK,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_RECLAIM_EVERY,
+)
+
+# Defaults of the CLI only.
 DEFAULT_SEGMENT = 1024
 DEFAULT_PROFILE_TOKENS = 1000
-DEFAULT_EVERY = 256
 
 Model = Annotated[
     str | None,
@@ -105,6 +109,10 @@ LimitTokens = Annotated[
 Checkpoint = Annotated[
     Path | None,
     typer.Option(help="Save the cache and running totals here as the stream goes (atomic)."),
+]
+CheckpointEvery = Annotated[
+    int,
+    typer.Option("--checkpoint-every", help="Tokens between checkpoints (and one on Ctrl-C)."),
 ]
 Resume = Annotated[
     Path | None,

@@ -35,9 +35,9 @@ from cli.common import (
     load_model,
     sizes,
 )
+from mlx_stream.defaults import RECLAIM_MODES
 
 CACHES = ("sink", "full", "rotating")
-SCHEDULES = ("crossing", "exact", "none")
 DEFAULT_PROMPT = "Once upon a time, in a small town by the sea, there lived"
 SPARKS = "▁▂▃▄▅▆▇█"
 CHART_WIDTH = 60
@@ -62,7 +62,7 @@ def settings_for(cache: str, schedule: str, draft: bool, compare: bool) -> list[
     if not compare:
         return [Setting(cache, schedule, draft)]
     if draft:
-        return [Setting(cache, s, True) for s in SCHEDULES]
+        return [Setting(cache, s, True) for s in RECLAIM_MODES]
     return [Setting(c, schedule, False) for c in CACHES]
 
 
@@ -300,7 +300,7 @@ def profile(
     tokens: opt.Tokens = opt.DEFAULT_PROFILE_TOKENS,
     cache: opt.CacheKind = "sink",
     schedule: opt.Schedule = "crossing",
-    every: opt.Every = opt.DEFAULT_EVERY,
+    every: opt.Every = opt.DEFAULT_RECLAIM_EVERY,
     sinks: opt.Sinks = None,
     window: opt.Window = None,
     draft_model: opt.DraftModel = None,
@@ -326,7 +326,7 @@ def profile(
     check_positive(window, "--window")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_choice(cache, "--cache", CACHES)
-    check_choice(schedule, "--schedule", SCHEDULES)
+    check_choice(schedule, "--schedule", RECLAIM_MODES)
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     if kv_bits is not None and (cache != "sink" or (compare and not draft_model)):
         fail("--kv-bits quantizes the sink cache: use it with --cache sink, without --compare")

@@ -9,7 +9,6 @@ question of whatever the window still holds.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
@@ -20,21 +19,26 @@ import typer
 
 from cli import options as opt
 from cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
     atomic_path,
     atomic_write_csv,
     check_choice,
+    check_distinct,
     check_kv_bits,
     check_output_path,
     check_positive,
     check_text_file,
+    error_line,
     fail,
     handle_errors,
+    json_line,
+    lenient_stdin,
     load_model,
     sizes,
     stderr_console,
 )
 
-POSITIONS = ("cache", "absolute")
 CHECKPOINT_SUFFIX = ".safetensors"
 Source = Annotated[
     str,
@@ -80,52 +84,34 @@ def check_checkpoint_name(path: Path, flag: str) -> Path:
     return path
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """The evaluation state and cache sizes saved in a ``--checkpoint`` file."""
-    import mlx.core as mx
-
-    from mlx_stream.evaluate import CHECKPOINT_KEY
-
-    if not path.exists():
-        fail(f"{path}: no such checkpoint")
-    if path.is_dir():
-        fail(f"{path}: is a directory, expected a checkpoint file")
-    try:
-        _, meta = mx.load(str(path), format="safetensors", return_metadata=True)
-        totals = json.loads(meta[CHECKPOINT_KEY])
-        layers = json.loads(meta["mlx_stream"])["layers"]
-    except (ValueError, KeyError, RuntimeError, OSError) as exc:
-        fail(f"{path}: not a stream-run checkpoint ({type(exc).__name__})")
-    sink = next((layer["meta"] for layer in layers if layer.get("meta")), {})
-    return {"totals": totals, "sinks": sink.get("sinks"), "window": sink.get("window")}
-
-
 def prepare_resume(
-    resume: Path, checkpoint: Path | None, segment: int, sinks: int | None, window: int | None
+    resume: Path, checkpoint: Path | None, sinks: int | None, window: int | None
 ) -> tuple[Path, int, int]:
     """Check ``--resume`` against the options; returns (checkpoint to continue, sinks,
     window) as saved. With a different ``--checkpoint`` the saved file is copied there
-    first, so the original stays as it was."""
-    saved = read_checkpoint(check_checkpoint_name(resume, "--resume"))
-    if saved["totals"].get("segment") != segment:
-        fail(f"{resume}: saved with --segment {saved['totals'].get('segment')}; pass the same")
-    for flag, given, kept in (("--sinks", sinks, saved["sinks"]), ("--window", window, saved["window"])):  # fmt: skip
-        if given is not None and kept is not None and given != kept:
-            fail(f"{resume}: saved with {flag} {kept}, not {given}")
+    first, so the original stays as it was. The other settings, the model and the text
+    are checked when the checkpoint is loaded (``mlx_stream.checkpoint``)."""
+    from mlx_stream.checkpoint import read_metadata
+
+    saved = read_metadata(check_checkpoint_name(resume, "--resume"))["identity"]
+    for flag, given in (("sinks", sinks), ("window", window)):
+        if given is not None and saved.get(flag) != given:
+            fail(f"{resume}: made with --{flag} {saved.get(flag)}, not {given}")
     target = resume
     if checkpoint is not None and checkpoint.resolve() != resume.resolve():
         with atomic_path(checkpoint) as tmp:
             shutil.copyfile(resume, tmp)
         target = checkpoint
-    return target, saved["sinks"], saved["window"]
+    return target, saved.get("sinks", sinks), saved.get("window", window)
 
 
 def open_source(path: str) -> tuple[Any, int | None]:
     """The text to stream (a file or stdin) and its size in bytes when known."""
     if path == "-":
-        return sys.stdin, None
+        return lenient_stdin(), None
     checked = check_text_file(path)
-    return open(checked, encoding="utf-8"), checked.stat().st_size  # noqa: SIM115
+    # The head was checked; a stray bad byte further on becomes U+FFFD, not an error.
+    return open(checked, encoding="utf-8", errors="replace"), checked.stat().st_size  # noqa: SIM115
 
 
 def make_progress(console: Any):
@@ -161,8 +147,10 @@ def evaluate(
     segment: int,
     limit_tokens: int | None,
     checkpoint: Path | None,
+    checkpoint_every: int,
     resume: bool,
     kv: dict,
+    identity: dict,
 ):
     """Run ``evaluate.stream_perplexity`` under a progress bar.
 
@@ -170,14 +158,17 @@ def evaluate(
         ``(result, caches)``: the caches as they ended (reloaded from the checkpoint
         when one was written, since a resumed run loads its own).
     """
+    import signal
     import time
 
-    from mlx_stream.cache import load_cache, make_sink_cache
+    from mlx_stream.cache import load_cache
+    from mlx_stream.decode import StopOnInterrupt
+    from mlx_stream.estimate import make_checked_sink_cache
     from mlx_stream.evaluate import stream_perplexity
 
     caches = None
     if not resume:
-        caches = make_sink_cache(model, sinks, window, positions=positions, **kv)
+        caches = make_checked_sink_cache(model, sinks, window, positions=positions, **kv)
     console = stderr_console()
     progress = make_progress(console)
     task = progress.add_task("stream", total=limit_tokens, tps="-", ppl="-")
@@ -198,15 +189,19 @@ def evaluate(
             tps=f"{(position - first[0]) / elapsed:.0f}" if elapsed > 0 else "-",
         )  # fmt: skip
 
-    # Only a terminal gets the live bar; a log file or a pipe stays clean.
-    with progress if console.is_terminal else contextlib.nullcontext():
+    # Only a terminal gets the live bar; a log file or a pipe stays clean. Ctrl-C or
+    # SIGTERM stops between model calls, so the checkpoint written then is whole.
+    signals = (signal.SIGINT, signal.SIGTERM)
+    with StopOnInterrupt(signals) as stop, progress if console.is_terminal else contextlib.nullcontext():  # fmt: skip
         result = stream_perplexity(
             model, tokens, sinks=sinks, window=window, chunk=chunk, positions=positions,
             prompt_cache=caches, callback=callback, segment=segment,
             limit_tokens=limit_tokens, checkpoint=checkpoint, resume=resume,
+            checkpoint_every=checkpoint_every, identity=identity,
+            should_stop=lambda: stop.interrupted,
         )  # fmt: skip
-    if checkpoint is not None:
-        caches, _ = load_cache(checkpoint, model)
+    if checkpoint is not None and resume and result.checkpoint_error is None:
+        caches, _ = load_cache(checkpoint, model)  # a resumed run loaded its own
     return result, caches
 
 
@@ -256,7 +251,7 @@ def report(result: Any, sinks: int, window: int, positions: str, as_json: bool, 
         **extra,
     }
     if as_json:
-        typer.echo(json.dumps(data))
+        typer.echo(json_line(data))
         return
     from rich import box
     from rich.console import Console
@@ -281,6 +276,14 @@ def fmt_ppl(value: float) -> str:
     return f"{value:.2f}" if value < 1e5 else f"{value:.3g}"
 
 
+def interrupted_line(result: Any, checkpoint: Path | None) -> str:
+    """What a stopped run says on stderr: where it stopped, and how to go on."""
+    where = f"interrupted at token {result.position}"
+    if checkpoint is not None and result.checkpoint_error is None:
+        return f"{where}; checkpoint saved, continue with --resume {checkpoint}"
+    return f"{where}; nothing saved (pass --checkpoint FILE to keep a stopped run)"
+
+
 @handle_errors
 def stream_run(
     path: Source,
@@ -296,6 +299,7 @@ def stream_run(
     json_out: opt.Json = False,
     csv: opt.Csv = None,
     checkpoint: opt.Checkpoint = None,
+    checkpoint_every: opt.CheckpointEvery = opt.DEFAULT_CHECKPOINT_EVERY,
     resume: opt.Resume = None,
     dtype: opt.Dtype = "auto",
     kv_bits: opt.KvBits = None,
@@ -305,14 +309,18 @@ def stream_run(
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
     Scores every token and reports perplexity overall and per segment. --prompt then
-    answers a question from what is still in the window.
+    answers a question from what is still in the window. Ctrl-C (or SIGTERM) stops
+    between model calls, saves --checkpoint and prints the figures so far.
     """
+    from mlx_stream.defaults import POSITIONS
+
     check_positive(sinks, "--sinks", 0)
     check_positive(window, "--window")
     check_positive(chunk, "--chunk")
     check_positive(segment, "--segment")
     check_positive(limit_tokens, "--limit-tokens", 2)
     check_positive(max_tokens, "--max-tokens")
+    check_positive(checkpoint_every, "--checkpoint-every")
     check_choice(positions, "--positions", POSITIONS)
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     if prompt is not None and not prompt.strip():
@@ -321,30 +329,44 @@ def stream_run(
         check_output_path(csv)
     if checkpoint is not None:
         check_output_path(check_checkpoint_name(checkpoint, "--checkpoint"))
+    # Continuing a checkpoint in place is what --resume X --checkpoint X means.
+    check_distinct({"--csv": csv, "--checkpoint": checkpoint}, {"the input": path})
+    check_distinct({"--csv": csv}, {"--resume": resume})
     f, size = open_source(path)
     try:
         if resume is not None:
-            checkpoint, sinks, window = prepare_resume(resume, checkpoint, segment, sinks, window)
+            checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
         target, tokenizer, spec = load_model(model, dtype)
         sinks, window = sizes(spec, sinks, window)
         from mlx_stream.evaluate import iter_tokens
+        from mlx_stream.loader import resolve_dtype
 
         reader = CountingReader(f)
         tokens = Tracked(iter_tokens(reader, tokenizer))
+        kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
+        identity = {
+            "model": spec.name if spec is not None else str(Path(model).resolve()),
+            "dtype": resolve_dtype(dtype), "sinks": sinks, "window": window,
+            "positions": positions, "kv-bits": kv_bits, "kv-key-bits": kv_key_bits,
+            "kv-group-size": kv_group_size if kv_bits is not None else None,
+        }  # fmt: skip
         result, caches = evaluate(
             target, tokens, reader, size, sinks, window, chunk, positions, segment,
-            limit_tokens, checkpoint, resume is not None,
-            {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits},
+            limit_tokens, checkpoint, checkpoint_every, resume is not None, kv, identity,
         )  # fmt: skip
     finally:
         if f is not sys.stdin:
             f.close()
     if result.tokens == 0:
         fail(f"{'stdin' if path == '-' else path}: too short, no token to score")
-    if csv is not None:
-        atomic_write_csv(csv, [dict(s) for s in result.segments])
-    if not json_out:
-        report(result, sinks, window, positions, False, {})
+    # The main result goes out first: a side output that fails cannot take it along.
+    if not json_out or result.interrupted:
+        report(
+            result, sinks, window, positions, json_out, {"interrupted": True} if json_out else {}
+        )
+    if result.interrupted:
+        error_line(interrupted_line(result, checkpoint))
+        raise typer.Exit(EXIT_INTERRUPTED)
     extra: dict[str, Any] = {}
     if prompt is not None:
 
@@ -357,3 +379,12 @@ def stream_run(
             print(flush=True)
     if json_out:
         report(result, sinks, window, positions, True, extra)
+    failures = [result.checkpoint_error] if result.checkpoint_error else []
+    if csv is not None:
+        try:
+            atomic_write_csv(csv, [dict(s) for s in result.segments])
+        except OSError as e:
+            failures.append(f"cannot write --csv {csv}: {e.strerror or e}")
+    if failures:
+        error_line("; ".join(failures))
+        raise typer.Exit(EXIT_RUNTIME)

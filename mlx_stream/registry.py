@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_stream import files
+from mlx_stream.defaults import DEFAULT_SINKS, DEFAULT_WINDOW
 from mlx_stream.errors import UserError
 
 ENV_HOME = "MLX_STREAM_HOME"
 REGISTRY_FILE = "models.yaml"
 SOURCE_KINDS = ("hf", "pypi", "path")
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 1024
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ENTRY_FIELDS = {"description", "sources", "chat_template", "sinks", "window"}
 _SOURCE_FIELDS = {"hf": {"hf"}, "pypi": {"pypi", "file", "sha256"}, "path": {"path"}}
@@ -339,27 +339,10 @@ def notify(progress: ProgressCallback | None, done: int, total: int | None, stag
         progress(done, total, stage)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def remove_stale_partials(target: Path) -> list[Path]:
-    """Remove temp dirs left beside ``target`` by a killed pull (``SIGKILL`` skips the
-    cleanup): ``.NAME.partial-PID-*`` and ``.NAME.old-PID-*`` whose process is gone."""
-    removed = []
-    for kind in ("partial", "old"):
-        for path in target.parent.glob(f".{target.name}.{kind}-*"):
-            pid = path.name[len(f".{target.name}.{kind}-") :].split("-", 1)[0]
-            if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
+    """Remove temporaries left beside ``target`` by a killed pull or removal
+    (``SIGKILL`` skips the cleanup): see :func:`mlx_stream.files.remove_stale`."""
+    return files.remove_stale(target)
 
 
 @contextmanager
@@ -374,14 +357,13 @@ def atomic_folder(target: Path) -> Iterator[Path]:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(target)
-    pid = os.getpid()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{pid}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=files.temp_prefix(target), dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not secret
     try:
         yield tmp
         if target.exists():
             # os.replace cannot replace a non-empty directory: move the old one aside.
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{pid}-", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=files.temp_prefix(target, "old"), dir=target.parent))
             os.replace(target, old / "x")
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)

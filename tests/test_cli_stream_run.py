@@ -165,7 +165,7 @@ def test_resume_from_missing_or_foreign_file(tiny_model_dir, text_file, tmp_path
     ckpt = tmp_path / "ok.safetensors"
     run_json(*args, "--limit-tokens", "100", "--checkpoint", str(ckpt))
     result = run(*args, "--segment", "50", "--resume", str(ckpt))
-    assert_one_line_error(result, 2, "--segment 100")
+    assert_one_line_error(result, 2, "segment 100", "segment 50")
 
 
 def test_unwritable_output_paths(tiny_model_dir, text_file, tmp_path):

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_stream.cache import make_sink_cache
 from mlx_stream.decode import DecodeState, StopOnInterrupt, generate_step, stream_generate
+from mlx_stream.errors import UserError
 from mlx_stream.reclaim import ReclaimSchedule
 from tests import tiny
 
@@ -91,7 +92,7 @@ def test_chat_turns_equal_one_prompt_of_the_whole_conversation(tiny_llama):
 def test_speculative_on_a_wrapped_rotating_cache_refuses(tiny_llama):
     # mlx-lm's ring cannot rewind once it wraps: say so instead of diverging silently.
     cache = [RotatingKVCache(max_size=SINKS + WINDOW, keep=SINKS) for _ in range(4)]
-    with pytest.raises(ValueError, match="RotatingKVCache"):
+    with pytest.raises(UserError, match="RotatingKVCache"):
         greedy(tiny_llama, cache, draft_model=tiny_llama, num_draft_tokens=2)
 
 

@@ -1,0 +1,182 @@
+"""Stream-run checkpoints: what they belong to, and proof their arrays are intact.
+
+A checkpoint is a ``save_cache`` file (safetensors) whose metadata also holds:
+
+- the evaluation state (stream position, pending token, NLL sums per segment);
+- its *identity*: the model, the weights' dtype, every cache setting and the segment
+  size, plus ``text_sha256``, a digest of the token ids consumed so far;
+- ``checksum``: a sha256 over every array of the cache, computed before saving.
+
+Resuming checks the identity against the new run (any difference is a
+:class:`~mlx_stream.errors.UserError` naming the field), the checksum against the
+arrays loaded, and the digest against the first tokens of the new stream, so a
+checkpoint never continues another document, other settings or corrupted data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_stream import files
+from mlx_stream.errors import UserError
+
+SUFFIX = ".safetensors"
+STATE_KEY = "mlx_stream_eval"  # the evaluation state (JSON)
+IDENTITY_KEY = "mlx_stream_run"  # what the checkpoint belongs to (JSON)
+CHECKSUM_KEY = "mlx_stream_checksum"  # sha256 of the cache arrays
+TEXT_FIELD = "text_sha256"
+MAX_HEADER = 1 << 28
+
+
+class TextDigest:
+    """A running sha256 over the token ids of a stream (each as 8 bytes, little end)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, tokens: list[int]) -> None:
+        self._h.update(np.asarray(tokens, dtype="<i8").tobytes())
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def checksum(caches: list) -> str:
+    """sha256 over every array of a prompt cache: layer, name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for i, c in enumerate(caches):
+        arrays = [(k, v) for k, v in tree_flatten(list(c.state)) if isinstance(v, mx.array)]
+        mx.eval([v for _, v in arrays])
+        for key, value in arrays:
+            h.update(f"{i}.{key}:{value.dtype}:{value.shape}".encode())
+            h.update(memoryview(_raw(value)))
+    return h.hexdigest()
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    """The bytes of ``a`` as a numpy array (bfloat16 has no numpy dtype: viewed as bytes)."""
+    flat = a.reshape(-1)
+    if flat.dtype == mx.bool_:
+        flat = flat.astype(mx.uint8)
+    return np.array(flat.view(mx.uint8), copy=False)
+
+
+def save(path: str | os.PathLike, caches: list, state: dict, identity: dict) -> None:
+    """Write a checkpoint atomically (a temporary beside ``path``, then a rename).
+
+    Args:
+        path: The ``.safetensors`` file.
+        caches (list): The prompt cache.
+        state (dict): The evaluation state (JSON-able).
+        identity (dict): What it belongs to, ``text_sha256`` included (JSON-able).
+    """
+    from mlx_stream.cache import save_cache
+
+    path = Path(path)
+    files.remove_stale(path)  # a save killed midway leaves its temporary
+    tmp = path.with_name(f"{files.temp_prefix(path)}{SUFFIX}")
+    metadata = {
+        STATE_KEY: json.dumps(state),
+        IDENTITY_KEY: json.dumps(identity, sort_keys=True),
+        CHECKSUM_KEY: checksum(caches),
+    }
+    try:
+        save_cache(tmp, caches, metadata)
+        os.chmod(tmp, files.file_mode())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's state, identity and checksum, read from the header alone.
+
+    Returns:
+        ``{"state": dict, "identity": dict, "checksum": str}``.
+
+    Raises:
+        UserError: Missing, a folder, not a safetensors file, or not a checkpoint
+            written by this version.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such checkpoint")
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, expected a checkpoint file")
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_HEADER:
+                raise ValueError("header too large")
+            header = json.loads(f.read(size))
+        meta = header["__metadata__"]
+        out = {
+            "state": json.loads(meta[STATE_KEY]),
+            "identity": json.loads(meta[IDENTITY_KEY]),
+            "checksum": meta[CHECKSUM_KEY],
+        }
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise UserError(
+            f"{path}: not a stream-run checkpoint of this version ({type(e).__name__})"
+        ) from None
+    if not isinstance(out["state"], dict) or not isinstance(out["identity"], dict):
+        raise UserError(f"{path}: not a stream-run checkpoint of this version")
+    return out
+
+
+def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:
+    """A :class:`UserError` naming the first field where ``current`` differs from
+    what the checkpoint was made with (the text digest is checked separately)."""
+    for field in sorted(current):
+        if field == TEXT_FIELD:
+            continue
+        if saved.get(field) != current[field]:
+            raise UserError(
+                f"{path}: made with {field} {_show(saved.get(field))}, "
+                f"this run has {field} {_show(current[field])}"
+            )
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def load(
+    path: str | os.PathLike, model: Any, identity: dict | None = None
+) -> tuple[list, dict, dict]:
+    """Load a checkpoint and verify it.
+
+    Args:
+        path: The checkpoint.
+        model: The model it belongs to (SinkCaches need its rope modules).
+        identity (dict, optional): The new run's identity to check against.
+
+    Returns:
+        ``(caches, state, identity)``: the identity as saved (``text_sha256``
+        included, to check against the new stream).
+
+    Raises:
+        UserError: Another model, setting or segment size, or arrays that do not match
+            their checksum.
+    """
+    from mlx_stream.cache import load_cache
+
+    meta = read_metadata(path)
+    if identity is not None:
+        check_identity(path, meta["identity"], identity)
+    try:
+        caches, _ = load_cache(path, model)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: cannot load its cache ({' '.join(str(e).split())})") from None
+    if checksum(caches) != meta["checksum"]:
+        raise UserError(f"{path}: checksum mismatch, the cache arrays are corrupted")
+    return caches, meta["state"], meta["identity"]

@@ -1,0 +1,31 @@
+"""Defaults and choices shared by the engine and the CLI, defined once.
+
+No imports: the CLI reads these at module level and must stay instant to start.
+"""
+
+from __future__ import annotations
+
+# The rolling cache (mlx_stream.cache).
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 1024
+DEFAULT_STRIDE = 64
+DEFAULT_SLACK = 64  # covers a prefill chunk of DEFAULT_CHUNK tokens
+POSITIONS = ("cache", "absolute")
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+# Decoding and evaluation (mlx_stream.decode, mlx_stream.evaluate).
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_NUM_DRAFT_TOKENS = 3
+DEFAULT_CHUNK = 64
+DEFAULT_CHECKPOINT_EVERY = 4096
+
+# Reclaiming MLX's buffer pool (mlx_stream.reclaim).
+DEFAULT_RECLAIM_EVERY = 256
+RECLAIM_MODES = ("crossing", "exact", "none")
+
+
+def slack_for(num_draft_tokens: int = 0) -> int:
+    """Slack a SinkCache needs: a prefill chunk of ``DEFAULT_SLACK`` tokens, and a
+    speculative verify block of ``num_draft_tokens + 1`` tokens with its rollback."""
+    return max(num_draft_tokens + 1, DEFAULT_SLACK)

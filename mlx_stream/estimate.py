@@ -1,0 +1,224 @@
+"""Will it fit? Exact memory of the rolling cache (and the weights) before allocating.
+
+A SinkCache layer holds one key and one value buffer of ``sinks + window + slack``
+slots (``(1, kv_heads, slots, head_dim)``), plus a full-precision copy of the sink keys
+when positions are moved; quantized buffers hold packed ``uint32`` words and a scale and
+a bias per group. That arithmetic gives the cache's bytes exactly (the tests compare it
+with ``nbytes`` of built caches), so an impossible ``--window`` is refused with the bytes
+required against the memory available, instead of growing until the system kills it.
+
+The layout comes from a model (a lazy one-token forward pass through plain KVCaches:
+shapes and dtypes are known without computing or allocating anything) or, before a
+model is loaded, from its ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx_stream.defaults import DEFAULT_SLACK, DEFAULT_STRIDE
+from mlx_stream.errors import UserError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2,
+               "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "U16": 2, "I16": 2}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token costs in each SinkCache layer.
+
+    Attributes:
+        layers: Layers that get a SinkCache (a model's unbounded KVCache layers).
+        kv_heads: Key/value heads per layer.
+        key_dim: Head dimension of the keys.
+        value_dim: Head dimension of the values.
+        dtype_bytes: Bytes per element of keys and values (the model's dtype).
+    """
+
+    layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype_bytes: int
+
+
+def _buffer_bytes(layout: KVLayout, slots: int, dim: int, bits: int | None, group: int) -> int:
+    rows = layout.kv_heads * slots
+    if bits is None:
+        return rows * dim * layout.dtype_bytes
+    # mx.quantize: dim * bits / 32 uint32 words, one scale and one bias per group.
+    return rows * (dim * bits // 32 * 4 + 2 * (dim // group) * layout.dtype_bytes)
+
+
+def cache_bytes(
+    layout: KVLayout,
+    sinks: int,
+    window: int,
+    slack: int = DEFAULT_SLACK,
+    positions: str = "cache",
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    key_bits: int | None = None,
+) -> int:
+    """Bytes of a full SinkCache for ``layout`` (what ``sum(c.nbytes)`` reaches).
+
+    Args:
+        layout (KVLayout): From :func:`model_layout` or :func:`config_layout`.
+        sinks, window, slack (int): The cache's sizes.
+        positions (str): ``"cache"`` keeps a float copy of the sink keys.
+        kv_bits, kv_group_size, key_bits: The cache's quantization.
+
+    Returns:
+        int: Bytes.
+    """
+    key_bits = kv_bits if key_bits is None else key_bits
+    slots = sinks + window + slack
+    per_layer = _buffer_bytes(layout, slots, layout.key_dim, key_bits, kv_group_size)
+    per_layer += _buffer_bytes(layout, slots, layout.value_dim, kv_bits, kv_group_size)
+    if sinks > 0 and positions == "cache":
+        per_layer += layout.kv_heads * sinks * layout.key_dim * layout.dtype_bytes
+    return layout.layers * per_layer
+
+
+def model_layout(model: Any) -> KVLayout | None:
+    """The KV layout of a loaded model, read from a lazy one-token forward pass (no
+    array is computed or allocated). ``None`` when it has no unbounded KVCache layer."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as mlx_cache
+
+    caches = mlx_cache.make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)  # lazy: only shapes and dtypes are worked out
+    plain = [c for c in caches if type(c) is mlx_cache.KVCache and c.keys is not None]
+    if not plain:
+        return None
+    keys, values = plain[0].keys, plain[0].values
+    return KVLayout(len(plain), keys.shape[1], keys.shape[-1], values.shape[-1],
+                    keys.dtype.size)  # fmt: skip
+
+
+def config_layout(config: dict, dtype_bytes: int) -> KVLayout:
+    """The KV layout from a ``config.json`` (standard multi-head/grouped attention;
+    every layer counted, so models with sliding-window layers get an upper bound)."""
+    config = {**config, **(config.get("text_config") or {})}
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return KVLayout(config["num_hidden_layers"], kv_heads, head_dim, head_dim, dtype_bytes)
+
+
+def weights_bytes(folder: str | os.PathLike, dtype: str) -> int:
+    """Bytes of a model folder's weights once loaded under the dtype policy ``dtype``
+    (``"quantized"`` keeps them as stored; a float dtype dequantizes), read from the
+    safetensors headers."""
+    folder = Path(folder)
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(_safetensors_header(file))
+    total = 0
+    for name, (kind, shape) in tensors.items():
+        count = _prod(shape)
+        if dtype == "quantized":
+            total += count * DTYPE_BYTES[kind]
+            continue
+        base = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{base}.weight" in tensors:
+            continue  # folded into the dequantized weight
+        scales = tensors.get(f"{base}.scales")
+        if name.endswith(".weight") and kind == "U32" and scales is not None:
+            groups = _prod(scales[1])  # one scale per group of the dequantized weight
+            group = _group_size(folder, base)
+            count = groups * group
+        total += count * DTYPE_BYTES[dtype]
+    return total
+
+
+def _group_size(folder: Path, module: str) -> int:
+    quant = json.loads((folder / "config.json").read_text()).get("quantization") or {}
+    own = quant.get(module)
+    return (own if isinstance(own, dict) else quant).get("group_size", 64)
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still give this process: ``MemAvailable`` on Linux, the
+    GPU's recommended working set (else physical memory) on macOS; ``None`` unknown."""
+    try:
+        if platform.system() == "Linux":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        elif platform.system() == "Darwin":
+            import mlx.core as mx
+
+            if mx.metal.is_available():
+                info = mx.metal.device_info()
+                return int(info.get("max_recommended_working_set_size") or info["memory_size"])
+            out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True)
+            return int(out.stdout.strip())
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    return None
+
+
+def human(n: int) -> str:
+    """Bytes for people: ``48.2 MB``, ``3.10 GB``, ``46.1 TB``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e6:.1f} MB"
+
+
+def check_fits(required: int, what: str, available: int | None = None) -> None:
+    """A :class:`UserError` when ``required`` bytes exceed the memory available."""
+    available = available_memory() if available is None else available
+    if available is not None and required > available:
+        raise UserError(
+            f"{what} needs {human(required)} but only {human(available)} of memory is "
+            "available: lower --window (or use --kv-bits 4)"
+        )
+
+
+def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any) -> list:
+    """``make_sink_cache(model, sinks, window, **options)`` after checking that the
+    full cache fits in memory.
+
+    Raises:
+        UserError: Impossible sizes, or a cache larger than the memory available
+            (with both figures), before anything is allocated.
+    """
+    from mlx_stream.cache import make_sink_cache, validate_sizes
+
+    o = {"slack": None, "stride": DEFAULT_STRIDE, "positions": "cache", "kv_bits": None,
+         "kv_group_size": 64, "key_bits": None, **options}  # fmt: skip
+    slack = o["stride"] if o["slack"] is None else o["slack"]
+    quant = (o["kv_bits"], o["kv_group_size"], o["key_bits"])
+    try:
+        validate_sizes(sinks, window, slack, o["stride"], o["positions"], *quant)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    layout = model_layout(model)
+    if layout is not None:
+        need = cache_bytes(layout, sinks, window, slack, o["positions"], *quant)
+        check_fits(need, f"the KV cache (sinks {sinks} + window {window})")
+    return make_sink_cache(model, sinks, window, **options)
