@@ -215,9 +215,15 @@ def remove(name: Name) -> None:
     from mlx_stream.errors import UserError
 
     spec = registry.get(name)
+    was_default = registry.load_registry().default == name
     removed = loader.remove(name)
     packaged = registry.load_registry(use_user=False).models
     forgotten = name not in packaged and registry.remove_user_entry(name)
     if not removed and not forgotten:
         raise UserError(f"'{spec.name}' is not pulled")
-    typer.echo(f"removed {name}" + (" and its registry entry" if forgotten else ""))
+    note = ""
+    if forgotten:
+        note = f" and its registry entry in {registry.user_registry_path()}"
+        if was_default:
+            note += f"; the default is now {registry.load_registry().default or 'unset'}"
+    typer.echo(f"removed {name}{note}")

@@ -91,6 +91,7 @@ class Registry:
 
     models: dict[str, ModelSpec] = field(default_factory=dict)
     default: str | None = None
+    default_origin: Path | None = None  # the file whose ``default:`` is in force
 
     def get(self, name: str) -> ModelSpec:
         """The spec named ``name``; a :class:`UserError` if there is none."""
@@ -100,8 +101,14 @@ class Registry:
 
     def default_spec(self) -> ModelSpec:
         """The spec of the default model."""
+        where = self.default_origin or "models.yaml"
         if self.default is None:
-            raise UserError("no default model in models.yaml (set 'default:')")
+            raise UserError(f"{where}: no default model (set 'default:')")
+        if self.default not in self.models:
+            raise UserError(
+                f"{where}: field 'default': '{self.default}' is not a model in the registry "
+                "(edit or remove that line)"
+            )
         return self.get(self.default)
 
     def names(self) -> list[str]:
@@ -145,6 +152,46 @@ def user_registry_path() -> Path:
     return Path(platformdirs.user_config_dir("mlx-stream")) / REGISTRY_FILE
 
 
+class _Number:
+    """Mixed into YAML numbers so the text they were written as stays known: an
+    all-digit sha256 or a folder named ``2024`` is a string to the registry."""
+
+    source: str
+
+
+class _Int(int, _Number):
+    pass
+
+
+class _Float(float, _Number):
+    pass
+
+
+def _loader():
+    """PyYAML's safe loader, with numbers that remember their source text."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def number(kind, construct):
+        def build(loader, node):
+            value = kind(construct(loader, node))
+            value.source = node.value
+            return value
+
+        return build
+
+    Loader.add_constructor("tag:yaml.org,2002:int", number(_Int, yaml.SafeLoader.construct_yaml_int))  # fmt: skip
+    Loader.add_constructor("tag:yaml.org,2002:float", number(_Float, yaml.SafeLoader.construct_yaml_float))  # fmt: skip
+    return Loader
+
+
+def as_text(value: Any) -> Any:
+    """A YAML number as the text it was written as; anything else unchanged."""
+    return value.source if isinstance(value, _Number) else value
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """A registry file as a dict (``{}`` for a missing or empty file)."""
     import yaml
@@ -152,11 +199,13 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_loader())  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
         raise UserError(f"{path}:{line} is not valid YAML") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -164,14 +213,48 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def write_yaml(path: Path, data: dict[str, Any]) -> None:
-    """Write a registry file atomically (a temp file beside it, then ``os.replace``)."""
-    import yaml
+def _round_trip():
+    from ruamel.yaml import YAML
 
+    yaml = YAML()  # round-trip: comments, order and layout survive an edit
+    yaml.preserve_quotes = True
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml.width = 4096
+    return yaml
+
+
+def edit_yaml(path: Path, edit: Callable[[Any], None]) -> None:
+    """Apply ``edit`` to a registry file's document and write it back atomically,
+    keeping the user's comments, order and layout (ruamel.yaml's round trip).
+
+    A missing or empty file starts as an empty mapping.
+    """
+    from ruamel.yaml import YAMLError
+    from ruamel.yaml.comments import CommentedMap
+
+    yaml = _round_trip()
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        data = yaml.load(text) if text.strip() else None
+    except (OSError, UnicodeDecodeError, YAMLError) as e:
+        raise UserError(f"{path}: cannot edit ({' '.join(str(e).split())[:200]})") from None
+    if data is None:
+        data = CommentedMap()
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping with 'models:' at the top")
+    edit(data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{files.temp_prefix(path)}tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yaml.dump(data, f)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _parse_source(entry: str, index: int, raw: Any, file: Path) -> Source:
@@ -187,6 +270,7 @@ def _parse_source(entry: str, index: int, raw: Any, file: Path) -> Source:
     unknown = sorted(set(raw) - _SOURCE_FIELDS[kind])
     if unknown:
         raise UserError(f"{where(unknown[0])}: unknown field for a {kind} source")
+    raw = {key: as_text(value) for key, value in raw.items()}
     for key, value in raw.items():
         if not isinstance(value, str) or not value.strip():
             raise UserError(f"{where(key)}: expected a non-empty string")
@@ -277,7 +361,7 @@ def load_registry(
         name: (dict(e) if isinstance(e, dict) else e, packaged)
         for name, e in _entries(base, packaged).items()
     }
-    default = base.get("default")
+    default, origin = base.get("default"), packaged
     user = user or user_registry_path()
     if use_user and user.is_file():
         extra = read_yaml(user)
@@ -287,12 +371,14 @@ def load_registry(
                 {**old, **entry} if isinstance(old, dict) and isinstance(entry, dict) else entry
             )
             raw[name] = (merged, user)
-        default = extra.get("default", default)
+        if "default" in extra:
+            default, origin = extra["default"], user
     models = {name: parse_entry(name, entry, file) for name, (entry, file) in raw.items()}
-    registry = Registry(models, default)
-    if default is not None and default not in models:
-        raise UserError(f"models.yaml: field 'default': '{default}' is not a model in the registry")
-    return registry
+    if default is not None and not isinstance(default, str):
+        raise UserError(f"{origin}: field 'default': expected a model name, got {default!r}")
+    # A default naming no model fails only where the default is needed (default_spec),
+    # so `models list` and `models rm` still work to repair it.
+    return Registry(models, default, origin)
 
 
 def get(name: str | None = None) -> ModelSpec:
@@ -302,30 +388,38 @@ def get(name: str | None = None) -> ModelSpec:
 
 
 def add_user_entry(name: str, entry: dict[str, Any]) -> Path:
-    """Add or replace ``name`` in the user registry after validating it.
+    """Add or replace ``name`` in the user registry after validating it; the rest of
+    the file (comments included) stays as it was.
 
     Returns:
         The user registry path.
     """
     path = user_registry_path()
     parse_entry(name, entry, path)
-    data = read_yaml(path)
-    data.setdefault("models", {})
-    if not isinstance(data["models"], dict):
-        data["models"] = {}
-    data["models"][name] = entry
-    write_yaml(path, data)
+
+    def edit(data) -> None:
+        if not isinstance(data.get("models"), dict):
+            data["models"] = {}
+        data["models"][name] = entry
+
+    edit_yaml(path, edit)
     return path
 
 
 def remove_user_entry(name: str) -> bool:
-    """Drop ``name`` from the user registry; ``True`` if it was there."""
+    """Drop ``name`` from the user registry; ``True`` if it was there. A user
+    ``default:`` naming it goes too, so the packaged default applies again."""
     path = user_registry_path()
     data = read_yaml(path)
     if name not in (data.get("models") or {}):
         return False
-    del data["models"][name]
-    write_yaml(path, data)
+
+    def edit(doc) -> None:
+        del doc["models"][name]
+        if doc.get("default") == name:
+            del doc["default"]
+
+    edit_yaml(path, edit)
     return True
 
 

@@ -1,6 +1,7 @@
 """``mlx-stream models``: list/info/pull/import/rm through Typer's CliRunner."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -127,3 +128,36 @@ def test_cli_module_does_not_import_the_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----- issue 13 -------------------------------------------------------------------
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_rm_of_the_users_default_keeps_the_cli_working(tiny_gguf):
+    assert run("import", str(tiny_gguf[0]), "--name", "mine").exit_code == 0
+    path = registry.user_registry_path()
+    path.write_text("# mine\ndefault: mine\n" + path.read_text())
+    result = run("rm", "mine")
+    assert result.exit_code == 0 and "the default is now smollm2-135m-instruct" in result.stdout
+    assert run("list").exit_code == 0
+    assert path.read_text().startswith("# mine\n")
+    assert registry.load_registry().default_spec().name == "smollm2-135m-instruct"
+
+
+def test_rm_removes_what_a_killed_pull_left():
+    models = registry.models_dir()
+    leftover = models / f".smollm2-135m-instruct.download-{dead_pid()}-abc"
+    (leftover / "x").mkdir(parents=True)
+    (leftover / "x" / "model.gguf").write_bytes(b"0" * 1000)
+    running = models / f".smollm2-135m-instruct.download-{os.getpid()}-def"
+    running.mkdir()
+    result = run("rm", "smollm2-135m-instruct")
+    assert result.exit_code == 0, result.output
+    assert not leftover.exists() and running.exists()  # a live pull's folder stays

@@ -11,10 +11,11 @@ from mlx_stream import registry
 from mlx_stream.errors import UserError
 
 
-def write_user(data) -> None:
+def write_user(data):
     path = registry.user_registry_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
 
 
 def test_packaged_registry_has_the_embedded_default():
@@ -96,9 +97,11 @@ def test_invalid_yaml_and_bad_default_are_one_line():
     write_user("models: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML"):
         registry.load_registry()
-    write_user({"default": "nope"})
-    with pytest.raises(UserError, match="field 'default': 'nope'"):
-        registry.load_registry()
+    path = write_user({"default": "nope"})
+    reg = registry.load_registry()  # still loads: `models list` / `rm` can repair it
+    with pytest.raises(UserError, match="field 'default': 'nope'") as e:
+        reg.default_spec()
+    assert str(path) in str(e.value)
 
 
 def test_add_and_remove_user_entry():
@@ -147,3 +150,61 @@ def test_registry_does_not_import_mlx():
     code = "import sys, mlx_stream.registry as r; r.load_registry(); print('mlx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----- issue 13: the user's file stays theirs -------------------------------------
+
+USER_FILE = """\
+# my models: keep this comment
+default: mine   # the one I use
+
+models:
+  # an imported one
+  mine:
+    description: my model
+    sources:
+      - path: /tmp/mine.gguf   # on the fast disk
+  other:
+    sources:
+      - path: /tmp/other.gguf
+"""
+
+
+def test_edits_keep_the_users_comments_and_layout():
+    path = write_user(USER_FILE)
+    registry.add_user_entry("extra", {"sources": [{"path": "/tmp/x.gguf"}]})
+    text = path.read_text()
+    assert text.startswith(USER_FILE.rstrip("\n"))  # nothing above changed
+    assert "extra" in registry.load_registry().models
+    assert registry.remove_user_entry("extra")
+    assert path.read_text() == USER_FILE
+
+
+def test_removing_the_users_default_leaves_a_working_registry():
+    path = write_user(USER_FILE)
+    assert registry.remove_user_entry("mine")
+    reg = registry.load_registry()
+    assert reg.default == "smollm2-135m-instruct"  # the packaged default again
+    assert reg.default_spec().name == "smollm2-135m-instruct"
+    text = path.read_text()
+    assert "# my models: keep this comment" in text and "default:" not in text
+    assert "other" in reg.models
+
+
+def test_an_all_digit_sha256_is_a_string():
+    digits = "0" * 64  # YAML reads it as the integer 0
+    write_user(
+        "models:\n  z:\n    sources:\n      - pypi: pkg==1.0\n        file: m.gguf\n"
+        f"        sha256: {digits}\n      - path: 2024\n"
+    )
+    spec = registry.load_registry().models["z"]
+    assert spec.sources[0].sha256 == digits
+    assert spec.sources[1].location == "2024"
+
+
+def test_unreadable_registry_names_its_path():
+    path = write_user("")
+    path.write_bytes(b"models: \xff\n")
+    with pytest.raises(UserError) as e:
+        registry.load_registry()
+    assert str(path) in str(e.value)
