@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from cli.common import handle_errors
+
 # A float32 matmul slower than this fraction of numpy's means a reference BLAS.
 SLOW_FRACTION = 0.5
 MATMUL_N = 1024
@@ -105,6 +107,7 @@ def hints(report: dict) -> list[str]:
     return out
 
 
+@handle_errors
 def doctor(
     speed: Annotated[
         bool, typer.Option("--speed/--no-speed", help="Measure matmul GFLOP/s (~2 s).")

@@ -141,12 +141,17 @@ def info(name: Name) -> None:
         config = json.loads((folder / "config.json").read_text())
         quant = config.get("quantization")
         stored = f"{quant['bits']}-bit, group {quant['group_size']}" if quant else "float"
+        from mlx_stream.estimate import describe, folder_estimate
+
+        policy = loader.resolve_dtype("auto")
+        estimate = folder_estimate(folder, policy, spec.sinks, spec.window)
         lines += [
             f"pulled:      {folder} ({_size(folder) / 1e6:.1f} MB)",
             f"model:       {config.get('model_type')}, {config.get('num_hidden_layers')} layers, "
             f"width {config.get('hidden_size')}, vocab {config.get('vocab_size')}",
             f"stored as:   {stored}",
-            f"loads as:    {loader.resolve_dtype('auto')} (auto on this backend)",
+            f"loads as:    {policy} (auto on this backend)",
+            f"memory:      {describe(estimate)} at sinks {spec.sinks} + window {spec.window}",
         ]
         origin = loader.provenance(folder)
         if origin:

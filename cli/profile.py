@@ -10,7 +10,6 @@ in one process: the three KV caches, or with a draft model the three reclaim sch
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import statistics
 import time
@@ -23,15 +22,19 @@ import typer
 
 from cli import options as opt
 from cli.common import (
+    EXIT_RUNTIME,
     atomic_path,
     atomic_write_csv,
     check_choice,
+    check_distinct,
     check_kv_bits,
     check_output_path,
     check_positive,
     check_text_file,
+    error_line,
     fail,
     handle_errors,
+    json_line,
     load_model,
     sizes,
 )
@@ -39,6 +42,7 @@ from mlx_stream.defaults import RECLAIM_MODES
 
 CACHES = ("sink", "full", "rotating")
 DEFAULT_PROMPT = "Once upon a time, in a small town by the sea, there lived"
+PLOT_INSTALL = 'pip install -e ".[plot]"'  # as the README says
 SPARKS = "▁▂▃▄▅▆▇█"
 CHART_WIDTH = 60
 MB = 1e6
@@ -73,9 +77,9 @@ def make_caches(model: Any, kind: str, sinks: int, window: int, kv: dict | None 
     from mlx_lm.models import cache as mlx_cache
 
     if kind == "sink":
-        from mlx_stream.cache import make_sink_cache
+        from mlx_stream.estimate import make_checked_sink_cache
 
-        return make_sink_cache(model, sinks=sinks, window=window, **(kv or {}))
+        return make_checked_sink_cache(model, sinks, window, **(kv or {}))
     if kind == "full":
         return mlx_cache.make_prompt_cache(model)
     return [
@@ -249,7 +253,7 @@ def check_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        fail("--plot needs matplotlib: pip install 'mlx-stream[plot]'")
+        fail(f"--plot needs matplotlib: {PLOT_INSTALL} (in the mlx-stream folder)")
 
 
 def write_plot(path: Path, runs: dict[str, list[dict]]) -> None:
@@ -334,28 +338,62 @@ def profile(
     for path in (csv, plot):
         if path is not None:
             check_output_path(path)
+    check_distinct({"--csv": csv, "--plot": plot}, {"--file": file})
     if plot is not None:
         check_matplotlib()
     target, tokenizer, spec = load_model(model, dtype)
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
+    from mlx_stream.defaults import slack_for
+
+    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits,
+          "slack": slack_for(num_draft_tokens if draft is not None else 0)}  # fmt: skip
+    estimate = memory_estimate(target, draft, sinks, window, kv)
     prompt_tokens = list(tokenizer.encode(text))
     runs: dict[str, list[dict]] = {}
     summaries = []
     for setting in settings_for(cache, schedule, draft is not None, compare):
         rows = run_setting(
             setting, target, tokenizer, draft, prompt_tokens, tokens, sinks, window, every,
-            num_draft_tokens,
-            {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits},
+            num_draft_tokens, kv,
         )  # fmt: skip
         runs[setting.name] = rows
-        summaries.append(summarize(setting, rows, sinks, window))
+        summaries.append(dict(summarize(setting, rows, sinks, window), estimate=estimate))
 
-    if csv is not None:
-        atomic_write_csv(csv, [r for rows in runs.values() for r in rows])
-    if plot is not None:
-        write_plot(plot, runs)
+    # The main result goes out first: a side output that fails cannot take it along.
     if json_out:
-        typer.echo(json.dumps(summaries if compare else summaries[0]))
+        typer.echo(json_line(summaries if compare else summaries[0]))
     else:
         print_report(summaries, runs)
+        from mlx_stream.estimate import describe
+
+        typer.echo(f"estimate (sink cache): {describe(estimate)}")
+    failures = []
+    for flag, path, write in (("--csv", csv, lambda p: atomic_write_csv(p, [r for rows in runs.values() for r in rows])),
+                              ("--plot", plot, lambda p: write_plot(p, runs))):  # fmt: skip
+        if path is not None:
+            try:
+                write(path)
+            except OSError as e:
+                failures.append(f"cannot write {flag} {path}: {e.strerror or e}")
+    if failures:
+        error_line("; ".join(failures))
+        raise typer.Exit(EXIT_RUNTIME)
+
+
+def memory_estimate(target: Any, draft: Any, sinks: int, window: int, kv: dict) -> dict:
+    """Weights (as loaded) and the full sink cache at this window, for the report."""
+    from mlx.utils import tree_flatten
+
+    from mlx_stream.estimate import cache_bytes, model_layout, summary
+
+    weights = cache = 0
+    for m in (target, draft):
+        if m is None:
+            continue
+        weights += sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+        layout = model_layout(m)
+        if layout is not None:
+            cache += cache_bytes(layout, sinks, window, kv["slack"], "cache", kv["kv_bits"],
+                                 kv["kv_group_size"], kv["key_bits"])  # fmt: skip
+    return summary(weights, cache)

@@ -222,3 +222,42 @@ def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any)
         need = cache_bytes(layout, sinks, window, slack, o["positions"], *quant)
         check_fits(need, f"the KV cache (sinks {sinks} + window {window})")
     return make_sink_cache(model, sinks, window, **options)
+
+
+def activation_bytes(folder: str | os.PathLike, dtype: str) -> int:
+    """Bytes per element of keys and values for a folder loaded under ``dtype``: the
+    float dtype, or for ``"quantized"`` the dtype of its float tensors (scales)."""
+    if dtype != "quantized":
+        return DTYPE_BYTES[dtype]
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        for kind, _ in _safetensors_header(file).values():
+            if kind in ("F32", "F16", "BF16"):
+                return DTYPE_BYTES[kind]
+    return 2
+
+
+def folder_estimate(folder: str | os.PathLike, dtype: str, sinks: int, window: int,
+                    slack: int = DEFAULT_SLACK) -> dict:  # fmt: skip
+    """The memory a model folder will take, before loading it: weights under the dtype
+    policy ``dtype`` and the full KV cache at ``sinks + window + slack`` slots."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    layout = config_layout(config, activation_bytes(folder, dtype))
+    return summary(weights_bytes(folder, dtype), cache_bytes(layout, sinks, window, slack))
+
+
+def summary(weights: int, cache: int) -> dict:
+    """Weights, KV cache, their total and the memory available, in bytes."""
+    return {"weights_bytes": weights, "kv_cache_bytes": cache, "total_bytes": weights + cache,
+            "available_bytes": available_memory()}  # fmt: skip
+
+
+def describe(estimate: dict) -> str:
+    """One line: ``weights 540.0 MB + KV cache 50.4 MB = 590.4 MB (fits in 20.1 GB
+    available)``."""
+    total, available = estimate["total_bytes"], estimate["available_bytes"]
+    line = (f"weights {human(estimate['weights_bytes'])} + KV cache "
+            f"{human(estimate['kv_cache_bytes'])} = {human(total)}")  # fmt: skip
+    if available is None:
+        return line
+    verdict = "fits in" if total <= available else "does NOT fit in"
+    return f"{line} ({verdict} {human(available)} available)"
