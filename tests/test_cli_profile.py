@@ -167,3 +167,33 @@ def test_real_model_active_memory_stays_flat(real_model_path, tmp_path):
     assert active["end"] == pytest.approx(active["max"], rel=0.02)
     kv = {float(r["kv_cache_mb"]) for r in csv.DictReader(out.open())}
     assert len(kv) == 1  # the KV buffers never grow
+
+
+# ----- issue 13 -------------------------------------------------------------------
+
+
+def test_outputs_naming_the_prompt_file_are_refused(tiny_model_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the sea and the ship")
+    for flag in ("--csv", "--plot"):
+        result = profile("-m", str(tiny_model_dir), "--file", str(prompt), flag, str(prompt))
+        assert_one_line_error(result, 2, flag, "same file as --file")
+    assert prompt.read_text() == "the sea and the ship"
+
+
+def test_estimate_in_the_summary_and_impossible_window(tiny_model_dir):
+    data = profile_json("-m", str(tiny_model_dir), *BASE, "--tokens", "20")
+    estimate = data["estimate"]
+    # tiny llama: 2 layers x 2 kv heads x 16 dims x 4 bytes, keys + values, 4+24+64 slots,
+    # plus the float copy of the 4 sink keys.
+    assert estimate["kv_cache_bytes"] == 2 * (2 * 2 * 16 * 4 * (4 + 24 + 64) + 2 * 4 * 16 * 4)
+    assert estimate["total_bytes"] == estimate["weights_bytes"] + estimate["kv_cache_bytes"]
+    result = profile("-m", str(tiny_model_dir), "--window", "1000000000", "--tokens", "5")
+    assert_one_line_error(result, 2, "needs", "available", "--window")
+
+
+def test_matplotlib_hint_is_the_readme_command():
+    from cli.profile import PLOT_INSTALL
+    from tests.conftest import REPO
+
+    assert PLOT_INSTALL in (REPO / "README.md").read_text()

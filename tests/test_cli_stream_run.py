@@ -206,3 +206,120 @@ def test_real_model_alice_perplexity_is_finite(real_model_path):
     assert data["tokens"] == 599
     assert math.isfinite(data["perplexity"]) and 1 < data["perplexity"] < 200
     assert len(data["segments"]) == 3
+
+
+# ------------------------------------------------- issue 13: nothing lost, no files hurt
+
+
+def test_outputs_naming_the_input_are_refused(tiny_model_dir, text_file, tmp_path):
+    args = ["-m", str(tiny_model_dir), *BASE]
+    before = text_file.read_bytes()
+    result = run(str(text_file), *args, "--csv", str(text_file))
+    assert_one_line_error(result, 2, "--csv", "same file as the input")
+    doc = tmp_path / "doc.safetensors"  # a text file that happens to have that name
+    doc.write_bytes(before)
+    result = run(str(doc), *args, "--checkpoint", str(tmp_path / "." / "doc.safetensors"))
+    assert_one_line_error(result, 2, "--checkpoint", "same file as the input")
+    ckpt = tmp_path / "c.safetensors"
+    run_json(str(text_file), *args, "--limit-tokens", "100", "--checkpoint", str(ckpt))
+    kept = ckpt.read_bytes()
+    result = run(str(text_file), *args, "--resume", str(ckpt), "--csv", str(ckpt))
+    assert_one_line_error(result, 2, "--csv", "same file as --resume")
+    assert text_file.read_bytes() == doc.read_bytes() == before and ckpt.read_bytes() == kept
+
+
+def test_a_failed_side_output_still_prints_the_result(tiny_model_dir, text_file, tmp_path, monkeypatch):  # fmt: skip
+    import cli.stream_run
+
+    def disk_full(path, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.stream_run, "atomic_write_csv", disk_full)
+    out = tmp_path / "s.csv"
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--csv", str(out), "--json")
+    assert_one_line_error(result, 1, "cannot write --csv", "No space left")
+    assert json.loads(result.stdout)["tokens"] == 699  # the hour's result is not lost
+
+
+def test_new_files_follow_the_umask(tiny_model_dir, text_file, tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "s.csv"
+        run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, "--csv", str(out))
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o644
+
+
+def test_resume_with_other_settings_or_text_exit_2(tiny_model_dir, text_file, tmp_path):
+    args = ["-m", str(tiny_model_dir), *BASE]
+    ckpt = tmp_path / "c.safetensors"
+    run_json(str(text_file), *args, "--limit-tokens", "200", "--checkpoint", str(ckpt))
+    for extra, words in ((["--kv-bits", "4"], ["kv-bits none", "kv-bits 4"]),
+                         (["--positions", "absolute"], ["positions cache"])):  # fmt: skip
+        result = run(str(text_file), *args, *extra, "--resume", str(ckpt))
+        assert_one_line_error(result, 2, str(ckpt), *words)
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(reversed(text_file.read_text().split())))
+    assert_one_line_error(run(str(other), *args, "--resume", str(ckpt)), 2, "another text")
+
+
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_figures(tiny_model_dir, text_file, tmp_path, monkeypatch):  # fmt: skip
+    import mlx_stream.decode
+
+    class CtrlCAfterThreeCalls(mlx_stream.decode.StopOnInterrupt):
+        checks = 0
+
+        @property
+        def interrupted(self):
+            type(self).checks += 1
+            return type(self).checks > 3
+
+        @interrupted.setter
+        def interrupted(self, value):
+            pass
+
+    monkeypatch.setattr(mlx_stream.decode, "StopOnInterrupt", CtrlCAfterThreeCalls)
+    ckpt = tmp_path / "c.safetensors"
+    args = [str(text_file), "-m", str(tiny_model_dir), *BASE]
+    result = run(*args, "--checkpoint", str(ckpt), "--json")
+    assert result.exit_code == 130, result.output
+    data = json.loads(result.stdout)
+    assert data["interrupted"] is True and 0 < data["tokens"] < 699
+    assert f"--resume {ckpt}" in result.stderr and ckpt.is_file()
+    monkeypatch.undo()
+    rest = run_json(*args, "--resume", str(ckpt))
+    assert rest["tokens"] == 699
+
+
+def test_an_impossible_window_is_refused_before_allocating(tiny_model_dir, text_file):
+    result = run(str(text_file), "-m", str(tiny_model_dir), "--window", "1000000000")
+    assert_one_line_error(result, 2, "--window", "needs", "available")
+
+
+def test_bad_bytes_are_replaced_not_fatal(tiny_model_dir, text_file, tmp_path):
+    words = text_file.read_text()
+    data = run_json("-", "-m", str(tiny_model_dir), *BASE, input=words[:200].encode() + b"\xff\xfe " + words[200:].encode())  # fmt: skip
+    assert data["tokens"] > 600
+    deep = tmp_path / "deep.txt"  # past the 64 KiB that are checked up front
+    deep.write_bytes((words * 40).encode()[:70000] + b" \xff " + words.encode())
+    data = run_json(str(deep), "-m", str(tiny_model_dir), *BASE, "--limit-tokens", "300")
+    assert data["tokens"] == 299
+
+
+def test_json_never_holds_nan():
+    from cli.common import json_line
+
+    line = json_line({"perplexity": float("nan"), "segments": [{"p": float("inf")}], "n": 3})
+    assert json.loads(line) == {"perplexity": None, "segments": [{"p": None}], "n": 3}
+
+
+def test_a_closed_pipe_exits_quietly(tiny_model_dir):
+    read, write = os.pipe()
+    os.close(read)  # like `| head` that has already exited
+    proc = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", "models", "list", "--json"],
+        stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+    )  # fmt: skip
+    os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141
