@@ -37,6 +37,7 @@ def series_run(name: str, model, draft, prompt: list[int], args) -> dict:
 
     from mlx_stream.cache import make_sink_cache
     from mlx_stream.decode import generate_step
+    from mlx_stream.defaults import slack_for
     from mlx_stream.reclaim import ReclaimSchedule
 
     mx.clear_cache()
@@ -50,7 +51,7 @@ def series_run(name: str, model, draft, prompt: list[int], args) -> dict:
         )  # fmt: skip
     else:
         schedule = ReclaimSchedule(args.every, mode=name.removeprefix("sink-"))
-        slack = max(args.num_draft_tokens + 1, 64)
+        slack = slack_for(args.num_draft_tokens)
         cache = make_sink_cache(model, args.sinks, args.window, slack)
         cache += make_sink_cache(draft, args.sinks, args.window, slack)
         steps = generate_step(
