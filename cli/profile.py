@@ -290,7 +290,7 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
     if prompt is not None and file is not None:
         fail("give --prompt or --file, not both")
     if file is not None:
-        return check_text_file(file).read_text(encoding="utf-8")
+        return check_text_file(file).read_text(encoding="utf-8", errors="replace")
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
     return prompt or DEFAULT_PROMPT

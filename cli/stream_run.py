@@ -155,13 +155,11 @@ def evaluate(
     """Run ``evaluate.stream_perplexity`` under a progress bar.
 
     Returns:
-        ``(result, caches)``: the caches as they ended (reloaded from the checkpoint
-        when one was written, since a resumed run loads its own).
+        ``(result, caches)``: the caches as they ended.
     """
     import signal
     import time
 
-    from mlx_stream.cache import load_cache
     from mlx_stream.decode import StopOnInterrupt
     from mlx_stream.estimate import make_checked_sink_cache
     from mlx_stream.evaluate import stream_perplexity
@@ -200,9 +198,7 @@ def evaluate(
             checkpoint_every=checkpoint_every, identity=identity,
             should_stop=lambda: stop.interrupted,
         )  # fmt: skip
-    if checkpoint is not None and resume and result.checkpoint_error is None:
-        caches, _ = load_cache(checkpoint, model)  # a resumed run loaded its own
-    return result, caches
+    return result, result.prompt_cache
 
 
 def answer(

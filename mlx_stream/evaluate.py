@@ -110,6 +110,7 @@ class PerplexityResult:
             holds its state).
         checkpoint_error: Why a checkpoint could not be saved (the run went on), or
             ``None``.
+        prompt_cache: The cache as the run left it (a resumed run loads its own).
     """
 
     perplexity: float
@@ -122,6 +123,7 @@ class PerplexityResult:
     position: int = 0
     interrupted: bool = False
     checkpoint_error: str | None = None
+    prompt_cache: list | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -290,7 +292,7 @@ def stream_perplexity(
         tokens_per_second=(totals.position - start) / max(seconds, 1e-9), seconds=seconds,
         peak_memory=mx.get_peak_memory(), segments=totals.segments(),
         position=totals.position, interrupted=interrupted,
-        checkpoint_error=errors[0] if errors else None,
+        checkpoint_error=errors[0] if errors else None, prompt_cache=prompt_cache,
     )  # fmt: skip
 
 
