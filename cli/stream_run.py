@@ -361,7 +361,7 @@ def stream_run(
             result, sinks, window, positions, json_out, {"interrupted": True} if json_out else {}
         )
     if result.interrupted:
-        error_line(interrupted_line(result, checkpoint))
+        typer.echo(interrupted_line(result, checkpoint), err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
     extra: dict[str, Any] = {}
     if prompt is not None:
