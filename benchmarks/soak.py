@@ -10,7 +10,7 @@ the plot is redrawn every ``--plot-every`` samples and at the end.
 
     OPENBLAS_NUM_THREADS=1 nice python benchmarks/soak.py --tokens 1000000 --window 1024
     python benchmarks/soak.py --quick                          # 4k tokens, window 64
-    python benchmarks/soak.py --replot results/soak.jsonl --plot results/soak.png
+    python benchmarks/soak.py --replot results/soak.jsonl --plot results/soak.png  # + summary
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class Sampler:
         self.records: list[dict] = []
         self.tic = time.perf_counter()
 
-    def __call__(self, position: int, perplexity: float) -> None:
-        if position // self.every == self.last_position // self.every:
+    def __call__(self, position: int, perplexity: float, last: bool = False) -> None:
+        crossed = position // self.every != self.last_position // self.every
+        if not crossed and not (last and position > self.last_position):
             return
         import mlx.core as mx
 
@@ -125,7 +126,33 @@ def draw(records: list[dict], path: Path) -> None:
     common.save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def summarize(records: list[dict]) -> dict:
+    """The soak in one line: memory at the start, the end and its maximum, the pool's
+    maximum, the largest offset against its bound, and segment perplexity early vs late
+    (medians of the first and last quarter of the samples)."""
+    import statistics
+
+    # The first sample is taken while the window is still filling; memory is flat after.
+    steady = records[1:] or records
+    quarter = max(1, len(records) // 4)
+    early = statistics.median(r["segment_ppl"] for r in records[:quarter])
+    late = statistics.median(r["segment_ppl"] for r in records[-quarter:])
+    active = [r["active_mb"] for r in steady]
+    return {
+        "bench": "soak", "summary": True, "tokens": records[-1]["tokens"],
+        "samples": len(records), "seconds": records[-1]["seconds"],
+        "active_mb_first": active[0], "active_mb_last": active[-1],
+        "active_mb_max": max(active), "active_mb_min": min(active),
+        "pool_mb_max": max(r["pool_mb"] for r in records),
+        "rss_mb_first": steady[0].get("rss_mb"), "rss_mb_last": steady[-1].get("rss_mb"),
+        "cache_mb": records[-1]["cache_nbytes_mb"],
+        "offset_max": max(r["offset"] for r in records), "max_offset": records[-1]["max_offset"],
+        "segment_ppl_early": round(early, 3), "segment_ppl_late": round(late, 3),
+        "late_over_early": round(late / early, 3),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1_000_000, help="stream length")
     parser.add_argument("--sinks", type=int, default=4)
@@ -137,11 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replot", type=Path, nargs="+", help="only plot saved JSON lines")
     args = parser.parse_args(argv)
     if args.replot:
-        records = common.saved_records(parser, args.replot, lambda r: r.get("bench") == "soak")
+        usable = lambda r: r.get("bench") == "soak" and not r.get("summary")  # noqa: E731
+        records = common.saved_records(parser, args.replot, usable)
         draw(records, args.plot or args.replot[0].with_suffix(".png"))
-        return
+        common.emit(summarize(records), args.out)  # --out: append it (a run that was cut)
+        return records
     if args.quick:
-        args.tokens, args.window, args.sample = 4096, 64, 512
+        args.tokens, args.window = min(args.tokens, 4096), 64
+        args.sample = min(args.sample, 512)
     from mlx_stream.cache import make_sink_cache
     from mlx_stream.evaluate import stream_perplexity
 
@@ -156,13 +186,17 @@ def main(argv: list[str] | None = None) -> None:
         model, book_stream(tokenizer), sinks=args.sinks, window=args.window, chunk=args.chunk,
         prompt_cache=caches, callback=sampler, segment=args.sample, limit_tokens=args.tokens,
     )  # fmt: skip
+    sampler(result.position, result.perplexity, last=True)  # the tail after the last sample
     if args.plot is not None and sampler.records:
         draw(sampler.records, args.plot)
+    if sampler.records:
+        common.emit(summarize(sampler.records), args.out)
     print(
         f"soak: {result.position} tokens, perplexity {result.perplexity:.3f}, "
         f"{result.tokens_per_second:.0f} tok/s, {result.seconds:.0f} s",
         file=sys.stderr,
     )
+    return sampler.records + ([summarize(sampler.records)] if sampler.records else [])
 
 
 if __name__ == "__main__":
