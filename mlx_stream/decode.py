@@ -34,7 +34,7 @@ from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_stream.cache import SinkCache, make_sink_cache, max_call_tokens
+from mlx_stream.cache import SinkCache, max_call_tokens
 from mlx_stream.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -43,6 +43,7 @@ from mlx_stream.defaults import (
     slack_for,
 )
 from mlx_stream.errors import UserError
+from mlx_stream.estimate import make_checked_sink_cache
 from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
@@ -445,7 +446,7 @@ def stream_generate(
         num_draft_tokens (int): Draft tokens per round. Default: ``3``.
         prompt_cache (list, optional): Updated in place: SinkCaches (or mlx-lm
             KVCache / RotatingKVCache lists to compare against), the draft's appended
-            after the target's. Default: new SinkCaches from ``make_sink_cache``.
+            after the target's. Default: new SinkCaches (``estimate.make_checked_sink_cache``).
         prefill_step_size (int): Largest prefill chunk. Default: ``512``.
         reclaim (ReclaimSchedule, optional): Pool reclaim cadence. Default: crossing 256.
         prompt_progress_callback (Callable[[int, int], None], optional): Called with
@@ -477,9 +478,9 @@ def stream_generate(
         mx.random.seed(seed)
     if prompt_cache is None:
         slack = slack or slack_for(num_draft_tokens)
-        prompt_cache = make_sink_cache(model, sinks, window, slack)
+        prompt_cache = make_checked_sink_cache(model, sinks, window, slack=slack)
         if draft_model is not None:
-            prompt_cache += make_sink_cache(draft_model, sinks, window, slack)
+            prompt_cache += make_checked_sink_cache(draft_model, sinks, window, slack=slack)
     target_cache = prompt_cache[: len(model.layers)] if draft_model else prompt_cache
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     state = state if state is not None else DecodeState()

@@ -31,9 +31,10 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream import checkpoint as ckpt
-from mlx_stream.cache import make_sink_cache, max_call_tokens
+from mlx_stream.cache import max_call_tokens
 from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
 from mlx_stream.errors import UserError
+from mlx_stream.estimate import make_checked_sink_cache
 from mlx_stream.reclaim import ReclaimSchedule
 
 DEFAULT_BLOCK_CHARS = 1 << 16
@@ -197,7 +198,7 @@ def stream_perplexity(
             Default: ``64``.
         positions (str): ``"cache"`` or ``"absolute"`` (baseline). Default: ``"cache"``.
         prompt_cache (list, optional): Cache to evaluate with (e.g. mlx-lm KVCaches
-            for the full-cache baseline). Default: ``make_sink_cache``.
+            for the full-cache baseline). Default: ``estimate.make_checked_sink_cache``.
         callback (Callable[[int, float], None], optional): After each call, with
             (tokens consumed, running perplexity).
         segment (int): Tokens per reported segment. Default: ``4096``.
@@ -238,7 +239,7 @@ def stream_perplexity(
                 "differ from this one's)"
             )
     elif prompt_cache is None:
-        prompt_cache = make_sink_cache(model, sinks, window, positions=positions)
+        prompt_cache = make_checked_sink_cache(model, sinks, window, positions=positions)
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     saves = ReclaimSchedule(every=checkpoint_every)  # the same crossing rule
     stream = itertools.islice(

@@ -74,3 +74,13 @@ def test_real_model_estimate_is_exact(real_model_path):
     assert estimate["weights_bytes"] == loaded
     assert estimate["kv_cache_bytes"] == cache_bytes(model_layout(model), 4, 1024)
     assert estimate["kv_cache_bytes"] == 30 * (2 * 3 * 64 * 4 * (4 + 1024 + 64) + 3 * 4 * 64 * 4)
+
+
+def test_engine_entry_points_check_before_allocating(tiny_llama, tokenizer):
+    from mlx_stream.decode import stream_generate
+    from mlx_stream.evaluate import stream_perplexity
+
+    with pytest.raises(UserError, match="needs"):
+        next(stream_generate(tiny_llama, tokenizer, [1, 2, 3], window=10**12))
+    with pytest.raises(UserError, match="needs"):
+        stream_perplexity(tiny_llama, [1, 2, 3], window=10**12)
