@@ -244,6 +244,7 @@ def edit_yaml(path: Path, edit: Callable[[Any], None]) -> None:
         raise UserError(f"{path}: expected a mapping with 'models:' at the top")
     edit(data)
     path.parent.mkdir(parents=True, exist_ok=True)
+    files.remove_stale(path)
     tmp = path.with_name(f"{files.temp_prefix(path)}tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
