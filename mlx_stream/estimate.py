@@ -219,6 +219,12 @@ def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any)
         raise UserError(str(e)) from None
     layout = model_layout(model)
     if layout is not None:
+        dims = {layout.key_dim, layout.value_dim}
+        if o["kv_bits"] is not None and any(d % o["kv_group_size"] for d in dims):
+            raise UserError(
+                f"--kv-group-size {o['kv_group_size']} does not divide the model's head "
+                f"dimension {min(dims)}; use one that does"
+            )
         need = cache_bytes(layout, sinks, window, slack, o["positions"], *quant)
         check_fits(need, f"the KV cache (sinks {sinks} + window {window})")
     return make_sink_cache(model, sinks, window, **options)

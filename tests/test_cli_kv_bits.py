@@ -67,5 +67,7 @@ def test_bad_kv_bits_is_one_line(model_dir, args, words):
 def test_group_size_not_dividing_head_dim_is_one_line(tiny_model_dir, text_file):
     result = runner.invoke(
         app, ["stream-run", text_file, "-m", str(tiny_model_dir), *SIZES, *KV]
-    )  # head_dim 16
-    assert_one_line_error(result, 1, "does not divide the head dimension")
+    )  # head_dim 16: bad input, found before the cache is built (exit 2, not 1)
+    assert_one_line_error(
+        result, 2, "--kv-group-size", "does not divide the model's head dimension"
+    )

@@ -84,3 +84,8 @@ def test_engine_entry_points_check_before_allocating(tiny_llama, tokenizer):
         next(stream_generate(tiny_llama, tokenizer, [1, 2, 3], window=10**12))
     with pytest.raises(UserError, match="needs"):
         stream_perplexity(tiny_llama, [1, 2, 3], window=10**12)
+
+
+def test_a_group_size_that_cannot_quantize_is_a_user_error(tiny_llama):
+    with pytest.raises(UserError, match="--kv-group-size 32 does not divide .* 16"):
+        make_checked_sink_cache(tiny_llama, 4, 32, kv_bits=4, kv_group_size=32)
