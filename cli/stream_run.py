@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -351,8 +350,11 @@ def stream_run(
             limit_tokens, checkpoint, checkpoint_every, resume is not None, kv, identity,
         )  # fmt: skip
     finally:
-        if f is not sys.stdin:
+        if path != "-":
             f.close()
+    if result.interrupted and result.tokens == 0:
+        typer.echo(interrupted_line(result, checkpoint), err=True)
+        raise typer.Exit(EXIT_INTERRUPTED)
     if result.tokens == 0:
         fail(f"{'stdin' if path == '-' else path}: too short, no token to score")
     # The main result goes out first: a side output that fails cannot take it along.
