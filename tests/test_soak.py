@@ -22,6 +22,7 @@ def test_soak_quick(monkeypatch, tmp_path, tiny_model_dir):
     for r in samples:
         assert_finite(r)
         assert 0 <= r["offset"] < r["max_offset"] and r["segment_ppl"] > 1
+        assert r["pool_max_mb"] >= r["pool_mb"]
     # The segments' perplexities recombine into the running one.
     scored = sum(r["segment_tokens"] for r in samples)
     mean_nll = sum(r["segment_tokens"] * math.log(r["segment_ppl"]) for r in samples) / scored
