@@ -230,10 +230,18 @@ def stream_perplexity(
     stream = iter(tokens)
     if resume and checkpoint is not None and Path(checkpoint).exists():
         prompt_cache, state, saved = ckpt.load(checkpoint, model, identity)
-        totals = _Totals(**state)
-        consumed = list(itertools.islice(stream, totals.position))
-        digest.update(consumed)
-        if len(consumed) < totals.position or digest.hexdigest() != saved.get(ckpt.TEXT_FIELD):
+        try:
+            totals = _Totals(**state)
+        except TypeError:
+            raise UserError(f"{checkpoint}: not a stream-run checkpoint of this version") from None
+        consumed = 0
+        while consumed < totals.position:  # hashed in blocks: a long stream stays small
+            block = list(itertools.islice(stream, min(1 << 16, totals.position - consumed)))
+            if not block:
+                break
+            digest.update(block)
+            consumed += len(block)
+        if consumed < totals.position or digest.hexdigest() != saved.get(ckpt.TEXT_FIELD):
             raise UserError(
                 f"{checkpoint}: made from another text (its first {totals.position} tokens "
                 "differ from this one's)"
