@@ -9,7 +9,6 @@ question of whatever the window still holds.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,7 +19,6 @@ from cli import options as opt
 from cli.common import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
-    atomic_path,
     atomic_write_csv,
     check_choice,
     check_distinct,
@@ -86,22 +84,18 @@ def check_checkpoint_name(path: Path, flag: str) -> Path:
 def prepare_resume(
     resume: Path, checkpoint: Path | None, sinks: int | None, window: int | None
 ) -> tuple[Path, int, int]:
-    """Check ``--resume`` against the options; returns (checkpoint to continue, sinks,
-    window) as saved. With a different ``--checkpoint`` the saved file is copied there
-    first, so the original stays as it was. The other settings, the model and the text
-    are checked when the checkpoint is loaded (``mlx_stream.checkpoint``)."""
+    """Check ``--resume`` against the options; returns (where to save from now on,
+    sinks, window as saved). Without ``--checkpoint`` the run continues the file in
+    place; with another one the file resumed from stays as it was. The other settings,
+    the model and the text are checked when the checkpoint is loaded
+    (``mlx_stream.checkpoint``), before anything is written."""
     from mlx_stream.checkpoint import read_metadata
 
     saved = read_metadata(check_checkpoint_name(resume, "--resume"))["identity"]
     for flag, given in (("sinks", sinks), ("window", window)):
         if given is not None and saved.get(flag) != given:
             fail(f"{resume}: made with --{flag} {saved.get(flag)}, not {given}")
-    target = resume
-    if checkpoint is not None and checkpoint.resolve() != resume.resolve():
-        with atomic_path(checkpoint) as tmp:
-            shutil.copyfile(resume, tmp)
-        target = checkpoint
-    return target, saved.get("sinks", sinks), saved.get("window", window)
+    return checkpoint or resume, saved.get("sinks", sinks), saved.get("window", window)
 
 
 def open_source(path: str) -> tuple[Any, int | None]:
@@ -147,7 +141,7 @@ def evaluate(
     limit_tokens: int | None,
     checkpoint: Path | None,
     checkpoint_every: int,
-    resume: bool,
+    resume: Path | None,
     kv: dict,
     identity: dict,
 ):
@@ -164,7 +158,7 @@ def evaluate(
     from mlx_stream.evaluate import stream_perplexity
 
     caches = None
-    if not resume:
+    if resume is None:
         caches = make_checked_sink_cache(model, sinks, window, positions=positions, **kv)
     console = stderr_console()
     progress = make_progress(console)
@@ -193,7 +187,7 @@ def evaluate(
         result = stream_perplexity(
             model, tokens, sinks=sinks, window=window, chunk=chunk, positions=positions,
             prompt_cache=caches, callback=callback, segment=segment,
-            limit_tokens=limit_tokens, checkpoint=checkpoint, resume=resume,
+            limit_tokens=limit_tokens, checkpoint=checkpoint, resume=resume or False,
             checkpoint_every=checkpoint_every, identity=identity,
             should_stop=lambda: stop.interrupted,
         )  # fmt: skip
@@ -347,7 +341,7 @@ def stream_run(
         }  # fmt: skip
         result, caches = evaluate(
             target, tokens, reader, size, sinks, window, chunk, positions, segment,
-            limit_tokens, checkpoint, checkpoint_every, resume is not None, kv, identity,
+            limit_tokens, checkpoint, checkpoint_every, resume, kv, identity,
         )  # fmt: skip
     finally:
         if path != "-":

@@ -180,7 +180,7 @@ def stream_perplexity(
     limit_tokens: int | None = None,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
-    resume: bool = False,
+    resume: bool | str | os.PathLike = False,
     reclaim: ReclaimSchedule | None = None,
     identity: dict | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -209,7 +209,9 @@ def stream_perplexity(
             :mod:`mlx_stream.checkpoint`). A save that fails is reported in the
             result's ``checkpoint_error``; the run goes on without saving.
         checkpoint_every (int): Checkpoint cadence in tokens. Default: ``4096``.
-        resume (bool): Continue from ``checkpoint`` if it exists. Default: ``False``.
+        resume (bool | path): Continue from ``checkpoint`` if it exists (``True``),
+            or from this checkpoint file (saving to ``checkpoint`` from then on, so
+            the file resumed from stays as it was). Default: ``False``.
         reclaim (ReclaimSchedule, optional): Pool reclaims. Default: crossing 256.
         identity (dict, optional): What a checkpoint belongs to (model, settings),
             saved with it and checked on resume; ``segment`` is always part of it.
@@ -228,12 +230,13 @@ def stream_perplexity(
     identity = {**(identity or {}), "segment": segment}
     digest = ckpt.TextDigest()
     stream = iter(tokens)
-    if resume and checkpoint is not None and Path(checkpoint).exists():
-        prompt_cache, state, saved = ckpt.load(checkpoint, model, identity)
+    source = checkpoint if resume is True else (resume or None)
+    if source is not None and Path(source).exists():
+        prompt_cache, state, saved = ckpt.load(source, model, identity)
         try:
             totals = _Totals(**state)
         except TypeError:
-            raise UserError(f"{checkpoint}: not a stream-run checkpoint of this version") from None
+            raise UserError(f"{source}: not a stream-run checkpoint of this version") from None
         consumed = 0
         while consumed < totals.position:  # hashed in blocks: a long stream stays small
             block = list(itertools.islice(stream, min(1 << 16, totals.position - consumed)))
@@ -243,7 +246,7 @@ def stream_perplexity(
             consumed += len(block)
         if consumed < totals.position or digest.hexdigest() != saved.get(ckpt.TEXT_FIELD):
             raise UserError(
-                f"{checkpoint}: made from another text (its first {totals.position} tokens "
+                f"{source}: made from another text (its first {totals.position} tokens "
                 "differ from this one's)"
             )
     elif prompt_cache is None:

@@ -257,8 +257,10 @@ def test_resume_with_other_settings_or_text_exit_2(tiny_model_dir, text_file, tm
     run_json(str(text_file), *args, "--limit-tokens", "200", "--checkpoint", str(ckpt))
     for extra, words in ((["--kv-bits", "4"], ["kv-bits none", "kv-bits 4"]),
                          (["--positions", "absolute"], ["positions cache"])):  # fmt: skip
-        result = run(str(text_file), *args, *extra, "--resume", str(ckpt))
+        result = run(str(text_file), *args, *extra, "--resume", str(ckpt), "--checkpoint",
+                     str(tmp_path / "new.safetensors"))  # fmt: skip
         assert_one_line_error(result, 2, str(ckpt), *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]  # nothing written
     other = tmp_path / "other.txt"
     other.write_text(" ".join(reversed(text_file.read_text().split())))
     assert_one_line_error(run(str(other), *args, "--resume", str(ckpt)), 2, "another text")
