@@ -234,7 +234,7 @@ def loaded(tiny_model_dir):
 
 
 def make_session(loaded, **kw):
-    from cli.chat import ChatSession, Settings
+    from mlx_stream.session import ChatSession, Settings
 
     model, tokenizer = loaded
     settings = Settings(sinks=kw.pop("sinks", 2), window=kw.pop("window", 64), max_tokens=8)
@@ -244,7 +244,7 @@ def make_session(loaded, **kw):
 def test_each_turn_feeds_only_what_is_new(loaded):
     """The cache holds the rendered conversation exactly once: nothing re-fed, the
     end-of-turn token after each reply included (fed at the start of the next turn)."""
-    from cli.chat import cache_count
+    from mlx_stream.session import cache_count
 
     session = make_session(loaded, system="you are a captain")
     for text in ("hello", "the sea", "what ship"):
@@ -259,7 +259,7 @@ def test_each_turn_feeds_only_what_is_new(loaded):
 def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
     """The engine feeds the eos it sampled; the chat trims it so the template's own
     end-of-turn text is what the next turn feeds (no doubled end-of-turn token)."""
-    from cli.chat import cache_count
+    from mlx_stream.session import cache_count
 
     session = make_session(loaded, sinks=4, window=64)
     session.settings.max_tokens = 2000
@@ -273,7 +273,7 @@ def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
 
 
 def test_ctrl_c_mid_reply_keeps_the_partial_reply(loaded):
-    from cli.chat import cache_count
+    from mlx_stream.session import cache_count
 
     session = make_session(loaded)
     session.settings.max_tokens = 1000
