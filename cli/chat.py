@@ -18,6 +18,7 @@ from cli.common import (
     check_output_path,
     check_positive,
     check_sampling,
+    describe,
     error_line,
     fail,
     handle_errors,
@@ -117,18 +118,30 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
 
 
 def read_line(interactive: bool) -> str:
-    """One input line (raises EOFError at the end of input / Ctrl-D)."""
+    """One input line, bytes that are not UTF-8 made U+FFFD (raises EOFError at the end
+    of input / Ctrl-D)."""
+    from mlx_stream.session import clean_text
+
     if interactive:
-        return input(PROMPT)
-    line = sys.stdin.readline()
-    if not line:
+        return clean_text(input(PROMPT))
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text-only stdin
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return clean_text(line).rstrip("\n")
+    raw = stream.readline()
+    if not raw:
         raise EOFError
-    return line.rstrip("\n")
+    return raw.decode("utf-8", "replace").rstrip("\r\n")
 
 
 def run(session: ChatSession, interactive: bool, console) -> None:
-    """The read-reply loop until /quit or end of input."""
-    from mlx_stream.errors import UserError
+    """The read-reply loop until /quit or end of input.
+
+    A failing command or reply ends only itself: one line on stderr, then the prompt
+    again with the conversation as it was (a reply cut short keeps what it streamed).
+    """
 
     def write(text: str) -> None:
         print(text, end="", flush=True)
@@ -148,14 +161,16 @@ def run(session: ChatSession, interactive: bool, console) -> None:
             continue
         if not line:
             continue
-        if line.startswith("/"):
-            try:
+        try:
+            if line.startswith("/"):
                 if not handle_command(session, line, say):
                     return
-            except UserError as exc:
-                error_line(str(exc))
+                continue
+            session.reply(line, write)
+        except Exception as exc:  # noqa: BLE001 - one operation fails, the chat goes on
+            print(flush=True)
+            error_line(describe(exc))
             continue
-        session.reply(line, write)
         print(flush=True)
         if interactive:
             console.print(stats_line(session), style="dim", highlight=False, soft_wrap=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_stream.errors import UserError
+from mlx_stream.errors import RuntimeFailure, UserError
 
 STATE_KEY = "mlx_stream_chat"
 DEFAULT_SLACK = 64
@@ -53,6 +53,20 @@ class Reply:
     prompt_tokens: int
     interrupted: bool = False
     finish_reason: str | None = None
+
+
+def clean_text(text: str) -> str:
+    """``text`` with undecodable input made replacement characters (U+FFFD).
+
+    Bytes that were not UTF-8 reach Python as lone surrogates (``surrogateescape`` on
+    stdin, ``"\\udcff"`` escapes in JSON), which the tokenizer rejects: decode them
+    leniently wherever text enters a session.
+    """
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that is not an escaped byte
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
 
 
 def cache_count(caches: list) -> int:
@@ -196,7 +210,8 @@ class ChatSession:
     def reply(self, user_text: str, write: Callable[[str], None]) -> Reply:
         """Stream a reply to ``user_text`` through ``write``; Ctrl-C stops it early.
 
-        The reply, finished or not, joins the transcript and the cache.
+        The reply, finished or not, joins the transcript and the cache; an exception
+        raised by ``write`` stops it the same way and is raised again afterwards.
         """
         tokens, full = self.turn_tokens(user_text)
         before = [cache_count(self.caches)]
@@ -206,6 +221,7 @@ class ChatSession:
         last = None
         from mlx_stream.decode import StopOnInterrupt
 
+        failure: Exception | None = None
         gen = self.generate(tokens)
         with StopOnInterrupt() as ctrl_c:
             try:
@@ -215,6 +231,8 @@ class ChatSession:
                     write(response.text)
                     if ctrl_c.interrupted:
                         break
+            except Exception as exc:  # noqa: BLE001 - e.g. ``write`` failed: keep what was fed
+                failure = exc
             finally:
                 gen.close()
         finish = getattr(last, "finish_reason", None)
@@ -233,9 +251,11 @@ class ChatSession:
             tokens=len(generated),
             tps=float(getattr(last, "generation_tps", 0.0) or 0.0),
             prompt_tokens=len(tokens),
-            interrupted=ctrl_c.interrupted,
+            interrupted=ctrl_c.interrupted or failure is not None,
             finish_reason=finish,
         )
+        if failure is not None:
+            raise failure
         return self.last
 
     def _settle(self, before: list[int], n_prompt: int, generated: list[int]) -> None:
@@ -300,10 +320,15 @@ class ChatSession:
 
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
-        save_cache(cache_path, self.caches[: self.n_target], {STATE_KEY: json.dumps(state)})
-        if self.draft_model is not None:
-            save_cache(draft_cache_path(cache_path), self.caches[self.n_target :])
-        write_text_atomic(transcript_path, json.dumps(state, indent=2, ensure_ascii=False) + "\n")
+        try:
+            save_cache(cache_path, self.caches[: self.n_target], {STATE_KEY: json.dumps(state)})
+            if self.draft_model is not None:
+                save_cache(draft_cache_path(cache_path), self.caches[self.n_target :])
+            text = json.dumps(state, indent=2, ensure_ascii=False) + "\n"
+            write_text_atomic(transcript_path, text)
+        except OSError as exc:
+            where = exc.filename or cache_path
+            raise RuntimeFailure(f"{where}: cannot save ({exc.strerror or exc})") from exc
         return cache_path, transcript_path
 
     def load(self, path: str | Path) -> Path:
@@ -327,15 +352,54 @@ class ChatSession:
             raise UserError(
                 f"{cache_path}: saved for another model ({len(caches)} cache layers, not {len(self.caches)})"
             )
+        state = check_state(state, cache_path)
         self.caches = caches
         self.system = state["system"]
         self.messages = state["messages"]
         self.fed_text = state["fed_text"]
-        self.pending = list(state["pending"])
+        self.pending = state["pending"]
         self.sinks = state["sinks"]
         self.settings.window = state["window"]
         self.last = None
         return cache_path
+
+
+# What a saved state must hold, and a check per field (``None`` allowed for ``system``).
+STATE_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "system": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "messages": (
+        "a list of {role, content} strings",
+        lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in v
+            )
+        ),
+    ),
+    "fed_text": ("a string", lambda v: isinstance(v, str)),
+    "pending": (
+        "a list of token ids",
+        lambda v: isinstance(v, list) and all(type(t) is int and t >= 0 for t in v),
+    ),
+    "sinks": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
+    "window": ("an integer >= 1", lambda v: type(v) is int and v >= 1),
+}
+
+
+def check_state(state: Any, path: Path) -> dict[str, Any]:
+    """``state`` if it has every field a session needs, with the right types; else a
+    one-line :class:`UserError` naming the first field at fault."""
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: the saved chat state is not an object")
+    for name, (kind, ok) in STATE_FIELDS.items():
+        if name not in state:
+            raise UserError(f"{path}: the saved chat has no {name!r} field")
+        if not ok(state[name]):
+            raise UserError(f"{path}: the saved chat's {name!r} must be {kind}")
+    return state
 
 
 def write_text_atomic(path: Path, text: str) -> None:
