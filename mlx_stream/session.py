@@ -25,6 +25,7 @@ from mlx_stream.errors import RuntimeFailure, UserError
 STATE_KEY = "mlx_stream_chat"
 DEFAULT_SLACK = 64
 SENTINEL = "\x00mlx-stream\x00"
+PREFILL_STEP = 512
 
 
 @dataclass
@@ -76,6 +77,18 @@ def cache_count(caches: list) -> int:
 
 
 @dataclass
+class Checkpoint:
+    """A session's conversation and caches at one moment (see ``ChatSession.checkpoint``)."""
+
+    messages: list[dict[str, str]]
+    fed_text: str
+    pending: list[int]
+    system: str | None
+    sinks: int
+    caches: list
+
+
+@dataclass
 class ChatSession:
     """A conversation: transcript, KV caches and what they hold.
 
@@ -123,23 +136,28 @@ class ChatSession:
         """Tokens of rendered text (the template writes any BOS itself)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def system_tokens(self) -> int:
-        """Tokens of the rendered system prompt: what ``keep_system`` makes the sinks.
+    def system_text(self) -> str:
+        """The rendered system prompt: what ``keep_system`` makes the sinks.
 
         Without a system prompt, a template that writes a default one (SmolLM2's does)
-        keeps that: everything rendered before the first user message. Returns 0 when
-        there is no system prompt at all.
+        keeps that: everything rendered before the first user message. Returns ``""``
+        when there is no system prompt at all.
         """
         first_turn = [{"role": "user", "content": SENTINEL}]
         full = self.render(self.conversation(first_turn))
         if self.system:
             text = self.render(self.conversation([]), add_generation_prompt=False)
             if full.startswith(text):
-                return len(self.encode(text))
+                return text
         head = full[: full.index(SENTINEL)] if SENTINEL in full else ""
         if not self.system and "system" not in head:
-            return 0
-        return len(self.encode(head))
+            return ""
+        return head
+
+    def system_tokens(self) -> int:
+        """Tokens of :meth:`system_text` (0 without a system prompt)."""
+        text = self.system_text()
+        return len(self.encode(text)) if text else 0
 
     def turn_tokens(self, user_text: str) -> tuple[list[int], str]:
         """Tokens to feed for a new user message, and the rendered conversation after it."""
@@ -171,24 +189,45 @@ class ChatSession:
             caches += make_sink_cache(self.draft_model, self.sinks, s.window, slack, **kv)
         return caches
 
-    def generate(self, tokens: list[int]) -> Iterator[Any]:
-        """The engine's streaming generator over ``tokens`` with the session's caches."""
+    def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
+        """The engine's streaming generator over ``tokens`` with the session's caches;
+        ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
+        ``top_p``) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
         from mlx_stream.decode import stream_generate
 
         s = self.settings
+        kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return stream_generate(
             self.model,
             self.tokenizer,
             tokens,
-            max_tokens=s.max_tokens,
             sinks=self.sinks,
             window=s.window,
             draft_model=self.draft_model,
             num_draft_tokens=s.num_draft_tokens,
             prompt_cache=self.caches,
-            temp=s.temp,
-            top_p=s.top_p,
+            **kwargs,
         )
+
+    def prefill(self, text: str) -> None:
+        """Feed ``text`` (rendered, the start of the conversation) into empty caches."""
+        import mlx.core as mx
+
+        from mlx_stream.cache import max_call_tokens
+
+        tokens = self.encode(text)
+        groups = [(self.model, self.caches[: self.n_target])]
+        if self.draft_model is not None:
+            groups.append((self.draft_model, self.caches[self.n_target :]))
+        for model, caches in groups:
+            rest = tokens
+            while rest:
+                n = min(len(rest), PREFILL_STEP, max_call_tokens(caches) or PREFILL_STEP)
+                model(mx.array(rest[:n])[None], cache=caches)
+                mx.eval([c.state for c in caches])
+                rest = rest[n:]
+        self.fed_text, self.pending = text, []
 
     # ----- conversation -------------------------------------------------------------
 
@@ -213,50 +252,97 @@ class ChatSession:
         The reply, finished or not, joins the transcript and the cache; an exception
         raised by ``write`` stops it the same way and is raised again afterwards.
         """
+        from mlx_stream.decode import StopOnInterrupt
+
+        turn = self.stream(user_text)
+        with StopOnInterrupt() as ctrl_c:
+            try:
+                for response in turn:
+                    write(response.text)
+                    if ctrl_c.interrupted:
+                        break
+            finally:
+                turn.close()
+        return self.last
+
+    def stream(self, user_text: str, tail: int | None = None, **overrides: Any) -> Iterator[Any]:
+        """Generate a reply to ``user_text``, yielding ``stream_generate``'s responses.
+
+        However the generator ends (finished, or ``close()``-d by its consumer), the
+        reply so far joins the transcript and the cache, and :attr:`last` describes it.
+
+        Args:
+            user_text (str): The new user message.
+            tail (int, optional): Feed at most the last ``tail`` new tokens (a rebuilt
+                conversation keeps only what fits the window).
+            **overrides: Per-call settings, see :meth:`generate`.
+        """
         tokens, full = self.turn_tokens(user_text)
+        if tail is not None and len(tokens) > tail:
+            tokens = tokens[-tail:]
         before = [cache_count(self.caches)]
         if self.draft_model is not None:
             before.append(cache_count(self.caches[self.n_target :]))
         generated: list[int] = []
+        texts: list[str] = []
         last = None
-        from mlx_stream.decode import StopOnInterrupt
+        finished = False
+        gen = self.generate(tokens, **overrides)
+        try:
+            for response in gen:
+                last = response
+                generated.append(response.token)
+                texts.append(response.text)
+                yield response
+            finished = True
+        finally:
+            gen.close()
+            finish = getattr(last, "finish_reason", None)
+            eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            if generated and finish == "stop" and generated[-1] in eos:
+                generated.pop()
+            self._settle(before, len(tokens), generated)
+            # The text the consumer saw (a stop string is cut from it).
+            text = "".join(texts)
+            self.messages += [
+                {"role": "user", "content": user_text},
+                {"role": "assistant", "content": text},
+            ]
+            self.fed_text = full + text
+            self.last = Reply(
+                text=text,
+                tokens=len(generated),
+                tps=float(getattr(last, "generation_tps", 0.0) or 0.0),
+                prompt_tokens=len(tokens),
+                interrupted=not finished,
+                finish_reason=finish,
+            )
 
-        failure: Exception | None = None
-        gen = self.generate(tokens)
-        with StopOnInterrupt() as ctrl_c:
-            try:
-                for response in gen:
-                    last = response
-                    generated.append(response.token)
-                    write(response.text)
-                    if ctrl_c.interrupted:
-                        break
-            except Exception as exc:  # noqa: BLE001 - e.g. ``write`` failed: keep what was fed
-                failure = exc
-            finally:
-                gen.close()
-        finish = getattr(last, "finish_reason", None)
-        eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        if generated and finish == "stop" and generated[-1] in eos:
-            generated.pop()
-        self._settle(before, len(tokens), generated)
-        text = self.tokenizer.decode(generated)
-        self.messages += [
-            {"role": "user", "content": user_text},
-            {"role": "assistant", "content": text},
-        ]
-        self.fed_text = full + text
-        self.last = Reply(
-            text=text,
-            tokens=len(generated),
-            tps=float(getattr(last, "generation_tps", 0.0) or 0.0),
-            prompt_tokens=len(tokens),
-            interrupted=ctrl_c.interrupted or failure is not None,
-            finish_reason=finish,
+    # ----- checkpoints in memory ------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """A copy of the conversation and its caches to :meth:`restore` later (costs
+        one more cache: a fixed size)."""
+        import copy
+
+        return Checkpoint(
+            messages=[dict(m) for m in self.messages],
+            fed_text=self.fed_text,
+            pending=list(self.pending),
+            system=self.system,
+            sinks=self.sinks,
+            caches=copy.deepcopy(self.caches),
         )
-        if failure is not None:
-            raise failure
-        return self.last
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Go back to ``checkpoint``; it stays usable (its caches are copied again)."""
+        import copy
+
+        self.messages = [dict(m) for m in checkpoint.messages]
+        self.fed_text, self.pending = checkpoint.fed_text, list(checkpoint.pending)
+        self.system, self.sinks = checkpoint.system, checkpoint.sinks
+        self.caches = copy.deepcopy(checkpoint.caches)
+        self.last = None
 
     def _settle(self, before: list[int], n_prompt: int, generated: list[int]) -> None:
         """Make the caches hold exactly prompt + reply, apart from ``pending``.
