@@ -56,6 +56,7 @@ DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
 MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
 MAX_STORED = 256  # sessions kept on disk (oldest dropped)
+PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
 
 
 class Busy(Exception):
@@ -181,6 +182,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats: dict[str, Any] = {}
+        self._published = 0.0
         self.evictions = self.restores = self.refusals = 0
 
     # ----- lifecycle ------------------------------------------------------------------
@@ -266,6 +268,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
                 self._end(job, rollback=True)
                 job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+        if self._active and time.monotonic() - self._published > PUBLISH_EVERY:
+            self._publish()
 
     def _advance(self, job: _Job) -> None:
         for _ in range(self.chunk):
@@ -314,6 +318,8 @@ class Engine:
             entry.session.restore(entry.checkpoint)
         entry.messages = [dict(m) for m in entry.session.messages]
         entry.tokens_seen = cache_count(entry.session.caches)
+        if rollback:
+            self._publish()
 
     # ----- admission --------------------------------------------------------------------
 
@@ -540,7 +546,7 @@ class Engine:
         """Refresh :attr:`stats` (read by other threads without locking)."""
         import mlx.core as mx
 
-        now = time.monotonic()
+        now = self._published = time.monotonic()
         sessions = []
         for e in self.entries.values():
             if e.transient:
