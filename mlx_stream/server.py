@@ -438,7 +438,12 @@ class Engine:
         entry, mode = self._find(request.session_id, system, history)
         if entry.busy:
             raise Busy(f"session {entry.id} is answering another request; retry shortly")
-        self._resident(entry)
+        try:
+            self._resident(entry)
+        except BaseException:
+            if entry.session is None and entry.path is None:  # refused before it began
+                self._drop(entry)
+            raise
         session, tail = entry.session, None
         if mode == "restore" and entry.checkpoint is not None:
             session.restore(entry.checkpoint)  # the checkpoint from before the turn
