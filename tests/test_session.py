@@ -12,6 +12,27 @@ from mlx_stream.session import ChatSession, Settings, cache_count
 
 
 @pytest.fixture(scope="module")
+def endless_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its end-of-sequence embeddings zeroed (tied weights: their
+    logits are 0 while the best of ~70 random logits is positive), so a reply only
+    ends at its token limit or when it is stopped."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("endless") / "tiny"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    key = "model.embed_tokens.weight"
+    keep = mx.ones((weights[key].shape[0], 1))
+    keep[1] = 0  # <|endoftext|>
+    keep[3] = 0  # <|im_end|>
+    weights[key] = weights[key] * keep
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
     from mlx_stream.loader import load
 
@@ -168,6 +189,32 @@ def test_engine_refuses_when_every_session_is_busy(engine):
     text, refusal = ask(e, [{"role": "user", "content": "the sea"}])
     assert text is None and refusal[1] == 429 and refusal[3] > 0
     long.cancelled.set()
+
+
+def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_path):
+    """A request never waits for another's long reply: a 5-token reply submitted after
+    a 100,000-token one finishes while the long one is still streaming."""
+    from mlx_stream.loader import load
+    from mlx_stream.server import Engine, Request
+
+    model, tokenizer = load(str(endless_model))
+    e = Engine(model, tokenizer, Settings(sinks=2, window=48), "endless", state_dir=tmp_path)
+    e.start()
+    try:
+        events: queue.Queue = queue.Queue()
+        long = Request(emit=events.put, messages=[{"role": "user", "content": "hello"}],
+                       max_tokens=100_000)  # fmt: skip
+        e.submit(long)
+        assert events.get(timeout=30)[0] == "start"
+        text, usage = ask(e, [{"role": "user", "content": "the sea"}], max_tokens=5)
+        assert usage["completion_tokens"] == 5
+        long_texts = []
+        while not events.empty():
+            long_texts.append(events.get())
+        assert all(ev[0] == "text" for ev in long_texts)  # still streaming, not ended
+        long.cancelled.set()
+    finally:
+        e.stop()
 
 
 def test_engine_rejects_a_conversation_that_does_not_end_with_the_user(engine):
