@@ -351,6 +351,11 @@ def test_bad_serve_options_are_one_line_exit_2(tiny_model_dir, args, words):
     assert_one_line_error(result, 2, *words)
 
 
+def test_a_port_in_use_is_one_line_exit_2_before_loading(server):
+    result = CliRunner().invoke(app, ["serve", "-m", "no-such-model", "--port", str(server.port)])
+    assert_one_line_error(result, 2, "cannot listen", str(server.port))
+
+
 # ------------------------------------------------------------------- the benchmark
 
 
