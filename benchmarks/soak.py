@@ -107,8 +107,9 @@ def draw(records: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     ax = axes[0]
     ax.plot(x, [r["active_mb"] for r in records], label="MLX active")
-    ax.plot(x, [r.get("pool_max_mb", r["pool_mb"]) for r in records],
-            label="MLX buffer pool (max between samples)")  # fmt: skip
+    peaks = all("pool_max_mb" in r for r in records)  # older runs: at the sample only
+    ax.plot(x, [r["pool_max_mb"] if peaks else r["pool_mb"] for r in records],
+            label=f"MLX buffer pool ({'max between samples' if peaks else 'at each sample'})")  # fmt: skip
     if all(r.get("rss_mb") is not None for r in records):
         ax.plot(x, [r["rss_mb"] for r in records], label="process RSS")
     ax.set_ylabel("MB")
