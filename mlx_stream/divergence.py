@@ -62,7 +62,9 @@ class Policy:
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}")
         if self.positions == "rotating" and self.kv_bits is not None:
-            raise ValueError("mlx-lm's RotatingKVCache cannot be quantized (its to_quantized is NYI)")
+            raise ValueError(
+                "mlx-lm's RotatingKVCache cannot be quantized (its to_quantized is NYI)"
+            )
         validate_sizes(self.sinks, self.window, kv_bits=self.kv_bits,
                        kv_group_size=self.kv_group_size, key_bits=self.key_bits)  # fmt: skip
 
