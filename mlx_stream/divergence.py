@@ -182,14 +182,14 @@ def compare_generations(reference: Sequence[int], policy: Sequence[int]) -> dict
 
 def sample_points(tokens: int, count: int, generate: int) -> list[int]:
     """``count`` free-generation points evenly spread over the second half of a stream of
-    ``tokens`` tokens (each point ``p`` continues after ``tokens[p]``)."""
-    if count <= 0 or generate <= 0:
+    ``tokens`` tokens (each point ``p`` continues after ``tokens[p]``), ending where the
+    ``generate`` tokens still fit in the stream: the full cache never runs longer than
+    the text (so never past the model's context when the text is within it)."""
+    last = tokens - 1 - generate
+    if count <= 0 or generate <= 0 or last < 1:
         return []
-    last = tokens - 1
-    first = min(tokens // 2, last)
-    if last < 1:
-        return []
-    return sorted({int(round(x)) for x in np.linspace(max(first, 1), last, count)})
+    first = min(max(tokens // 2, 1), last)
+    return sorted({int(round(x)) for x in np.linspace(first, last, count)})
 
 
 def greedy(model: nn.Module, cache: list, first: int, n: int) -> list[int]:

@@ -154,5 +154,6 @@ def test_generation_bookkeeping_by_hand():
     assert median_first_divergence([None, 3, 5]) == 5.0
     assert median_first_divergence([None, None, 3]) is None
     assert median_first_divergence([]) is None
-    assert sample_points(100, 3, 8) == [50, 74, 99]
+    assert sample_points(100, 3, 8) == [50, 70, 91]  # 91 + 1 + 8 tokens: the stream's end
     assert sample_points(100, 0, 8) == [] and sample_points(100, 3, 0) == []
+    assert sample_points(10, 3, 9) == [] and sample_points(12, 5, 9) == [2]
