@@ -114,7 +114,7 @@ def render(records: list[dict]) -> str:
     out = []
     div = [r for r in records if r.get("bench") == "forget-divergence"]
     if div:
-        out += ["| book | tokens | window | sinks | positions | KV | KL | top-1 | KL evicted | "
+        out += ["| book | tokens scored | window | sinks | positions | KV | KL | top-1 | KL evicted | "
                 "top-1 evicted | ppl | full ppl | first divergence | mismatch after |",
                 "|" + "---|" * 14]  # fmt: skip
         for r in div:
