@@ -98,7 +98,7 @@ def test_real_model_recalls_inside_and_forgets_outside(real_model):
     """SmolLM2-135M finds a key half a window back through the window, like the full
     cache, and loses one far outside it (the full cache still finds it)."""
     model, tokenizer, _ = real_model
-    rows = rec.recall(model, tokenizer, [WINDOW], ["inside", "far_outside"], trials=2,
+    rows = rec.recall(model, tokenizer, [WINDOW], ["inside", "far_outside"], trials=1,
                       context=8192)  # fmt: skip
     inside, far = rows
     assert inside["accuracy"] == inside["reference_accuracy"] == 1.0
