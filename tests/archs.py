@@ -349,9 +349,11 @@ def rows() -> list[tuple[str, str, str]]:
 
 
 if __name__ == "__main__":
+    import collections
     import sys
 
-    for name, status, reason in (
-        rows() if len(sys.argv) < 2 else [(a, *classify(a)) for a in sys.argv[1:]]
-    ):
+    table = rows() if len(sys.argv) < 2 else [(a, *classify(a)) for a in sys.argv[1:]]
+    for name, status, reason in table:
         print(f"{status:12} {name:28} {reason}", flush=True)
+    counts = collections.Counter(status for _, status, _ in table)
+    print(", ".join(f"{n} {status}" for status, n in counts.most_common()))
