@@ -94,10 +94,16 @@ NOPE = Move(None)
 
 
 def rope_dims(rope: nn.Module) -> int | None:
+    """How many dims the rope turns: its ``dims`` attribute, else twice the length of
+    its frequency table (ropes that rotate all of what they are given)."""
     for name in ("dims", "dim", "rotary_dim", "rope_dim"):
         value = getattr(rope, name, None)
         if isinstance(value, int):
             return value
+    for name in ("_freqs", "freqs", "inv_freq", "_inv_freq"):
+        value = getattr(rope, name, None)
+        if isinstance(value, mx.array) and value.ndim == 1:
+            return 2 * value.size
     return None
 
 

@@ -100,3 +100,11 @@ def test_spare_sink_columns_are_ordered():
     ring.write(10)
     seen = ring.visible(2)
     assert np.flatnonzero(seen[1, ring.capacity :]).tolist() == [0]
+
+
+def test_spare_sinks_respect_a_layer_window():
+    ring = Ring(sinks=2, window=4, slack=4, stride=1, positions="cache")
+    ring.write(20)
+    seen = ring.visible(3, window_size=3)  # a sliding layer narrower than the window
+    assert seen.shape == (3, ring.slots_total)
+    assert not seen[:, :2].any() and not seen[:, ring.capacity :].any()
