@@ -127,7 +127,7 @@ LLAMA4_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 OVERRIDES: dict[str, dict] = {
-    "deepseek_v2": {"rope_scaling": {"type": "default"}},
+    "bailing_moe_linear": {"layer_group_size": 2, "num_hidden_layers": 2},
     "minicpm3": {"rope_scaling": {"type": "default"}},
     "mistral4": {"rope_parameters": LLAMA4_SCALING},
     "ministral3": {"rope_parameters": LLAMA4_SCALING},
@@ -217,6 +217,7 @@ PROCESS_KILLERS = {
 # Further 1-layer variants of hybrid models: {arch: {variant name: overrides}}.
 SLIDING_THEN_FULL = {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2}
 VARIANTS: dict[str, dict[str, dict]] = {
+    "bailing_hybrid": {"linear": {"layer_group_size": 2, "num_hidden_layers": 2}},
     "afmoe": {"sliding": SLIDING_THEN_FULL},
     "gear": {"sliding": SLIDING_THEN_FULL},
     "mellum": {"sliding": SLIDING_THEN_FULL},
