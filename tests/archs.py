@@ -126,7 +126,21 @@ LLAMA4_SCALING = {
     "llama_4_scaling_beta": 0.1,
     "original_max_position_embeddings": 8192,
 }
+KIMI_LINEAR = {
+    "kda_layers": [1],
+    "full_attn_layers": [2],
+    "head_dim": 16,
+    "num_heads": 4,
+    "short_conv_kernel_size": 4,
+}
 OVERRIDES: dict[str, dict] = {
+    "gemma4_text": {"num_kv_shared_layers": 0, "layer_types": ["full_attention"]},
+    "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
+    "glm_moe_dsa": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "mimo_v2_flash": {"hybrid_layer_pattern": [0], "moe_layer_freq": [0]},
+    "mamba2": {"time_step_limit": [0.0, 1000.0]},
+    "kimi_k3": {"num_hidden_layers": 2, "linear_attn_config": KIMI_LINEAR},
+    "llama4": {"text_config": {"num_experts_per_tok": 1}},
     "bailing_moe_linear": {"layer_group_size": 2, "num_hidden_layers": 2},
     "minicpm3": {"rope_scaling": {"type": "default"}},
     "mistral4": {"rope_parameters": LLAMA4_SCALING},
@@ -217,6 +231,14 @@ PROCESS_KILLERS = {
 # Further 1-layer variants of hybrid models: {arch: {variant name: overrides}}.
 SLIDING_THEN_FULL = {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2}
 VARIANTS: dict[str, dict[str, dict]] = {
+    "gemma4_text": {
+        "sliding": {"layer_types": ["sliding_attention"]},
+        "kv_shared": {  # the second layer reads the first one's cache (keys_and_values)
+            "num_kv_shared_layers": 1,
+            "layer_types": ["full_attention", "full_attention"],
+            "num_hidden_layers": 2,
+        },
+    },
     "bailing_hybrid": {"linear": {"layer_group_size": 2, "num_hidden_layers": 2}},
     "afmoe": {"sliding": SLIDING_THEN_FULL},
     "gear": {"sliding": SLIDING_THEN_FULL},
