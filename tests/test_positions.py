@@ -137,3 +137,13 @@ def test_keys_and_values_return_what_the_last_update_returned(tiny_llama):
     fetched = cache[0].update_and_fetch(k, k)  # 3 tokens crossing a stride: spare sinks
     again = cache[0].keys_and_values()
     assert fetched[0].shape == again[0].shape and mx.array_equal(fetched[1], again[1]).item()
+
+
+@pytest.mark.real_model
+def test_the_default_model_passes_the_self_check(real_model_path):
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["models", "check", str(real_model_path)])
+    assert result.exit_code == 0, result.stderr
+    assert "SinkCache: keys, all dims, RoPE" in result.stdout
+    assert "mask:   additive" in result.stdout and "verdict: exact" in result.stdout
