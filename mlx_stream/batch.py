@@ -202,10 +202,12 @@ class Batch:
         temp: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        on_row: Callable[[Row], None] | None = None,
     ) -> Callable[..., Generator[tuple[int, mx.array, bool], None, None]]:
         """A token source for ``stream_generate(..., steps=...)`` decoding on this batch
         with these sampling parameters. ``drive(row)`` runs rounds until ``row`` has a
-        token (default: :meth:`step`; the server's also hands other sessions theirs)."""
+        token (default: :meth:`step`; the server's also hands other sessions theirs);
+        ``on_row(row)`` is told the row once it is made."""
         drive = drive or (lambda row: self.step())
 
         def source(prompt, model, prompt_cache, sampler=None, logits_processors=None, *,
@@ -219,6 +221,8 @@ class Batch:
             state.prompt_tokens = len(prompt)
             tic = time.perf_counter()
             row = self.add(prompt_cache, prompt, temp, top_p, seed, max_tokens)
+            if on_row is not None:
+                on_row(row)
             try:
                 while state.generated != max_tokens:
                     while not row.inbox:
