@@ -188,9 +188,14 @@ class SinkCache(mlx_cache._BaseCache):
     def _apply_layout(self, n: int, N: int) -> None:
         """Bring stored tensors into the layout of an ``N``-token call at token ``n``
         (and write the spare sinks of the later layouts a crossing call spans)."""
-        if not self._moving:
-            return
         ring, S, C = self.ring, self.sinks, self.capacity
+        if not self._moving:
+            if not ring.in_order(N):
+                for k in range(1, len(ring.sink_layouts(N))):  # unmoved sink copies
+                    lo = C + (k - 1) * S
+                    for b in self._buffers():
+                        kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
+            return
         slot = self.move.slot if self.move is not None else 0
         bits, g = self._bits(slot), self.kv_group_size
         buf = self._buffers()[slot]

@@ -194,9 +194,8 @@ class Probe(mlx_cache._BaseCache):
 def _run(model, caches_like: list, offset: int, additive: bool, tokens, dtype):
     caches = mlx_cache.make_prompt_cache(model)
     probes = {}
-    for i, c in enumerate(caches):
-        if i in caches_like:
-            caches[i] = probes[i] = Probe(offset, additive, dtype)
+    for i in caches_like:
+        caches[i] = probes[i] = Probe(offset, additive, dtype)
     logits = model(tokens[:, :PROBE_TOKENS], cache=caches)
     return caches, probes, logits
 

@@ -6,6 +6,7 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.rope_utils import initialize_rope
@@ -330,3 +331,58 @@ def test_load_cache_refuses_other_files(tmp_path, tiny_llama):
     mx.save_safetensors(str(tmp_path / "other.safetensors"), {"x": mx.zeros(2)})
     with pytest.raises(ValueError, match="not an mlx-stream cache file"):
         load_cache(tmp_path / "other.safetensors", tiny_llama)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_trim_back_across_a_rebase_is_exact(bits):
+    model = tiny.make_model("llama", num_attention_heads=2, num_key_value_heads=1, scale=1.0)
+    kw = dict(sinks=S, window=W, slack=8, stride=8, kv_bits=bits, kv_group_size=32)
+    cache = make_sink_cache(model, **kw)
+    r = cache[0].rebase_every * 2  # a rebase point past the first eviction
+    feed(model, cache, TOKENS[: r - 1], 8)
+    expected = copy.deepcopy(cache)
+    model(mx.array([TOKENS[r - 1 : r]]), cache=cache)
+    model(mx.array([TOKENS[r : r + 2]]), cache=cache)  # this call rebases the buffer
+    assert cache[0]._layout_applied[0] != expected[0]._layout_applied[0]
+    assert mlx_cache.trim_prompt_cache(cache, 3) == 3
+    for c, e in zip(cache, expected):
+        held = c.ring.slots >= 0  # slots the trimmed tokens wrote are masked out
+        assert (c.ring.slots[held] == e.ring.slots[held]).all()
+        held = mx.array(held)
+        for a, b in zip(tree_flatten(c.state[:2]), tree_flatten(e.state[:2])):
+            same = (a[1] == b[1])[..., : c.capacity, :].all(axis=(0, 1, 3))
+            assert mx.all(same | ~held).item()  # bit for bit, not a rotation back
+    nxt = mx.array([TOKENS[r - 1 : r + 3]])
+    assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=expected)).item()
+
+
+def test_trim_across_a_rebase_without_its_copy_is_refused(tiny_llama):
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    r = cache[0].rebase_every * 2
+    feed(tiny_llama, cache, TOKENS[: r + 2], 1)
+    for c in cache:
+        c._undo = None  # as after loading a checkpoint saved right after the rebase
+    with pytest.raises(Unsupported, match="crosses the rebase"):
+        cache[0].trim(3)
+
+
+def test_calls_crossing_strides_are_exact(tiny_llama):
+    # mlx-lm's own loops ignore max_call_tokens: each row still sees its own sinks.
+    kw = dict(sinks=S, window=W, slack=8, stride=4)
+    one = feed(tiny_llama, make_sink_cache(tiny_llama, **kw), TOKENS, 1)
+    cache = make_sink_cache(tiny_llama, **kw)
+    out, i = [], 0
+    while i < len(TOKENS):
+        out.append(tiny_llama(mx.array([TOKENS[i : i + 7]]), cache=cache)[0])
+        i += 7
+    many = mx.concatenate(out)
+    assert mx.abs(one - many).max().item() <= 1e-3 * mx.abs(one).max().item()
+
+
+def test_a_call_spanning_more_sink_moves_than_spares_is_refused(tiny_llama):
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=32, stride=2)
+    feed(tiny_llama, cache, TOKENS[:100], 1)
+    n = cache[0].tokens_seen
+    with pytest.raises(Unsupported, match="spans more sink moves"):
+        tiny_llama(mx.array([TOKENS[100:120]]), cache=cache)
+    assert all(c.tokens_seen == n for c in cache)  # refused before anything was written
