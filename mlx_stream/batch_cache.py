@@ -23,6 +23,7 @@ the single-session step (:func:`check_batchable`, run once per model).
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import SinkCache, make_sink_cache
+from mlx_stream.cache import SinkCache, make_sink_cache, max_call_tokens
 from mlx_stream.errors import Unsupported
 
 #: Largest logit difference between a batched row and the same session alone.
@@ -191,14 +192,23 @@ def batch_refusal(row, joining: bool = True) -> str | None:
 
 
 _VERDICTS: dict[int, str | None] = {}  # by id(model), dropped with the model
-PROBE_PROMPTS = ((7, 3, 11, 5, 2, 9, 4, 6, 8, 12, 10, 13, 2, 5), (4, 9, 2), (6, 1, 8, 3, 7, 5, 9))
-PROBE_STEPS = 12
+# Sizes and prompts the probe uses: window 8, stride 4 (rebase every 16 tokens); the
+# rows start decoding at tokens 14, 5 and 11 and within PROBE_STEPS cross a rebase,
+# sink moves and the first wrap, each at another step.
+PROBE_SIZES = dict(sinks=2, window=8, slack=4, stride=4)
+PROBE_PROMPTS = (
+    (7, 3, 11, 5, 2, 9, 4, 6, 8, 12, 10, 13, 2, 5),
+    (4, 9, 2, 8, 6),
+    (6, 1, 8, 3, 7, 5, 9, 2, 4, 10, 11),
+)
+PROBE_STEPS = 6
 
 
 def check_batchable(model: nn.Module) -> str | None:
     """Why ``model`` cannot decode sessions in one batch (``None``: it can), checked on
-    the model itself once: three rows at different offsets, across wraps, sink moves
-    and rebases, decoded together must give the logits each gives alone."""
+    the model itself once: three rows at different offsets, across a rebase, sink
+    moves and a wrap at different steps, decoded together must give the logits each
+    gives alone."""
     key = id(model)
     if key not in _VERDICTS:
         try:
@@ -211,18 +221,18 @@ def check_batchable(model: nn.Module) -> str | None:
 
 
 def _probe(model: nn.Module) -> str | None:
-    def caches():
-        return make_sink_cache(model, sinks=2, window=6, slack=2, stride=2)
-
-    for c in caches():
+    for c in make_sink_cache(model, **PROBE_SIZES):
         if not isinstance(c, SinkCache):
             return batch_refusal(c)
     singles, batch = [], [BatchSinkCache() for _ in model.layers]
     for prompt in PROBE_PROMPTS:
-        own, mine = caches(), caches()
-        for cache in (own, mine):
-            for t in prompt[:-1]:  # token by token: every layout on the way
-                model(mx.array([[t]]), cache=cache)
+        own = make_sink_cache(model, **PROBE_SIZES)
+        rest = list(prompt[:-1])
+        while rest:  # chunks that cross no layout change: exact
+            n = min(len(rest), max_call_tokens(own))
+            model(mx.array(rest[:n])[None], cache=own)
+            rest = rest[n:]
+        mine = copy.deepcopy(own)
         for layer, c in zip(batch, mine, strict=True):
             layer.add(c)
         singles.append(own)

@@ -175,3 +175,14 @@ def test_rope_modules_take_one_offset_per_row(arch):
         apart = mx.concatenate([rope(x[:1], offset=5), rope(x[1:], offset=900)])
         assert mx.abs(together - apart).max().item() < 1e-5
         assert mx.abs(together[1] - rope(x[1:], offset=5)[0]).max().item() > 1e-2
+
+
+def test_the_model_check_refuses_a_batched_step_that_is_not_exact(monkeypatch):
+    """check_batchable compares rows against single sessions on the model itself: a
+    batch whose rows all took the first row's rope position is caught."""
+    from mlx_stream import batch_cache
+
+    model = make_model("llama")
+    assert batch_cache._probe(model) is None
+    monkeypatch.setattr(batch_cache.BatchSinkCache, "offset", property(lambda s: s.rows[0].offset))
+    assert "differs from single-session decoding" in batch_cache._probe(model)
