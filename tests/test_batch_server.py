@@ -94,3 +94,36 @@ def test_batching_is_refused_with_a_reason_for_quantized_kv_and_a_draft_model(lo
     e = Engine(model, tokenizer, Settings(2, 24), "tiny", state_dir=tmp_path)
     e._make_batch()
     assert e._batch is not None and e.batch_refusal is None
+
+
+def test_a_served_batch_streams_to_concurrent_clients_and_reports_itself(tiny_model_dir):
+    """A real `mlx-stream serve`: three clients at once (streamed and not) get the
+    replies one client alone gets; /v1/sessions reports the batch and its steps."""
+    import threading
+
+    from tests.test_server import Server, chat
+
+    server = Server(tiny_model_dir, "--sinks", "2", "--window", "32", "--max-tokens", "30")
+    try:
+        asks = [[{"role": "user", "content": w}] for w in ("hello the sea", "ship", "paris")]
+        alone = [chat(server, m).choices[0].message.content for m in asks]
+        steps = server.get("/v1/sessions")["batch"]["steps"]
+        together = [None] * 3
+
+        def client(i):
+            if i == 1:
+                parts = chat(server, asks[i], stream=True)
+                together[i] = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            else:
+                together[i] = chat(server, asks[i]).choices[0].message.content
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        batch = server.get("/v1/sessions")["batch"]
+    finally:
+        server.stop()
+    assert together == alone
+    assert batch["enabled"] and batch["reason"] is None and batch["steps"] > steps
