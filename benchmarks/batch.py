@@ -17,7 +17,7 @@ active memory. The two engines alternate per B (``--repeats``), so machine noise
 both alike. A summary line holds the targets: mlx-stream at the largest B over itself
 at B=1 (target >= 3) and over mlx-lm at the largest B (target >= 1).
 
-    python benchmarks/batch.py                  # ~10 min on a loaded 2-core machine
+    python benchmarks/batch.py --tokens 24      # 34 min at load average 15-18 on 2 cores
     python benchmarks/batch.py --batches 1,8    # the two ends only
     python benchmarks/batch.py --table benchmarks/results/batch.jsonl   # README table
 """
