@@ -156,33 +156,38 @@ def client(base: str, model: str, system: str, messages: list[str], args, out: l
         )
 
 
+def workload(kind: str, port: int, system: str, users, args) -> tuple[list, float, float]:
+    """Every client's conversation at once; returns (per-request results, wall s, start)."""
+    if kind == "mlx-lm":
+        model_id = "default_model"  # mlx_lm.server's name for its --model
+    else:
+        models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models"))
+        model_id = models["data"][0]["id"]
+    results: list[dict] = []
+    base = f"http://127.0.0.1:{port}/v1"
+    threads = [
+        threading.Thread(target=client, args=(base, model_id, system, users[c], args, results))
+        for c in range(args.clients)
+    ]
+    tic = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.time() - tic, tic
+
+
 def run_server(kind: str, model_path: str, system: str, users, args) -> dict:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         samples = Path(tmp) / "memory.txt"
         proc = start(kind, model_path, port, samples, args)
-        if kind == "mlx-lm":
-            model_id = "default_model"  # mlx_lm.server's name for its --model
-        else:
-            models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models"))
-            model_id = models["data"][0]["id"]
-        results: list[dict] = []
-        threads = [
-            threading.Thread(
-                target=client,
-                args=(f"http://127.0.0.1:{port}/v1", model_id, system, users[c], args, results),
-            )
-            for c in range(args.clients)
-        ]
-        tic = time.time()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.time() - tic
-        time.sleep(1.0)  # one more memory sample after the last reply
-        proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            results, wall, tic = workload(kind, port, system, users, args)
+            time.sleep(1.0)  # one more memory sample after the last reply
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
         series = [tuple(map(float, line.split())) for line in samples.read_text().splitlines()]
     ok = [r for r in results if "error" not in r]
     series = [(t - tic, rss, active) for t, rss, active in series if t >= tic - 1]

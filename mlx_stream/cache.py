@@ -8,11 +8,17 @@ slack`` slots, allocated at the first update and written in place forever after.
 
 Positions follow StreamingLLM's "positions within the cache": mlx-lm models rotate keys
 with ``rope(x, offset=cache.offset)`` before storing them, so the cache chooses
-``offset`` and keeps it bounded (``max_offset``), moves the sink keys to sit right before
-the oldest window token, and rebases the window keys now and then. Both moves are the
-layer's own rope applied to stored keys, i.e. pure rotations, and happen only at token
-indices that are multiples of ``stride``: a call that never crosses one
-(``max_call_tokens``) sees exactly what token-by-token decoding would see.
+``offset`` and keeps it bounded (``max_offset``), moves the sinks to sit right before
+the oldest window token, and rebases the window now and then. Where each layer's cached
+tensors carry positions (keys, the values slot for MLA, a roped tail, or nothing) is
+found and verified on the model itself (``mlx_stream.positions``); moves happen only at
+token indices that are multiples of ``stride``. A call that crosses one stays exact
+(spare sink copies, ``mlx_stream.ring``); ``max_call_tokens`` keeps our own loop from
+needing them.
+
+The parts: ``mlx_stream.ring`` (slot layout and masks, numpy), ``mlx_stream.kvstore``
+(float or quantized storage), ``mlx_stream.positions`` (moves and the self-check);
+``SinkCache`` glues them behind mlx-lm's cache protocol.
 
 ``SinkCache`` speaks mlx-lm's prompt-cache protocol (``update_and_fetch``, ``offset``,
 ``make_mask``, ``state``, ``trim``...), so a list of them is a valid ``prompt_cache`` for
@@ -106,6 +112,7 @@ class SinkCache(mlx_cache._BaseCache):
         self._layout_applied = (0, 0)  # (base, sink_start) the stored tensors are in
         self._layout_stride = -1  # stride index (token // stride) the layout was set for
         self._undo = None  # (token, layout, layout stride, moved buffer) before a rebase
+        self._last_fetched = 0  # slots the last update_and_fetch returned
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
         if kv_bits is not None and key_bits == kv_bits:
@@ -268,6 +275,12 @@ class SinkCache(mlx_cache._BaseCache):
         ring.write(N)
         if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
             self._undo = None  # no rollback can reach back across that rebase any more
+        self._last_fetched = L
+        return self._fetch(L)
+
+    def _fetch(self, L: int):
+        """The first ``L`` slots of keys and values, as attention takes them."""
+        g = self.kv_group_size
         keys, values = kvstore.get(self.keys, 0, L), kvstore.get(self.values, 0, L)
         if self.quantized and not hasattr(self, "bits"):
             # Mixed key/value bits: attention runs on dequantized floats.
@@ -278,16 +291,9 @@ class SinkCache(mlx_cache._BaseCache):
 
     def keys_and_values(self):
         """The keys and values the last ``update_and_fetch`` returned."""
-        L = self.ring.fetched(0) if self.keys is not None else 0
         if self.keys is None:
             return None, None
-        g = self.kv_group_size
-        keys, values = kvstore.get(self.keys, 0, L), kvstore.get(self.values, 0, L)
-        if self.quantized and not hasattr(self, "bits"):
-            return kvstore.unpack(keys, self.key_bits, g), kvstore.unpack(
-                values, self.value_bits, g
-            )
-        return keys, values
+        return self._fetch(self._last_fetched or self.ring.fetched(0))
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """The mask for the next ``N`` tokens, describing the buffer after they are
@@ -605,6 +611,12 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
         raise Unsupported(f"{path} is not an mlx-stream cache file")
     layers = json.loads(header.pop("mlx_stream"))["layers"]
     verdict = check_model(model, mlx_cache.make_prompt_cache(model)) if model is not None else None
+    moving = any(
+        layer["class"] == "SinkCache" and (layer["meta"] or {}).get("positions") == "cache"
+        for layer in layers
+    )
+    if verdict is not None and verdict.refusal and moving:
+        raise Unsupported(verdict.refusal)
     caches = []
     for i, layer in enumerate(layers):
         flat = [

@@ -177,7 +177,7 @@ class Ring:
             spare[which == k, (k - 1) * S : k * S] = True
         seen[which > 0, :S] = False
         if window_size is not None:
-            sink_tokens = np.tile(np.arange(S), len(starts) - 1)[None, :]
+            sink_tokens = np.tile(np.arange(S), self.spare_sets)[None, :]
             spare &= sink_tokens > q - window_size
         return np.concatenate([seen, spare], axis=1)
 

@@ -126,12 +126,95 @@ LLAMA4_SCALING = {
     "llama_4_scaling_beta": 0.1,
     "original_max_position_embeddings": 8192,
 }
+KIMI_LINEAR = {
+    "kda_layers": [1],
+    "full_attn_layers": [2],
+    "head_dim": 16,
+    "num_heads": 4,
+    "short_conv_kernel_size": 4,
+}
 OVERRIDES: dict[str, dict] = {
-    "deepseek_v2": {"rope_scaling": {"type": "default"}},
+    "gemma4_text": {"num_kv_shared_layers": 0, "layer_types": ["full_attention"]},
+    "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
+    "glm_moe_dsa": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "mimo_v2_flash": {"hybrid_layer_pattern": [0], "moe_layer_freq": [0]},
+    "mamba2": {"time_step_limit": [0.0, 1000.0]},
+    "kimi_k3": {"num_hidden_layers": 2, "linear_attn_config": KIMI_LINEAR},
+    "llama4": {"text_config": {"num_experts_per_tok": 1}},
+    "bailing_moe_linear": {"layer_group_size": 2, "num_hidden_layers": 2},
     "minicpm3": {"rope_scaling": {"type": "default"}},
     "mistral4": {"rope_parameters": LLAMA4_SCALING},
     "ministral3": {"rope_parameters": LLAMA4_SCALING},
     "gptj": {"rotary_dim": 8},
+    "phixtral": {"rotary_dim": 8},
+    "minimax": {"rotary_dim": 8},
+    "plamo": {"n_shared_head": 2},
+    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True},
+    "longcat_flash_ngram": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True},
+    "baichuan_m1": {"conv_window": 2, "sliding_window_layers": []},
+    "deepseek_v2": {
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 1.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+        }
+    },
+    "afmoe": {"layer_types": ["full_attention"]},
+    "gear": {"layer_types": ["full_attention"]},
+    "mellum": {
+        "layer_types": ["full_attention"],
+        "rope_parameters": {
+            t: {"rope_theta": 10000.0, "rope_type": "default"}
+            for t in ("full_attention", "sliding_attention")
+        },
+    },
+    "exaone_moe": {"layer_types": ["full_attention"], "is_moe_layer": [True]},
+    "gemma3n": {"layer_types": ["full_attention"], "activation_sparsity_pattern": [0.0]},
+    "granitemoehybrid": {
+        "layer_types": ["attention"],
+        "shared_intermediate_size": 32,
+        "mamba_expand": 2,
+    },
+    "jamba": {  # a mamba layer, then an attention layer (the model needs both)
+        "attn_layer_offset": 1,
+        "attn_layer_period": 2,
+        "expert_layer_offset": 0,
+        "expert_layer_period": 1,
+        "num_hidden_layers": 2,
+    },
+    "nemotron_h": {"hybrid_override_pattern": ["M", "*"], "num_hidden_layers": 2},
+    "llama4_text": {"no_rope_layers": [1]},
+    "lfm2": {
+        "full_attn_idxs": [0],
+        "block_ff_dim": 128,
+        "block_dim": 64,
+        "conv_L_cache": 3,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+    },
+    "lfm2_moe": {"full_attn_idxs": [0], "block_dim": 64, "conv_L_cache": 3, "num_dense_layers": 1},
+    "recurrent_gemma": {"block_types": ["attention"]},
+    "kimi_linear": {
+        "num_hidden_layers": 2,
+        "linear_attn_config": {
+            "kda_layers": [1],
+            "full_attn_layers": [2],
+            "head_dim": 16,
+            "num_heads": 4,
+            "short_conv_kernel_size": 4,
+        },
+    },
+    "openelm": {
+        "num_query_heads": [4],
+        "num_kv_heads": [2],
+        "ffn_multipliers": [2.0],
+        "head_dim": 16,
+        "model_dim": 64,
+    },
     "dbrx": {
         "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
@@ -146,7 +229,30 @@ PROCESS_KILLERS = {
 }
 
 # Further 1-layer variants of hybrid models: {arch: {variant name: overrides}}.
-VARIANTS: dict[str, dict[str, dict]] = {}
+SLIDING_THEN_FULL = {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2}
+VARIANTS: dict[str, dict[str, dict]] = {
+    "gemma4_text": {
+        "sliding": {"layer_types": ["sliding_attention"]},
+        "kv_shared": {  # the second layer reads the first one's cache (keys_and_values)
+            "num_kv_shared_layers": 1,
+            "layer_types": ["full_attention", "full_attention"],
+            "num_hidden_layers": 2,
+        },
+    },
+    "bailing_hybrid": {"linear": {"layer_group_size": 2, "num_hidden_layers": 2}},
+    "afmoe": {"sliding": SLIDING_THEN_FULL},
+    "gear": {"sliding": SLIDING_THEN_FULL},
+    "mellum": {"sliding": SLIDING_THEN_FULL},
+    "granitemoehybrid": {"mamba": {"layer_types": ["mamba"]}},
+    "nemotron_h": {
+        "moe": {"hybrid_override_pattern": ["E", "*"], "num_hidden_layers": 2},
+    },
+    "llama4_text": {"nope": {"no_rope_layers": [0]}},
+    "lfm2": {"conv": {"full_attn_idxs": [1], "num_hidden_layers": 2}},
+    "recurrent_gemma": {
+        "recurrent": {"block_types": ["recurrent", "attention"], "num_hidden_layers": 2}
+    },
+}
 
 
 def architectures() -> list[str]:
@@ -194,6 +300,18 @@ def _fill(cls, overrides: dict) -> dict:
     return config
 
 
+def _imported_architectures(module) -> list[str]:
+    """Model modules a wrapper imports (``from . import llama``): its text model."""
+    import inspect
+    import re
+
+    source = inspect.getsource(module)
+    names = []
+    for line in re.findall(r"^from \. import (.+)$", source, flags=re.M):
+        names += [n.strip() for n in line.split(",")]
+    return [n for n in names if n not in NOT_ARCHITECTURES]
+
+
 def tiny_config(arch: str, variant: str | None = None) -> dict:
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     overrides = dict(OVERRIDES.get(arch, {}))
@@ -203,16 +321,25 @@ def tiny_config(arch: str, variant: str | None = None) -> dict:
     config.setdefault("model_type", arch)
     if not config.get("model_type"):
         config["model_type"] = arch
-    text = getattr(module, "TextConfig", None) or getattr(module, "TextArgs", None)
+    text, text_arch = getattr(module, "TextConfig", None) or getattr(module, "TextArgs", None), arch
     if text is None:
-        try:
-            text = importlib.import_module(f"mlx_lm.models.{arch}_text").ModelArgs
-        except ImportError:
-            text = None
+        for name in [f"{arch}_text", *_imported_architectures(module)]:
+            try:
+                text = importlib.import_module(f"mlx_lm.models.{name}").ModelArgs
+            except (ImportError, AttributeError):
+                continue
+            text_arch = name
+            break
     for nested in ("text_config", "llm_config"):
         if nested in config or nested in {f.name for f in dataclasses.fields(module.ModelArgs)}:
-            inner = _fill(text, {}) if text is not None else dict(SIZES)
-            inner.setdefault("model_type", arch)
+            if text is None:
+                inner = dict(SIZES)
+            else:
+                inner = _fill(text, OVERRIDES.get(text_arch, {}) if text_arch != arch else {})
+            inner.setdefault("model_type", text_arch)
+            if not inner.get("model_type"):
+                inner["model_type"] = text_arch
+            inner.update(overrides.get(nested, {}))
             config[nested] = inner
     return config
 
@@ -223,7 +350,10 @@ def build(arch: str, variant: str | None = None, seed: int = 0, layers: int = 1)
 
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     config = tiny_config(arch, variant)
+    fixed = {**OVERRIDES.get(arch, {}), **(VARIANTS[arch][variant] if variant else {})}
     for name in LAYER_COUNTS:
+        if name in fixed:
+            continue
         if name in config:
             config[name] = layers
         if isinstance(config.get("text_config"), dict) and name in config["text_config"]:

@@ -386,3 +386,22 @@ def test_a_call_spanning_more_sink_moves_than_spares_is_refused(tiny_llama):
     with pytest.raises(Unsupported, match="spans more sink moves"):
         tiny_llama(mx.array([TOKENS[100:120]]), cache=cache)
     assert all(c.tokens_seen == n for c in cache)  # refused before anything was written
+
+
+def test_trim_back_across_a_rebase_is_exact_for_mla():
+    # MLA keeps the roped part in the values slot: the undo copy must be of that slot.
+    from tests import archs
+
+    model, vocab = archs.build("deepseek_v3")
+    tokens = [t % vocab for t in TOKENS]
+    cache = make_sink_cache(model, sinks=S, window=W, slack=8, stride=8)
+    assert cache[0].move.slot == 1
+    r = cache[0].rebase_every * 2
+    feed(model, cache, tokens[: r - 1], 8)
+    expected = copy.deepcopy(cache)
+    model(mx.array([tokens[r - 1 : r + 2]]), cache=cache)  # crosses into the rebase
+    model(mx.array([tokens[r + 2 : r + 3]]), cache=cache)  # this call rebases
+    assert cache[0]._layout_applied[0] != expected[0]._layout_applied[0]
+    assert mlx_cache.trim_prompt_cache(cache, 4) == 4
+    nxt = mx.array([tokens[r - 1 : r + 3]])
+    assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=expected)).item()

@@ -100,3 +100,50 @@ def test_spare_sink_columns_are_ordered():
     ring.write(10)
     seen = ring.visible(2)
     assert np.flatnonzero(seen[1, ring.capacity :]).tolist() == [0]
+
+
+def test_spare_sinks_respect_a_layer_window():
+    ring = Ring(sinks=2, window=4, slack=4, stride=1, positions="cache")
+    ring.write(20)
+    seen = ring.visible(3, window_size=3)  # a sliding layer narrower than the window
+    assert seen.shape == (3, ring.slots_total)
+    assert not seen[:, :2].any() and not seen[:, ring.capacity :].any()
+
+
+def test_llama4_query_scaling_is_served_only_below_its_limit():
+    from tests import archs
+
+    model, _ = archs.build("ministral3")  # original_max_position_embeddings 8192
+    assert make_sink_cache(model, sinks=4, window=1024)
+    with pytest.raises(Unsupported, match="llama-4 query scaling .* below 8192"):
+        make_sink_cache(model, sinks=4, window=8000)
+    assert make_sink_cache(model, sinks=4, window=8000, positions="absolute")
+
+
+def test_cache_list_layers_are_refused_with_their_kind():
+    from tests import archs
+
+    model, _ = archs.build("deepseek_v32")
+    with pytest.raises(Unsupported, match=r"^deepseek_v32: layer 0 uses a CacheList"):
+        make_sink_cache(model, sinks=4, window=16)
+
+
+def test_keys_and_values_return_what_the_last_update_returned(tiny_llama):
+    from tests.test_cache import TOKENS, feed
+
+    cache = make_sink_cache(tiny_llama, sinks=4, window=16, slack=8, stride=4)
+    feed(tiny_llama, cache, TOKENS[:50], 1)
+    k = mx.random.normal((1, 2, 3, 16), key=mx.random.key(2))
+    fetched = cache[0].update_and_fetch(k, k)  # 3 tokens crossing a stride: spare sinks
+    again = cache[0].keys_and_values()
+    assert fetched[0].shape == again[0].shape and mx.array_equal(fetched[1], again[1]).item()
+
+
+@pytest.mark.real_model
+def test_the_default_model_passes_the_self_check(real_model_path):
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["models", "check", str(real_model_path)])
+    assert result.exit_code == 0, result.stderr
+    assert "SinkCache: keys, all dims, RoPE" in result.stdout
+    assert "mask:   additive" in result.stdout and "verdict: exact" in result.stdout

@@ -349,3 +349,32 @@ def test_invalid_utf8_escapes_in_a_message_are_answered(server):
 def test_bad_serve_options_are_one_line_exit_2(tiny_model_dir, args, words):
     result = CliRunner().invoke(app, ["serve", "-m", str(tiny_model_dir), *args])
     assert_one_line_error(result, 2, *words)
+
+
+# ------------------------------------------------------------------- the benchmark
+
+
+@pytest.mark.slow
+def test_benchmark_runs_both_servers_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+    """benchmarks/server.py --quick: both servers answer every request; JSON lines with
+    finite figures, a summary with the ratios, and the plot."""
+    import importlib.util
+    import math
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    monkeypatch.syspath_prepend(bench)
+    spec = importlib.util.spec_from_file_location("bench_server", os.path.join(bench, "server.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, png = tmp_path / "server.jsonl", tmp_path / "server.png"
+    records = module.main(["--quick", "--model", str(tiny_model_dir), "--out", str(out),
+                           "--plot", str(png)])  # fmt: skip
+    ours, theirs, summary = records
+    assert (ours["server"], theirs["server"]) == ("mlx-stream", "mlx-lm")
+    for r in (ours, theirs):
+        assert r["requests"] == 4 and not r["errors"], r["errors"]
+        assert r["requests_per_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] > 0
+        assert r["series"] and r["rss_mb_max"] > 0
+    assert ours["cached_tokens_total"] > 0
+    assert all(math.isfinite(v) for k, v in summary.items() if k.endswith("_ratio"))
+    assert png.stat().st_size > 0 and len(out.read_text().splitlines()) == 3
