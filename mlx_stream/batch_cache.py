@@ -71,6 +71,7 @@ class BatchSinkCache(mlx_cache._BaseCache):
         """Take row ``i`` out: its keys and values copied back to its SinkCache, the
         other rows unchanged (later rows move up by one)."""
         row = self.rows.pop(i)
+        row._last_fetched = 0  # what it fetched alone is stale: keys_and_values recounts
         T = row.ring.slots_total
         row.keys = mx.contiguous(self.keys[i : i + 1, :, :T])
         row.values = mx.contiguous(self.values[i : i + 1, :, :T])
