@@ -6,16 +6,19 @@ every newcomer feeds one prefill chunk on its own cache (so running rows keep
 streaming while a long prompt goes in), a newcomer whose prompt is in joins the
 batch (its caches copied into the :class:`~mlx_stream.batch_cache.BatchSinkCache`
 rows), then every batched row feeds its pending token in ONE model call and samples
-its next token with its own parameters (temperature, top-p, seed). Sampled tokens wait
-in the row's ``inbox`` until its consumer takes them.
+its next token with its own parameters (temperature, top-p, seed). Pipelined like
+mlx-lm's loops: a step's call is built on the previous step's tokens before they are
+read, so a sampled token reaches the row's ``inbox`` one step later, already fed; it
+waits there until the row's consumer takes it.
 
 :func:`Batch.tokens` is a token source with :func:`mlx_stream.decode.generate_step`'s
 signature, so :func:`mlx_stream.decode.stream_generate` (detokenizing, stop strings,
 eos) and a session's turn bookkeeping run unchanged on top of a batch. When the source
 stops (finished or closed), the row leaves the batch: its caches are copied back out
-and hold the prompt and every yielded token but the last, which is then the session's
-pending token (``ChatSession`` feeds it first next turn), exactly as a single-session
-decode leaves them up to that token.
+and hold the prompt and every token its inbox received (every yielded token, as
+mlx-stream's own decode loop leaves them; ``ChatSession`` trims a received token that
+was not yielded). Only a row that sampled its ``max_tokens`` leaves without feeding
+the last one, which is then the session's pending token.
 
 Each row gives what the same session gives alone on its SinkCaches: the same greedy
 tokens, logits within float tolerance (tests/test_batch.py).
@@ -50,7 +53,8 @@ class Row:
     Attributes:
         caches: The session's prompt cache (one SinkCache per layer).
         prompt: Prompt tokens still to prefill on the session's own cache.
-        next_input: The token the next batched call feeds (the last one sampled).
+        next_input: The token the next batched call feeds (the last one sampled,
+            possibly not evaluated yet).
         inbox: ``(token, logprobs)`` sampled and not yet taken by the consumer.
         budget: Tokens still to sample (``-1``: no limit).
     """
@@ -63,7 +67,15 @@ class Row:
     key: mx.array | None = None
     budget: int = -1
     inbox: deque = field(default_factory=deque)
+    pending: tuple | None = None  # (tokens, logprobs, index): sampled, not read yet
     joined: bool = False
+
+
+def _as_input(token) -> mx.array:
+    """A row's next input, a token id or a lazy (1,) array, as a (1,) uint32 array."""
+    if isinstance(token, mx.array):
+        return token.astype(mx.uint32)
+    return mx.array([token], dtype=mx.uint32)
 
 
 class Batch:
@@ -138,14 +150,31 @@ class Batch:
         for row in list(self.waiting):
             self._prefill(row)
         for row in [r for r in self.rows if r.budget == 0]:
+            self._deliver(row)
             self.remove(row)  # sampled all it may: feeds nothing more
         if not self.rows:
             return
-        tokens = mx.array([r.next_input for r in self.rows], dtype=mx.uint32)[:, None]
-        logits = self.model(tokens, cache=self.layers)[:, -1, :]
-        self._sample(self.rows, logits)
+        # Pipelined like mlx-lm's loops: this step's call is built on the previous
+        # step's tokens before they are read, and runs while they are handed out.
+        rows = list(self.rows)
+        inputs = mx.concatenate([_as_input(r.next_input) for r in rows])[:, None]
+        logits = self.model(inputs, cache=self.layers)[:, -1, :]
+        tokens, logprobs = self._draw(rows, logits)
+        mx.async_eval(tokens, logprobs)
+        for b, row in enumerate(rows):
+            self._deliver(row)
+            row.pending = (tokens[b : b + 1], logprobs, b)
+            row.next_input = tokens[b : b + 1]
         self.reclaim.step(self.steps, self.steps + 1)
         self.steps += 1
+
+    @staticmethod
+    def _deliver(row: Row) -> None:
+        """Move ``row``'s sampled token (read now) to its inbox."""
+        if row.pending is not None:
+            token, logprobs, b = row.pending
+            row.inbox.append((token.item(), logprobs[b]))
+            row.pending = None
 
     def _prefill(self, row: Row) -> None:
         """Feed one chunk of ``row``'s prompt (all but its last token) on its own
@@ -162,8 +191,11 @@ class Batch:
         if row.caches[0].keys is None:  # a stream's first token: no buffer to join yet
             logits = self.model(mx.array(row.prompt)[None], cache=row.caches)[:, -1, :]
             row.prompt = []
-            self._sample([row], logits)
+            tokens, logprobs = self._draw([row], logits)
+            row.pending = (tokens, logprobs, 0)
+            row.next_input = tokens
             if row.budget == 0:
+                self._deliver(row)
                 return
         else:
             row.next_input, row.prompt = row.prompt[0], []
@@ -172,8 +204,10 @@ class Batch:
         self.rows.append(row)
         row.joined = True
 
-    def _sample(self, rows: list[Row], logits: mx.array) -> None:
-        """Sample each row's next token with its own parameters into its inbox."""
+    @staticmethod
+    def _draw(rows: list[Row], logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Each row's next token (B,) drawn with its own parameters, and the
+        logprobs (B, V); not evaluated yet."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1)
         drawn = []
@@ -187,12 +221,10 @@ class Batch:
         if drawn:
             where = mx.array([b for b, _ in drawn])
             tokens[where] = mx.concatenate([t for _, t in drawn]).astype(tokens.dtype)
-        mx.eval(tokens, logprobs)
-        for b, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-            row.inbox.append((token, logprobs[b]))
-            row.next_input = token
+        for row in rows:
             if row.budget > 0:
                 row.budget -= 1
+        return tokens, logprobs
 
     # ----- a token source for stream_generate ---------------------------------------------
 
@@ -238,6 +270,5 @@ class Batch:
                     yield token, logprobs, False
             finally:
                 self.remove(row)
-                state.cache_tokens = state.prompt_tokens + state.generated - 1
 
         return source
