@@ -56,6 +56,19 @@ StateDir = Annotated[
 ]
 
 
+def check_listen(host: str, port: int) -> None:
+    """One-line error, before the model loads, unless ``host:port`` can be listened on."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind((host, port))
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port} ({exc.strerror or exc})")
+
+
 def parse_bytes(text: str) -> int | None:
     """``"2GB"`` -> 2_000_000_000; ``"auto"`` -> None; else a one-line error."""
     if text.strip().lower() == "auto":
@@ -106,6 +119,7 @@ def serve(
     budget = parse_bytes(memory_budget)
     if state_dir is not None and not state_dir.is_dir():
         fail(f"--state-dir {state_dir}: no such directory")
+    check_listen(host, port)
     target, tokenizer, spec = load_model(model, dtype)
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
@@ -147,9 +161,6 @@ def serve(
         config = uvicorn.Config(
             create_app(engine), host=host, port=port, log_level="warning", access_log=False
         )
-        server = uvicorn.Server(config)
-        server.run()
-        if not server.started:
-            fail(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
+        uvicorn.Server(config).run()
     finally:
         engine.stop()

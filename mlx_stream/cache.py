@@ -112,6 +112,9 @@ class SinkCache(mlx_cache._BaseCache):
         self._layout_applied = (0, 0)  # (base, sink_start) the stored tensors are in
         self._layout_stride = -1  # stride index (token // stride) the layout was set for
         self._undo = None  # (token, layout, layout stride, moved buffer) before a rebase
+        # Keep that copy only once the cache has been rolled back (speculative decoding):
+        # plain decoding never trims and keeps its memory flat.
+        self._rolls_back = False
         self._last_fetched = 0  # slots the last update_and_fetch returned
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
@@ -210,7 +213,8 @@ class SinkCache(mlx_cache._BaseCache):
         if n // self.stride != self._layout_stride:  # it only changes at stride multiples
             old = self._layout_applied
             if base != old[0]:
-                self._undo = (n, old, self._layout_stride, kvstore.copy(buf))
+                keep = self._rolls_back  # the moved tensors, for an exact trim back
+                self._undo = (n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
                 kvstore.put(buf, S, C, self._moved(buf, S, C, old[0] - base, bits))
             if S > 0 and sink_start - base != old[1] - old[0]:
                 # Re-derived from the full-precision first-written copy: moves never
@@ -323,10 +327,13 @@ class SinkCache(mlx_cache._BaseCache):
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens, restoring exactly the state before they were
         added (also across a sink move or a rebase). Exact for ``n <= slack + 1`` at
-        any point of the stream; a deeper rollback is refused."""
+        any point of the stream; a deeper rollback is refused, and so is one back across
+        a rebase that happened before the cache was first trimmed (the tensors the
+        rebase moved are kept only once a cache rolls back)."""
         ring = self.ring
         n = ring.check_trim(n)
         keep = ring.tokens_seen - n
+        self._rolls_back = self._rolls_back or n > 0
         if n and self._moving and self.keys is not None:
             base = ring.layout(keep)[0]
             rebased = keep // self.stride < self._layout_stride and base != self._layout_applied[0]
@@ -336,7 +343,7 @@ class SinkCache(mlx_cache._BaseCache):
                     raise Unsupported(
                         f"cannot trim {n} tokens exactly: the rollback crosses the rebase "
                         f"at token {ring.rebase_point(ring.tokens_seen)}, whose moved "
-                        "tensors are no longer kept"
+                        "tensors were not kept (they are, once a cache has been trimmed)"
                     )
                 _, self._layout_applied, self._layout_stride, saved = undo
                 slot = self.move.slot if self.move is not None else 0

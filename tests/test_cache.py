@@ -339,7 +339,9 @@ def test_trim_back_across_a_rebase_is_exact(bits):
     kw = dict(sinks=S, window=W, slack=8, stride=8, kv_bits=bits, kv_group_size=32)
     cache = make_sink_cache(model, **kw)
     r = cache[0].rebase_every * 2  # a rebase point past the first eviction
-    feed(model, cache, TOKENS[: r - 1], 8)
+    feed(model, cache, TOKENS[:9], 8)
+    assert mlx_cache.trim_prompt_cache(cache, 1) == 1  # a cache that rolls back keeps...
+    feed(model, cache, TOKENS[8 : r - 1], 8)  # ...what a rebase moved, for a while
     expected = copy.deepcopy(cache)
     model(mx.array([TOKENS[r - 1 : r]]), cache=cache)
     model(mx.array([TOKENS[r : r + 2]]), cache=cache)  # this call rebases the buffer
@@ -356,14 +358,13 @@ def test_trim_back_across_a_rebase_is_exact(bits):
     assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=expected)).item()
 
 
-def test_trim_across_a_rebase_without_its_copy_is_refused(tiny_llama):
+def test_trim_across_a_rebase_before_any_rollback_is_refused(tiny_llama):
     cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
     r = cache[0].rebase_every * 2
-    feed(tiny_llama, cache, TOKENS[: r + 2], 1)
-    for c in cache:
-        c._undo = None  # as after loading a checkpoint saved right after the rebase
+    feed(tiny_llama, cache, TOKENS[: r + 2], 1)  # never trimmed: nothing kept (flat memory)
     with pytest.raises(Unsupported, match="crosses the rebase"):
         cache[0].trim(3)
+    assert cache[0].tokens_seen == r + 2 and cache[0].trim(2) == 2  # not across: fine
 
 
 def test_calls_crossing_strides_are_exact(tiny_llama):
@@ -397,7 +398,9 @@ def test_trim_back_across_a_rebase_is_exact_for_mla():
     cache = make_sink_cache(model, sinks=S, window=W, slack=8, stride=8)
     assert cache[0].move.slot == 1
     r = cache[0].rebase_every * 2
-    feed(model, cache, tokens[: r - 1], 8)
+    feed(model, cache, tokens[:9], 8)
+    assert mlx_cache.trim_prompt_cache(cache, 1) == 1
+    feed(model, cache, tokens[8 : r - 1], 8)
     expected = copy.deepcopy(cache)
     model(mx.array([tokens[r - 1 : r + 2]]), cache=cache)  # crosses into the rebase
     model(mx.array([tokens[r + 2 : r + 3]]), cache=cache)  # this call rebases

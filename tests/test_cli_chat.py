@@ -228,8 +228,8 @@ def test_clean_text_makes_undecodable_input_replacement_characters():
 @pytest.mark.parametrize(
     "error, words",
     [
-        (OSError(28, "No space left on device"), ["No space left"]),
-        (PermissionError(13, "Permission denied"), ["Permission denied"]),
+        ((OSError, 28, "No space left on device"), ["No space left"]),
+        ((PermissionError, 13, "Permission denied"), ["Permission denied"]),
     ],
 )
 def test_save_that_fails_midway_is_one_line_and_the_chat_goes_on(
@@ -238,7 +238,10 @@ def test_save_that_fails_midway_is_one_line_and_the_chat_goes_on(
     import mlx_stream.cache
 
     def failing(*args, **kwargs):
-        raise error
+        # A new exception each time: a shared one would keep its traceback, and with it
+        # the session's caches, alive for the rest of the test run.
+        kind, code, text = error
+        raise kind(code, text)
 
     monkeypatch.setattr(mlx_stream.cache, "save_cache", failing)
     ckpt = tmp_path / "talk"

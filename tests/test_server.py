@@ -195,31 +195,36 @@ def test_six_clients_with_room_for_four_sessions(tiny_model_dir):
     )  # fmt: skip
     statuses: list[int] = []
     finals: dict[int, object] = {}
+    talks = [
+        [{"role": "user", "content": f"hello {word}"}]
+        for word in "sea ship whale man day night".split()
+    ]
     barrier = threading.Barrier(6)
 
-    def client(i: int) -> None:
-        messages = [
-            {"role": "user", "content": f"hello {'sea ship whale man day night'.split()[i]}"}
+    def turn(i: int) -> None:
+        """One turn of client ``i``, retried after each 429."""
+        for _attempt in range(100):
+            try:
+                reply = chat(server, talks[i])
+            except openai.RateLimitError as exc:
+                statuses.append(429)
+                assert int(exc.response.headers["Retry-After"]) > 0
+                time.sleep(0.2)
+                continue
+            statuses.append(200)
+            break
+        else:
+            raise AssertionError("no answer in 100 attempts")
+        talks[i] += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": f"and the sea {len(talks[i])}"},
         ]
-        barrier.wait()
-        for turn in range(3):
-            for _attempt in range(100):
-                try:
-                    reply = chat(server, messages)
-                except openai.RateLimitError as exc:
-                    statuses.append(429)
-                    assert int(exc.response.headers["Retry-After"]) > 0
-                    time.sleep(0.2)
-                    continue
-                statuses.append(200)
-                break
-            else:
-                raise AssertionError("no answer in 100 attempts")
-            messages += [
-                {"role": "assistant", "content": reply.choices[0].message.content},
-                {"role": "user", "content": f"and the sea {turn}"},
-            ]
-            finals[i] = reply
+        finals[i] = reply
+
+    def client(i: int) -> None:
+        barrier.wait()  # six first requests at once: two find every session busy
+        turn(i)
+        turn(i)
 
     try:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
@@ -228,13 +233,17 @@ def test_six_clients_with_room_for_four_sessions(tiny_model_dir):
         for t in threads:
             t.join(timeout=240)
         assert not any(t.is_alive() for t in threads)
+        # Then every client once more, in turn: at least two of the six sessions are on
+        # disk (four fit) and must come back with their history.
+        for i in range(6):
+            turn(i)
         counters = server.get("/v1/sessions")
         sessions = counters["data"]
     finally:
         server.stop()
     assert set(statuses) <= {200, 429} and statuses.count(200) == 18
     assert 429 in statuses
-    assert counters["evictions"] > 0 and counters["restores"] > 0
+    assert counters["evictions"] >= 2 and counters["restores"] >= 2
     assert sum(s["resident"] for s in sessions) <= 4
     assert sorted(s["turns"] for s in sessions) == [3] * 6  # every history came back
     assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in finals.values())
@@ -349,6 +358,11 @@ def test_invalid_utf8_escapes_in_a_message_are_answered(server):
 def test_bad_serve_options_are_one_line_exit_2(tiny_model_dir, args, words):
     result = CliRunner().invoke(app, ["serve", "-m", str(tiny_model_dir), *args])
     assert_one_line_error(result, 2, *words)
+
+
+def test_a_port_in_use_is_one_line_exit_2_before_loading(server):
+    result = CliRunner().invoke(app, ["serve", "-m", "no-such-model", "--port", str(server.port)])
+    assert_one_line_error(result, 2, "cannot listen", str(server.port))
 
 
 # ------------------------------------------------------------------- the benchmark
