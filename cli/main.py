@@ -57,6 +57,10 @@ from cli.models import app as models_app  # noqa: E402 - typer-only module
 
 app.add_typer(models_app, name="models")
 
+from cli.eval import app as eval_app  # noqa: E402 - typer-only module
+
+app.add_typer(eval_app, name="eval")
+
 from cli.doctor import doctor  # noqa: E402 - typer-only module
 
 app.command("doctor")(doctor)

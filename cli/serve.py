@@ -43,6 +43,13 @@ KeepSystem = Annotated[
         help="Pin each session's rendered system prompt as its sinks (shared prefill).",
     ),
 ]
+Batching = Annotated[
+    bool,
+    typer.Option(
+        "--batch/--no-batch",
+        help="Decode all sessions together, one batched model call per step.",
+    ),
+]
 StateDir = Annotated[
     Path | None,
     typer.Option("--state-dir", help="Where evicted sessions are saved. Default: a temp folder."),
@@ -91,6 +98,7 @@ def serve(
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
+    batch: Batching = True,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
 
@@ -134,7 +142,7 @@ def serve(
     )
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
-        budget=budget, max_sessions=max_sessions, state_dir=state_dir,
+        budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
     )  # fmt: skip
     engine.start()
     try:
@@ -143,7 +151,9 @@ def serve(
         stderr_console().print(
             f"mlx-stream serve · {model_id} · sinks {sinks} + window {window} · "
             f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
-            f"{per / 1e6:,.2f} MB per session) · http://{host}:{port}/v1",
+            f"{per / 1e6:,.2f} MB per session) · "
+            + (f"not batched: {engine.batch_refusal} · " if engine.batch_refusal else "batched · ")
+            + f"http://{host}:{port}/v1",
             style="dim",
             highlight=False,
             soft_wrap=True,

@@ -187,7 +187,12 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     @app.get("/v1/sessions")
     async def sessions():
         stats = engine.stats
-        return {"object": "list", "data": stats.get("sessions", []), **stats.get("counters", {})}
+        return {
+            "object": "list",
+            "data": stats.get("sessions", []),
+            **stats.get("counters", {}),
+            "batch": stats.get("batch", {}),
+        }
 
     async def run(body: Sampling, make: dict[str, Any], kind: str, http: Request):
         job = _Job(asyncio.get_running_loop())

@@ -430,6 +430,7 @@ def stream_generate(
     seed: int | None = None,
     slack: int | None = None,
     state: DecodeState | None = None,
+    steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
@@ -459,6 +460,9 @@ def stream_generate(
         slack (int, optional): Slack of new SinkCaches. Default: at least
             ``num_draft_tokens + 1`` and 64.
         state (DecodeState, optional): Filled in by the token generator.
+        steps (Callable, optional): The token generator, called like
+            :func:`generate_step` (e.g. a row of ``mlx_stream.batch.Batch``).
+            Default: :func:`generate_step`.
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
@@ -484,7 +488,7 @@ def stream_generate(
     target_cache = prompt_cache[: len(model.layers)] if draft_model else prompt_cache
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     state = state if state is not None else DecodeState()
-    tokens = generate_step(
+    tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
         make_sampler(temp, top_p, min_p),
         make_logits_processors(repetition_penalty=repetition_penalty),

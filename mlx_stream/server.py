@@ -17,11 +17,16 @@ Contract:
   token prefix, so matching is on the transcript, never on the KV cache.
 - Pinned system prompt (``keep_system``): the rendered system prompt is the session's
   sinks; sessions with the same system prompt start from one prefilled snapshot.
-- One worker thread runs every MLX call, fed by a queue. Each scheduler round advances
-  every active request by at most ``chunk`` tokens (fair interleaving: no request waits
-  for another's long reply); a cancelled request (a client that went away) stops at the
-  next token and its session goes back to the checkpoint from before the turn.
-  A batched decode can later replace "one request per step" inside :meth:`Engine._round`.
+- One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
+  session with decode work steps together in ONE batched model call
+  (:class:`~mlx_stream.batch.Batch`: one row per session, each in its own fixed-size
+  cache, its own sampling parameters and stop strings); a newcomer's prompt is
+  prefilled a chunk per round meanwhile, so running sessions keep streaming. Where
+  batching is refused (a draft model, quantized KV, a model whose batched step is not
+  exact: the reason is in the stats), each round advances every request by at most
+  ``chunk`` tokens instead (fair interleaving: no request waits for another's long
+  reply). A cancelled request (a client that went away) stops at the next token and
+  its session goes back to the checkpoint from before the turn.
 
 The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
 objects and events back into responses.
@@ -118,6 +123,9 @@ class _Job:
     tokens: Iterator[Any]
     cached: int
     started: float = field(default_factory=time.perf_counter)
+    batched: bool = False
+    row: Any = None  # its mlx_stream.batch.Row, once its first token was asked for
+    running: bool = False  # inside next(tokens): never re-entered
 
 
 def weights_bytes(model: Any) -> int:
@@ -147,7 +155,9 @@ class Engine:
         budget (int, optional): Memory budget in bytes. Default: 75% of the machine.
         max_sessions (int, optional): Most resident sessions. Default: no limit.
         state_dir (Path, optional): Where evicted sessions go. Default: a temp folder.
-        chunk (int): Tokens a request advances per scheduler round.
+        chunk (int): Tokens a request advances per scheduler round when not batched.
+        batching (bool): Decode sessions together in one batched call per round.
+            Default: True (refused, with the reason in the stats, where inexact).
     """
 
     def __init__(
@@ -163,6 +173,7 @@ class Engine:
         max_sessions: int | None = None,
         state_dir: str | Path | None = None,
         chunk: int = DEFAULT_CHUNK,
+        batching: bool = True,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
@@ -184,6 +195,7 @@ class Engine:
         self.stats: dict[str, Any] = {}
         self._published = 0.0
         self.evictions = self.restores = self.refusals = 0
+        self.batching, self._batch, self.batch_refusal = batching, None, "off (--no-batch)"
 
     # ----- lifecycle ------------------------------------------------------------------
 
@@ -192,6 +204,7 @@ class Engine:
         that cannot hold the weights and one session."""
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
+        self.call(self._make_batch).result()
         need = self.call(lambda: self.weights + self.session_bytes(self.settings.sinks)).result()
         self.call(self._publish).result()
         if need > self.budget:
@@ -224,6 +237,45 @@ class Engine:
         return future
 
     # ----- the worker -----------------------------------------------------------------
+
+    def _make_batch(self) -> None:
+        """The batch every session decodes in, or the reason there is none."""
+        from mlx_stream.batch import Batch
+        from mlx_stream.errors import Unsupported
+
+        if not self.batching:
+            return
+        if self.draft_model is not None:
+            self.batch_refusal = "a draft model: each request decodes alone, interleaved"
+        elif self.settings.kv_bits is not None:
+            self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
+        else:
+            try:
+                self._batch, self.batch_refusal = Batch(self.model), None
+            except Unsupported as exc:
+                self.batch_refusal = str(exc)
+
+    def _steps(self, request: Request, box: list) -> Any:
+        """The token source of a batched request (``None``: it decodes alone); its
+        row is recorded on the job in ``box`` once made."""
+        if self._batch is None:
+            return None
+        s = self.settings
+        return self._batch.tokens(
+            drive=self._drive,
+            temp=s.temp if request.temp is None else request.temp,
+            top_p=s.top_p if request.top_p is None else request.top_p,
+            seed=request.seed,
+            on_row=lambda row: setattr(box[0], "row", row),
+        )
+
+    def _drive(self, row: Any) -> None:
+        """One batch round while a newcomer waits for its first token (its prompt
+        goes in a chunk per round): the other sessions get their tokens meanwhile."""
+        self._batch.step()
+        for job in list(self._active):
+            if job.row is not None and job.row is not row and job.row.inbox:
+                self._advance_safely(job)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -261,27 +313,47 @@ class Engine:
         self._publish()
 
     def _round(self) -> None:
-        """Advance every active request by at most ``chunk`` tokens."""
+        """One scheduler round: newcomers start (their prefill interleaved with the
+        batch), one batched step for every session with decode work, then each request
+        takes its tokens; a request that decodes alone advances ``chunk`` tokens."""
+        for job in [j for j in self._active if j.batched and j.row is None]:
+            self._advance_safely(job)
+        if self._batch is not None and self._batch.busy:
+            self._batch.step()
         for job in list(self._active):
-            try:
-                self._advance(job)
-            except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
-                self._end(job, rollback=True)
-                job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+            if job in self._active and not job.running:
+                self._advance_safely(job)
         if self._active and time.monotonic() - self._published > PUBLISH_EVERY:
             self._publish()
 
+    def _advance_safely(self, job: _Job) -> None:
+        try:
+            self._advance(job)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            job.running = False
+            self._end(job, rollback=True)
+            job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+
     def _advance(self, job: _Job) -> None:
-        for _ in range(self.chunk):
+        """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
+        has ready, or its first token)."""
+        job.running, ending = True, False
+        for _ in range(self.chunk if not job.batched else 1 << 30):
             if job.request.cancelled.is_set():
+                job.running = False
                 self._end(job, rollback=True)
                 return
+            if job.batched and job.row is not None and not job.row.inbox and not ending:
+                break  # its next token comes with the next batch step
             response = next(job.tokens, None)
             if response is None:
+                job.running = False
                 self._finish(job)
                 return
             if response.text:
                 job.request.emit(("text", response.text))
+            ending = response.finish_reason is not None
+        job.running = False
 
     def _finish(self, job: _Job) -> None:
         entry = job.entry
@@ -453,11 +525,13 @@ class Engine:
         else:
             entry.checkpoint = session.checkpoint()
         cached = cache_count(session.caches)
+        box: list = []
         tokens = session.stream(
             user, tail=tail, max_tokens=request.max_tokens, temp=request.temp,
             top_p=request.top_p, stop=request.stop, seed=request.seed,
+            steps=self._steps(request, box),
         )  # fmt: skip
-        self._start(request, entry, tokens, cached)
+        box.append(self._start(request, entry, tokens, cached, batched=self._batch is not None))
 
     def _rebuild(self, entry: Entry, system: str | None, history: list[dict]) -> None:
         """Start ``entry`` over from its system prompt's snapshot with ``history`` as
@@ -515,14 +589,18 @@ class Engine:
         if not tokens:
             self._drop(entry)
             raise BadRequest("prompt: must not be empty")
-        self._start(request, entry, self._completion(session, tokens, request), 0)
+        box: list = []
+        generator = self._completion(session, tokens, request, self._steps(request, box))
+        box.append(self._start(request, entry, generator, 0, batched=self._batch is not None))
 
     @staticmethod
-    def _completion(session: ChatSession, tokens: list[int], request: Request) -> Iterator[Any]:
+    def _completion(
+        session: ChatSession, tokens: list[int], request: Request, steps: Any = None
+    ) -> Iterator[Any]:
         """A plain completion of ``tokens`` on ``session``'s caches; sets ``session.last``."""
         generator = session.generate(
             tokens, max_tokens=request.max_tokens, temp=request.temp, top_p=request.top_p,
-            stop=request.stop, seed=request.seed,
+            stop=request.stop, seed=request.seed, steps=steps,
         )  # fmt: skip
         last, generated = None, 0
         try:
@@ -539,11 +617,15 @@ class Engine:
                 finish_reason=getattr(last, "finish_reason", None),
             )
 
-    def _start(self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int) -> None:
+    def _start(
+        self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int, batched: bool
+    ) -> _Job:
         entry.busy = True
         entry.last_used = time.monotonic()
-        self._active.append(_Job(request, entry, tokens, cached))
+        job = _Job(request, entry, tokens, cached, batched=batched)
+        self._active.append(job)
         request.emit(("start", {"session_id": None if entry.transient else entry.id}))
+        return job
 
     # ----- inspection -------------------------------------------------------------------
 
@@ -582,6 +664,12 @@ class Engine:
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
+            },
+            "batch": {
+                "enabled": self._batch is not None,
+                "reason": self.batch_refusal,
+                "rows": len(self._batch.rows) if self._batch is not None else 0,
+                "steps": self._batch.steps if self._batch is not None else 0,
             },
             "counters": {
                 "evictions": self.evictions,

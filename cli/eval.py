@@ -1,0 +1,308 @@
+"""``mlx-stream eval``: what the window forgets, measured against the full cache.
+
+``eval divergence FILE`` feeds a text through the full cache and through every cache
+policy asked for, teacher-forced, and continues it greedily from sampled points;
+``eval recall`` hides pass keys inside, just outside and far outside the window (and in
+a pinned system prompt) and asks for them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from typing import Annotated, Any
+
+import typer
+
+from cli import options as opt
+from cli.common import (
+    check_choice,
+    check_positive,
+    check_text_file,
+    fail,
+    handle_errors,
+    load_model,
+    sizes,
+    stderr_console,
+)
+
+app = typer.Typer(
+    name="eval",
+    help="Measure what the window forgets: divergence from the full cache, passkey recall.",
+    no_args_is_help=True,
+)
+
+KV_CHOICES = {"float": (None, None), "8": (8, None), "4": (4, None), "4k8": (4, 8)}
+
+Windows = Annotated[
+    str | None,
+    typer.Option("--window", help="Windows, comma-separated (e.g. 256,1024). Default: registry."),
+]
+SinksList = Annotated[
+    str | None,
+    typer.Option("--sinks", help="Sinks, comma-separated (e.g. 0,4). Default: registry."),
+]
+PositionsList = Annotated[
+    str,
+    typer.Option(
+        "--positions",
+        help="Comma-separated: cache (StreamingLLM), absolute (sinks at absolute positions), "
+        "rotating (mlx-lm's RotatingKVCache, float only).",
+    ),
+]
+KvList = Annotated[
+    str,
+    typer.Option(
+        "--kv-bits",
+        help="Comma-separated cache precisions: float, 8, 4, 4k8 (4-bit values, 8-bit keys).",
+    ),
+]
+Points = Annotated[int, typer.Option("--points", help="Points to continue greedily from.")]
+Generate = Annotated[int, typer.Option("--generate", help="Greedy tokens per point.")]
+Trials = Annotated[int, typer.Option("--trials", help="Pass keys per placement and window.")]
+Placements = Annotated[
+    str,
+    typer.Option(
+        "--placements", help="Comma-separated: inside, just_outside, far_outside, system."
+    ),
+]
+AnswerTokens = Annotated[int, typer.Option("--answer-tokens", help="Most tokens per answer.")]
+Seed = Annotated[int, typer.Option(help="Seed of the random pass keys.")]
+Source = Annotated[
+    str, typer.Argument(help="UTF-8 text file to compare the caches on.", show_default=False)
+]
+
+
+def parse_ints(value: str | None, flag: str, minimum: int) -> list[int] | None:
+    """``"256,1024"`` -> ``[256, 1024]``; a one-line error for anything else."""
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value.split(",")]
+    except ValueError:
+        fail(f"{flag} must be comma-separated whole numbers (got {value!r})")
+    for v in out:
+        check_positive(v, flag, minimum)
+    return list(dict.fromkeys(out))
+
+
+def parse_choices(value: str, flag: str, choices: tuple[str, ...]) -> list[str]:
+    """A comma-separated list of ``choices``; a one-line error for anything else."""
+    out = [v.strip() for v in value.split(",")]
+    for v in out:
+        check_choice(v, flag, choices)
+    return list(dict.fromkeys(out))
+
+
+def model_context(model: Any) -> int | None:
+    """The context the model was trained for (``max_position_embeddings``), if known."""
+    args = getattr(model, "args", None)
+    value = getattr(args, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+@contextlib.contextmanager
+def progress_bar(label: str):
+    """A ``(done, total)`` callback drawing a bar on a terminal's stderr, else nothing."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    console = stderr_console()
+    if not console.is_terminal:
+        yield lambda done, total: None
+        return
+    progress = Progress(
+        TextColumn(f"[bold]{label}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+        TimeRemainingColumn(), console=console, transient=True,
+    )  # fmt: skip
+    task = progress.add_task(label, total=None)
+    with progress:
+        yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+@app.command("divergence")
+@handle_errors
+def divergence(
+    path: Source,
+    model: opt.Model = None,
+    window: Windows = None,
+    sinks: SinksList = None,
+    positions: PositionsList = "cache",
+    kv_bits: KvList = "float",
+    kv_group_size: opt.KvGroupSize = 64,
+    limit_tokens: opt.LimitTokens = None,
+    points: Points = 4,
+    generate: Generate = 32,
+    chunk: opt.Chunk = opt.DEFAULT_CHUNK,
+    segment: opt.Segment = opt.DEFAULT_SEGMENT,
+    json_out: opt.Json = False,
+    dtype: opt.Dtype = "auto",
+) -> None:
+    """Compare cache policies with the full cache on a text, within the model's context.
+
+    Teacher-forced: per-token KL(full || policy), top-1 agreement and both
+    perplexities. Then greedy continuations from points in the second half of the
+    text: where each policy first leaves the full cache's tokens, and how often they
+    differ after.
+    """
+    windows = parse_ints(window, "--window", 1)
+    sink_list = parse_ints(sinks, "--sinks", 0)
+    position_list = parse_choices(positions, "--positions", ("cache", "absolute", "rotating"))
+    kv_list = parse_choices(kv_bits, "--kv-bits", tuple(KV_CHOICES))
+    if kv_group_size not in (32, 64, 128):
+        fail(f"--kv-group-size must be 32, 64 or 128 (got {kv_group_size})")
+    if position_list == ["rotating"] and "float" not in kv_list:
+        fail("--positions rotating (mlx-lm's RotatingKVCache) cannot be quantized: add float")
+    check_positive(limit_tokens, "--limit-tokens", 2)
+    check_positive(points, "--points", 0)
+    check_positive(generate, "--generate")
+    check_positive(chunk, "--chunk")
+    check_positive(segment, "--segment")
+    checked = check_text_file(path)
+
+    target, tokenizer, spec = load_model(model, dtype)
+    from mlx_stream.divergence import Policy, sample_points
+    from mlx_stream.divergence import divergence as run_divergence
+    from mlx_stream.evaluate import iter_tokens
+
+    default_sinks, default_window = sizes(spec, None, None)
+    context = model_context(target)
+    if limit_tokens is not None and context is not None and limit_tokens > context:
+        fail(
+            f"--limit-tokens {limit_tokens} is past the model's context ({context}): the full "
+            "cache is no reference there"
+        )
+    if context is None and limit_tokens is None:
+        fail("the model does not say its context length: pass --limit-tokens")
+    limit = limit_tokens or context
+    tokens = list(itertools.islice(iter_tokens(checked, tokenizer), limit))
+    if len(tokens) < 2:
+        fail(f"{path}: too short, no token to score")
+    policies = [
+        Policy(s, w, p, *KV_CHOICES[kv], kv_group_size)
+        for w in windows or [default_window]
+        for s in (sink_list if sink_list is not None else [default_sinks])
+        for p in position_list
+        for kv in kv_list
+        if not (p == "rotating" and kv != "float")  # mlx-lm cannot quantize it
+    ]
+    at = sample_points(len(tokens), points, generate)
+    with progress_bar("eval divergence") as callback:
+        results = run_divergence(
+            target, tokens, policies, chunk=chunk, points=at, generate=generate, callback=callback
+        )
+    summaries = [r.summary(segment) for r in results]
+    if json_out:
+        typer.echo(json.dumps({"tokens": len(tokens), "generate": generate, "policies": summaries}))
+        return
+    _divergence_table(summaries, len(tokens), generate)
+
+
+def _console():
+    """A rich console on stdout; a file or pipe gets whole rows, not 80 columns."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 160
+    return console
+
+
+def _divergence_table(rows: list[dict], tokens: int, generate: int) -> None:
+    from rich import box
+    from rich.table import Table
+
+    from cli.stream_run import fmt_ppl
+
+    console = _console()
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    columns = ("window", "sinks", "positions", "kv", "KL", "top-1", "KL evicted",
+               "top-1 evicted", "ppl", "full ppl", "first div.", "mismatch after")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r in rows:
+        first = r["first_divergence_median"]
+        table.add_row(
+            str(r["window"]), str(r["sinks"]), r["positions"], r["kv"], _fmt(r["kl"], ".4f"),
+            _fmt(r["top1_agreement"], ".3f"), _fmt(r["kl_evicted"], ".4f"),
+            _fmt(r["top1_agreement_evicted"], ".3f"), fmt_ppl(r["perplexity"]),
+            fmt_ppl(r["reference_perplexity"]),
+            f">={generate}" if first is None else f"{first:g}",
+            _fmt(r["mismatch_after_divergence"], ".2f"),
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"{tokens - 1} tokens against the full cache · first divergence: median greedy tokens "
+        f"equal to the full cache's over {rows[0]['points'] if rows else 0} points "
+        f"(of {generate})"
+    )
+
+
+@app.command("recall")
+@handle_errors
+def recall(
+    model: opt.Model = None,
+    window: Windows = "256,1024",
+    sinks: opt.Sinks = None,
+    placements: Placements = "inside,just_outside,far_outside,system",
+    trials: Trials = 4,
+    answer_tokens: AnswerTokens = 12,
+    seed: Seed = 0,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object per window and placement.")
+    ] = False,
+    dtype: opt.Dtype = "auto",
+) -> None:
+    """Passkey retrieval through the window, beside the full cache's accuracy.
+
+    The key sits inside the window, just outside it, far outside it, or in the system
+    prompt pinned as the sinks (what chat's --keep-system does).
+    """
+    from_recall = ("inside", "just_outside", "far_outside", "system")
+    windows = parse_ints(window, "--window", 1)
+    placement_list = parse_choices(placements, "--placements", from_recall)
+    check_positive(sinks, "--sinks", 0)
+    check_positive(trials, "--trials")
+    check_positive(answer_tokens, "--answer-tokens")
+
+    target, tokenizer, spec = load_model(model, dtype)
+    from mlx_stream.recall import check_prompts
+    from mlx_stream.recall import recall as run_recall
+
+    sinks, _ = sizes(spec, sinks, None)
+    context = model_context(target)
+    try:  # every prompt must fit before the first token
+        check_prompts(tokenizer, windows, placement_list, sinks, context, answer_tokens)
+    except ValueError as exc:
+        fail(str(exc))
+    with progress_bar("eval recall") as callback:
+        rows = run_recall(
+            target, tokenizer, windows, placement_list, trials=trials, sinks=sinks,
+            answer_tokens=answer_tokens, context=context, seed=seed, callback=callback,
+        )  # fmt: skip
+    if json_out:  # one object per line: a window and a placement
+        for r in rows:
+            typer.echo(json.dumps(r))
+        return
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    for col in ("window", "placement", "key distance", "sinks", "accuracy", "full cache"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["window"]), r["placement"], str(r["key_distance"]), str(r["sinks"]),
+            f"{r['accuracy']:.2f}", f"{r['reference_accuracy']:.2f}",
+        )  # fmt: skip
+    _console().print(table)
