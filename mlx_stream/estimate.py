@@ -1,7 +1,7 @@
 """Will it fit? Exact memory of the rolling cache (and the weights) before allocating.
 
 A SinkCache layer holds one key and one value buffer of ``sinks + window + slack``
-slots (``(1, kv_heads, slots, head_dim)``), plus a full-precision copy of the sink keys
+slots plus spare sink slots (``(1, kv_heads, slots, head_dim)``, ``Ring.slots_total``), plus a full-precision copy of the sink keys
 when positions are moved; quantized buffers hold packed ``uint32`` words and a scale and
 a bias per group. That arithmetic gives the cache's bytes exactly (the tests compare it
 with ``nbytes`` of built caches), so an impossible ``--window`` is refused with the bytes
@@ -15,6 +15,7 @@ model is loaded, from its ``config.json``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import struct
@@ -66,6 +67,7 @@ def cache_bytes(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     key_bits: int | None = None,
+    stride: int = DEFAULT_STRIDE,
 ) -> int:
     """Bytes of a full SinkCache for ``layout`` (what ``sum(c.nbytes)`` reaches).
 
@@ -74,12 +76,18 @@ def cache_bytes(
         sinks, window, slack (int): The cache's sizes.
         positions (str): ``"cache"`` keeps a float copy of the sink keys.
         kv_bits, kv_group_size, key_bits: The cache's quantization.
+        stride (int): The cache's stride (spare sink slots depend on it).
 
     Returns:
         int: Bytes.
     """
+    from mlx_stream.ring import MAX_SPARE_SINK_SETS
+
     key_bits = kv_bits if key_bits is None else key_bits
-    slots = sinks + window + slack
+    # Ring.slots_total, without building a Ring (it allocates a table per slot): the
+    # ring, plus spare sets of sink slots when sinks move.
+    spare = min(MAX_SPARE_SINK_SETS, math.ceil((slack + 1) / stride))
+    slots = sinks + window + slack + (spare * sinks if sinks > 0 and positions == "cache" else 0)
     per_layer = _buffer_bytes(layout, slots, layout.key_dim, key_bits, kv_group_size)
     per_layer += _buffer_bytes(layout, slots, layout.value_dim, kv_bits, kv_group_size)
     if sinks > 0 and positions == "cache":
@@ -225,7 +233,7 @@ def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any)
                 f"--kv-group-size {o['kv_group_size']} does not divide the model's head "
                 f"dimension {min(dims)}; use one that does"
             )
-        need = cache_bytes(layout, sinks, window, slack, o["positions"], *quant)
+        need = cache_bytes(layout, sinks, window, slack, o["positions"], *quant, o["stride"])
         check_fits(need, f"the KV cache (sinks {sinks} + window {window})")
     return make_sink_cache(model, sinks, window, **options)
 
