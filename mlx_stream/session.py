@@ -23,7 +23,6 @@ from typing import Any
 from mlx_stream.errors import RuntimeFailure, UserError
 
 STATE_KEY = "mlx_stream_chat"
-DEFAULT_SLACK = 64
 SENTINEL = "\x00mlx-stream\x00"
 PREFILL_STEP = 512
 
@@ -177,16 +176,16 @@ class ChatSession:
 
     def make_caches(self) -> list:
         """Fresh SinkCaches for the model (and the draft model after it)."""
-        from mlx_stream.cache import make_sink_cache
+        from mlx_stream.defaults import slack_for
+        from mlx_stream.estimate import make_checked_sink_cache
 
         s = self.settings
-        # Slack must cover a speculative verify block and its rollback.
-        slack = max(s.num_draft_tokens + 1, DEFAULT_SLACK)
         kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
-        caches = make_sink_cache(self.model, self.sinks, s.window, slack, **kv)
+        kv["slack"] = slack_for(s.num_draft_tokens)  # a verify block and its rollback
+        caches = make_checked_sink_cache(self.model, self.sinks, s.window, **kv)
         self.n_target = len(caches)
         if self.draft_model is not None:
-            caches += make_sink_cache(self.draft_model, self.sinks, s.window, slack, **kv)
+            caches += make_checked_sink_cache(self.draft_model, self.sinks, s.window, **kv)
         return caches
 
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
