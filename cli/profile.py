@@ -234,6 +234,13 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
             f"{lat['p50']:.1f}",
         )
     console.print(table)
+    for s in summaries:
+        if "distributed" in s:
+            d = s["distributed"]
+            share = f"{d['collective_share']:.0%}" if d["collective_share"] is not None else "-"
+            console.print(f"{s['setting']}: {d['strategy']} parallel, collectives {d['collective_ms']:.1f} ms of a step ({share})")  # fmt: skip
+            for r in d["ranks"]:
+                console.print(f"  rank {r['rank']}: weights {r['weights_mb']:.1f} MB, KV cache {r['kv_cache_mb']:.1f} MB, peak {r['peak_memory_mb']:.1f} MB")  # fmt: skip
     everything = [r["active_memory_mb"] for rows in runs.values() for r in rows]
     lo, hi = min(everything), max(everything)
     console.print(f"active memory against tokens ({lo:.1f}..{hi:.1f} MB)", style="dim")
@@ -313,6 +320,7 @@ def profile(
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
+    distributed: opt.Distributed = "auto",
 ) -> None:
     """Profile memory and latency per decoded token.
 
@@ -336,7 +344,12 @@ def profile(
             check_output_path(path)
     if plot is not None:
         check_matplotlib()
-    target, tokenizer, spec = load_model(model, dtype)
+    from mlx_stream import distributed as dist
+
+    cluster = dist.join(distributed, model)
+    if cluster is not None and not cluster.is_root:
+        csv = plot = None
+    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
     prompt_tokens = list(tokenizer.encode(text))
@@ -350,6 +363,11 @@ def profile(
         )  # fmt: skip
         runs[setting.name] = rows
         summaries.append(summarize(setting, rows, sinks, window))
+        if cluster is not None:  # per-rank memory and the collectives' share of a step
+            s = summaries[-1]
+            s["distributed"] = dist.rank_report(
+                cluster, target, s["kv_cache_mb"]["end"], s["latency_ms"]["p50"]
+            )
 
     if csv is not None:
         atomic_write_csv(csv, [r for rows in runs.values() for r in rows])

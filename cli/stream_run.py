@@ -301,6 +301,7 @@ def stream_run(
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
+    distributed: opt.Distributed = "auto",
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
@@ -321,11 +322,23 @@ def stream_run(
         check_output_path(csv)
     if checkpoint is not None:
         check_output_path(check_checkpoint_name(checkpoint, "--checkpoint"))
-    f, size = open_source(path)
+    from mlx_stream import distributed as dist
+
+    cluster = dist.join(distributed, model)
+    if cluster is not None and (checkpoint or resume):
+        fail("--checkpoint and --resume are not available with --distributed")
+    if cluster is None or cluster.is_root:
+        f, size = open_source(path)
+    else:  # the text lives on rank 0's machine: read what rank 0 shares
+        f, size = None, None
+        csv = None
+    if cluster is not None:
+        f, size = cluster.stream(f), cluster.share_int(-1 if size is None else size)
+        size = None if size < 0 else size
     try:
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, segment, sinks, window)
-        target, tokenizer, spec = load_model(model, dtype)
+        target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
         sinks, window = sizes(spec, sinks, window)
         from mlx_stream.evaluate import iter_tokens
 

@@ -552,6 +552,9 @@ class StopOnInterrupt:
         self._previous = None
 
     def __enter__(self) -> StopOnInterrupt:
+        current = signal.getsignal(signal.SIGINT)
+        if getattr(current, "final", False):  # e.g. distributed: Ctrl-C ends every rank
+            return self
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
