@@ -55,6 +55,19 @@ def is_peer_lost(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and PEER_LOST in str(error)
 
 
+def _settle() -> None:
+    """Wait for the model's collectives still in flight on any stream we know of.
+
+    mlx-lm decodes on its own ``generation_stream`` and dispatches the next step before
+    it yields a token; a collective of ours on another stream would run beside it and
+    the ranks would pair up different collectives (seen: garbled input on rank 1).
+    """
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 @dataclass
 class Cluster:
     """The process group one sharded model runs on, and how it is sharded.
@@ -86,6 +99,7 @@ class Cluster:
 
     def _sum(self, array: mx.array) -> mx.array:
         start = time.perf_counter()
+        _settle()
         out = mx.distributed.all_sum(array, group=self.group, stream=mx.cpu)
         mx.eval(out)
         self.comm_seconds += time.perf_counter() - start
@@ -114,6 +128,7 @@ class Cluster:
     def gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (same length everywhere), rank by rank."""
         row = mx.array([values], dtype=mx.float32)
+        _settle()
         out = mx.distributed.all_gather(row, group=self.group, stream=mx.cpu)
         return np.array(out).tolist()
 
