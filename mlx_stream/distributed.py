@@ -68,6 +68,16 @@ def _settle() -> None:
     mx.synchronize()
 
 
+def _settle_quietly() -> None:
+    """At exit: finish the collectives this rank dispatched (a decode loop dispatches
+    one step ahead); a rank that left them pending would break its peers' matching
+    ones. A peer already gone makes this fail at once, which is fine here."""
+    try:
+        _settle()
+    except RuntimeError:
+        pass
+
+
 @dataclass
 class Cluster:
     """The process group one sharded model runs on, and how it is sharded.
@@ -210,6 +220,7 @@ def start(mode: str = "auto", backend: str = "any") -> Cluster | None:
     if not os.environ.get("MLX_STREAM_DEBUG"):
         _quiet_followers(cluster)
     _end_on_interrupt(cluster)
+    atexit.register(_settle_quietly)
     mx.random.seed(cluster.share_int(int.from_bytes(os.urandom(4), "little")))
     return cluster
 
