@@ -19,7 +19,7 @@ and each count's tok/s against one rank.
 On one machine the ranks share its cores and talk over loopback: this measures the
 overhead of sharding, not a speed-up. What sharding buys is the per-rank memory.
 
-    python benchmarks/distributed.py                       # ~10 min on a loaded 2-core machine
+    python benchmarks/distributed.py --context 256 --tokens 16   # the recorded run
     python benchmarks/distributed.py --ranks 1,3 --tokens 32
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -121,13 +122,25 @@ def launch(ranks: int, argv: list[str]) -> list[dict]:
         launcher = Path(sys.executable).parent / "mlx.launch"
         command = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
                    "--python", sys.executable, str(SCRIPT), "--worker", *argv]  # fmt: skip
-    out = subprocess.run(
-        command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, start_new_session=True
-    )
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    # stdin stays open and empty: at end of input mlx.launch spins on it
+    with subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            proc.wait(timeout=WORKER_TIMEOUT)  # rank 0 prints a few lines only
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if not records:
-        errors = [line for line in out.stderr.splitlines() if "Error" in line]
-        raise SystemExit(f"{ranks} ranks: {errors[-1] if errors else out.stderr[-500:]}")
+        errors = [line for line in stderr.splitlines() if "Error" in line]
+        raise SystemExit(f"{ranks} ranks: {errors[-1] if errors else stderr[-500:]}")
     return records
 
 

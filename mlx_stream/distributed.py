@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -48,11 +48,6 @@ LAUNCH_EXAMPLE = "mlx.launch --backend ring --hosts 127.0.0.1 -n 2 --python $(wh
 def launched() -> bool:
     """Whether this process was started by ``mlx.launch`` (or ``mpirun``)."""
     return any(os.environ.get(name) for name in LAUNCH_ENV)
-
-
-def is_peer_lost(error: BaseException) -> bool:
-    """Whether ``error`` is a collective failing because another rank went away."""
-    return isinstance(error, RuntimeError) and PEER_LOST in str(error)
 
 
 def _settle() -> None:
@@ -86,14 +81,11 @@ class Cluster:
         group: MLX's global group.
         mode: What the user asked for: ``"auto"``, ``"tensor"`` or ``"pipeline"``.
         strategy: How the model was sharded (set by :func:`shard`), or ``None``.
-        comm_seconds: Time spent in this module's own collectives (input sharing).
     """
 
     group: Any
     mode: str = "auto"
     strategy: str | None = None
-    comm_seconds: float = 0.0
-    _stdout: Any = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -108,11 +100,9 @@ class Cluster:
         return self.rank == 0
 
     def _sum(self, array: mx.array) -> mx.array:
-        start = time.perf_counter()
         _settle()
         out = mx.distributed.all_sum(array, group=self.group, stream=mx.cpu)
         mx.eval(out)
-        self.comm_seconds += time.perf_counter() - start
         return out
 
     def share_bytes(self, data: bytes | None) -> bytes | None:
@@ -394,8 +384,9 @@ def rank_report(cluster: Cluster, model, kv_cache_mb: float, step_ms: float) -> 
 def collective_seconds(cluster: Cluster, model, repeats: int = 20) -> float:
     """Time of one token's collectives alone (the same ops and sizes as a decode step).
 
-    Tensor parallel sums the hidden state twice per layer (attention and MLP outputs);
-    pipeline passes it from rank to rank and gathers the last one.
+    Tensor parallel sums the hidden state twice per layer (attention and MLP outputs).
+    Pipeline: only the final ``all_gather`` is timed; the rank-to-rank send and receive
+    also wait for the other ranks' layers, which is not communication alone.
     """
     hidden = _config(model).get("hidden_size") or model.model.embed_tokens.weight.shape[-1]
     layers = len(model.layers)

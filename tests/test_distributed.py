@@ -69,12 +69,18 @@ def launch(
         text=True,
         start_new_session=True,
     )
+    # stdin stays open: at end of input mlx.launch spins on it, slowing the ranks down
     try:
-        out, err = proc.communicate(input or "", timeout=timeout)
+        proc.stdin.write(input or "")
+        proc.stdin.flush()
+        proc.wait(timeout=timeout)  # our outputs are far below a pipe's buffer
+        out, err = proc.stdout.read(), proc.stderr.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
