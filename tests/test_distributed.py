@@ -316,3 +316,7 @@ def test_benchmark_quick_one_rank_and_skips_what_does_not_divide(
         assert r["ranks"] == 1 and r["tok_s"] > 0 and r["per_rank"][0]["weights_mb"] > 0
     assert summary["ranks"] == [1] and summary["sink_over_rotating_tok_s_1"] > 0
     assert len(out.read_text().splitlines()) == 3
+    sys.modules.pop("tables", None)
+    import tables  # benchmarks/tables.py, on the path load_script set
+
+    assert "| 1 | - | sink |" in tables.distributed_tables(tables.read(out))
