@@ -25,6 +25,7 @@ overhead of sharding, not a speed-up. What sharding buys is the per-rank memory.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=2, help="runs per cache")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--worker", action="store_true", help=argparse_hidden())
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.context, args.tokens, args.repeats, args.window = 48, 8, 1, 16
@@ -211,12 +212,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             records.append(common.emit(record, args.out))
     records.append(common.emit(summarize(records), args.out))
     return records
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
