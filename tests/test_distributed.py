@@ -275,6 +275,27 @@ def test_a_killed_rank_ends_the_others_within_seconds(folders, tmp_path):
     assert err.strip().splitlines() == ["Error: RuntimeError: [ring] connection to a peer was lost"]  # fmt: skip
 
 
+@pytest.mark.slow
+def test_ctrl_c_ends_every_rank_with_one_line(folders, tmp_path):
+    """Ctrl-C reaches every rank of the terminal's process group, mid-reply: all stop
+    (a reply stopped on one rank only would leave the ranks out of step)."""
+    args = ["chat", "-m", str(folders["llama"]), *SMALL, "--max-tokens", "100000"]
+    procs = start_ranks(2, args, tmp_path)
+    root = procs[0]
+    try:
+        root.stdin.write(b"the sea\n")
+        root.stdin.flush()
+        assert root.stdout.read(16)  # rank 0 is replying
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        codes = [p.wait(timeout=30) for p in procs]
+        err = root.stderr.read().decode()
+    finally:
+        stop_ranks(procs)
+    assert codes == [130, 130]
+    assert err.strip().splitlines() == ["Error: interrupted; every rank stops"]
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_default_model_tensor_parallel_over_three_ranks(real_model_path, tmp_path):
