@@ -19,8 +19,8 @@ and each count's tok/s against one rank.
 On one machine the ranks share its cores and talk over loopback: this measures the
 overhead of sharding, not a speed-up. What sharding buys is the per-rank memory.
 
-    python benchmarks/distributed.py --context 256 --tokens 16   # the recorded run
-    python benchmarks/distributed.py --ranks 1,3 --tokens 32
+    python benchmarks/distributed.py --by-hand --context 128 --tokens 8   # the recorded run
+    python benchmarks/distributed.py --ranks 1,3 --tokens 32             # under mlx.launch
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,9 +117,42 @@ def worker(args) -> None:
             print(json.dumps(record), flush=True)
 
 
-def launch(ranks: int, argv: list[str]) -> list[dict]:
+def by_hand(ranks: int, command: list[str]) -> tuple[str, str]:
+    """Start ``command`` on ``ranks`` loopback ranks as mlx.launch would (a hostfile and
+    ``MLX_RANK``) but without its I/O threads, which poll busily; rank 0's output."""
+    port = 20000 + os.getpid() % 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        hostfile = Path(tmp) / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]))
+        procs = [
+            subprocess.Popen(
+                command,
+                env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)),
+                stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+            for r in range(ranks)
+        ]
+        try:
+            out, err = procs[0].communicate(timeout=WORKER_TIMEOUT)
+            for p in procs[1:]:
+                p.wait(timeout=60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    return out, err
+
+
+def launch(ranks: int, argv: list[str], hand: bool = False) -> list[dict]:
     """This script's worker on ``ranks`` loopback ranks; rank 0's JSON lines."""
     command = [sys.executable, str(SCRIPT), "--worker", *argv]
+    if ranks > 1 and hand:
+        stdout, stderr = by_hand(ranks, command)
+        return _records(ranks, stdout, stderr)
     if ranks > 1:
         launcher = Path(sys.executable).parent / "mlx.launch"
         command = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
@@ -138,6 +172,10 @@ def launch(ranks: int, argv: list[str]) -> list[dict]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    return _records(ranks, stdout, stderr)
+
+
+def _records(ranks: int, stdout: str, stderr: str) -> list[dict]:
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if not records:
         errors = [line for line in stderr.splitlines() if "Error" in line]
@@ -192,6 +230,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=2, help="runs per cache")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
+    parser.add_argument(
+        "--by-hand",
+        action="store_true",
+        help="start the ranks without mlx.launch (its I/O threads poll busily, which "
+        "takes a small machine's cores from the ranks)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -208,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if reason is not None:
             print(f"skipping {ranks} ranks: {reason}", file=sys.stderr, flush=True)
             continue
-        for record in launch(ranks, passed):
+        for record in launch(ranks, passed, args.by_hand):
             records.append(common.emit(record, args.out))
     records.append(common.emit(summarize(records), args.out))
     return records
