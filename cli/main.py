@@ -45,9 +45,10 @@ def root(
     """mlx-stream: a fixed-memory streaming runtime for MLX language models."""
 
 
-from cli import chat, profile, stream_run  # noqa: E402 - typer-only modules
+from cli import chat, profile, serve, stream_run  # noqa: E402 - typer-only modules
 
 app.command("chat")(chat.chat)
+app.command("serve")(serve.serve)
 app.command("stream-run")(stream_run.stream_run)
 app.command("profile")(profile.profile)
 

@@ -200,6 +200,96 @@ def test_save_to_an_unwritable_place_is_one_line(tiny, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+# ------------------------------------------- faults end one operation, not the chat
+
+
+def turns_reported(result) -> list[str]:
+    return [line.split()[1] for line in result.stdout.splitlines() if line.startswith("turns ")]
+
+
+def test_invalid_utf8_in_a_line_is_replaced_and_the_chat_goes_on(tiny):
+    result = runner.invoke(
+        app, ["chat", "--max-tokens", "4"], input=b"hello \xff\xfe there\nthe sea\n/stats\n"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.stderr and not result.stderr.strip()
+    assert turns_reported(result) == ["2"]
+
+
+def test_clean_text_makes_undecodable_input_replacement_characters():
+    from mlx_stream.session import clean_text
+
+    assert clean_text("caf\udcc3\udca9") == "caf\u00e9"  # escaped UTF-8 bytes decode back
+    assert clean_text("a\udcffb") == "a\ufffdb"  # a byte that is not UTF-8
+    assert clean_text("a\ud800b") == "a?b"  # a lone surrogate from JSON
+    assert clean_text("plain") == "plain"
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [
+        ((OSError, 28, "No space left on device"), ["No space left"]),
+        ((PermissionError, 13, "Permission denied"), ["Permission denied"]),
+    ],
+)
+def test_save_that_fails_midway_is_one_line_and_the_chat_goes_on(
+    tiny, tmp_path, monkeypatch, error, words
+):
+    import mlx_stream.cache
+
+    def failing(*args, **kwargs):
+        # A new exception each time: a shared one would keep its traceback, and with it
+        # the session's caches, alive for the rest of the test run.
+        kind, code, text = error
+        raise kind(code, text)
+
+    monkeypatch.setattr(mlx_stream.cache, "save_cache", failing)
+    ckpt = tmp_path / "talk"
+    result = chat("--max-tokens", "4", input=f"hello\n/save {ckpt}\nthe sea\n/stats\n")
+    assert result.exit_code == 0, result.stderr
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and "cannot save" in err[0], err
+    assert all(w in err[0] for w in words)
+    assert turns_reported(result) == ["2"]
+    assert not list(tmp_path.glob("talk*"))  # nothing half-written
+
+
+def rewrite_state(cache_file, change) -> None:
+    """Rewrite the chat state stored in a /save cache file's header with ``change``."""
+    import mlx.core as mx
+
+    from mlx_stream.session import STATE_KEY
+
+    arrays, meta = mx.load(str(cache_file), return_metadata=True)
+    state = json.loads(meta[STATE_KEY])
+    change(state)
+    meta[STATE_KEY] = json.dumps(state)
+    mx.save_safetensors(str(cache_file), arrays, meta)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda s: s.pop("system"), ["no 'system' field"]),
+        (lambda s: s.update(messages="hello"), ["'messages' must be"]),
+        (lambda s: s.update(pending=["x"]), ["'pending' must be"]),
+        (lambda s: s.update(window=None), ["'window' must be"]),
+    ],
+)
+def test_load_of_a_save_with_a_bad_field_is_one_line_and_the_chat_goes_on(
+    tiny, tmp_path, change, words
+):
+    ckpt = tmp_path / "talk"
+    assert chat("--max-tokens", "4", input=f"hello\n/save {ckpt}\n").exit_code == 0
+    rewrite_state(tmp_path / "talk.safetensors", change)
+    result = chat("--max-tokens", "4", input=f"the sea\n/load {ckpt}\nwhat ship\n/stats\n")
+    assert result.exit_code == 0, result.stderr
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and "talk.safetensors" in err[0], err
+    assert all(w in err[0] for w in words), err
+    assert turns_reported(result) == ["2"]  # the conversation before /load is intact
+
+
 # ------------------------------------------------------------------------ bad input
 
 
@@ -234,7 +324,7 @@ def loaded(tiny_model_dir):
 
 
 def make_session(loaded, **kw):
-    from cli.chat import ChatSession, Settings
+    from mlx_stream.session import ChatSession, Settings
 
     model, tokenizer = loaded
     settings = Settings(sinks=kw.pop("sinks", 2), window=kw.pop("window", 64), max_tokens=8)
@@ -244,7 +334,7 @@ def make_session(loaded, **kw):
 def test_each_turn_feeds_only_what_is_new(loaded):
     """The cache holds the rendered conversation exactly once: nothing re-fed, the
     end-of-turn token after each reply included (fed at the start of the next turn)."""
-    from cli.chat import cache_count
+    from mlx_stream.session import cache_count
 
     session = make_session(loaded, system="you are a captain")
     for text in ("hello", "the sea", "what ship"):
@@ -259,7 +349,7 @@ def test_each_turn_feeds_only_what_is_new(loaded):
 def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
     """The engine feeds the eos it sampled; the chat trims it so the template's own
     end-of-turn text is what the next turn feeds (no doubled end-of-turn token)."""
-    from cli.chat import cache_count
+    from mlx_stream.session import cache_count
 
     session = make_session(loaded, sinks=4, window=64)
     session.settings.max_tokens = 2000
@@ -273,7 +363,7 @@ def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
 
 
 def test_ctrl_c_mid_reply_keeps_the_partial_reply(loaded):
-    from cli.chat import cache_count
+    from mlx_stream.session import cache_count
 
     session = make_session(loaded)
     session.settings.max_tokens = 1000

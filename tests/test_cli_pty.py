@@ -8,33 +8,14 @@ import time
 
 import pytest
 
+from tests.test_session import endless_model  # noqa: F401, F811 - a fixture
+
 pexpect = pytest.importorskip("pexpect")
 
 PROMPT = ">>> "
 
 
-@pytest.fixture(scope="module")
-def endless_model(tiny_model_dir, tmp_path_factory):
-    """The tiny model with its end-of-sequence embeddings zeroed (tied weights: their
-    logits are 0 while the best of ~70 random logits is positive), so a reply only
-    ends at --max-tokens or Ctrl-C."""
-    import shutil
-
-    import mlx.core as mx
-
-    folder = tmp_path_factory.mktemp("endless") / "tiny"
-    shutil.copytree(tiny_model_dir, folder)
-    weights = mx.load(str(folder / "model.safetensors"))
-    key = "model.embed_tokens.weight"
-    keep = mx.ones((weights[key].shape[0], 1))
-    keep[1] = 0  # <|endoftext|>
-    keep[3] = 0  # <|im_end|>
-    weights[key] = weights[key] * keep
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    return folder
-
-
-def test_ctrl_c_stops_a_reply_and_ctrl_d_exits(endless_model):
+def test_ctrl_c_stops_a_reply_and_ctrl_d_exits(endless_model):  # noqa: F811
     child = pexpect.spawn(
         sys.executable,
         [

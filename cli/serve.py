@@ -1,0 +1,156 @@
+"""``mlx-stream serve``: an OpenAI-compatible server where every session lives in fixed
+memory (the engine is :mod:`mlx_stream.server`, the routes :mod:`mlx_stream.api`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import options as opt
+from cli.common import (
+    check_kv_bits,
+    check_positive,
+    fail,
+    handle_errors,
+    load_model,
+    sizes,
+    stderr_console,
+)
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
+         "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
+
+Host = Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")]
+Port = Annotated[int, typer.Option(help="TCP port.")]
+MemoryBudget = Annotated[
+    str,
+    typer.Option(
+        "--memory-budget",
+        help="Bytes for weights + sessions (e.g. 2GB, 512MiB), or 'auto' (75% of memory). "
+        "A session that does not fit evicts an idle one to disk, or gets 429.",
+    ),
+]
+MaxSessions = Annotated[
+    int | None, typer.Option("--max-sessions", help="Most sessions kept in memory at once.")
+]
+KeepSystem = Annotated[
+    bool,
+    typer.Option(
+        "--keep-system/--no-keep-system",
+        help="Pin each session's rendered system prompt as its sinks (shared prefill).",
+    ),
+]
+StateDir = Annotated[
+    Path | None,
+    typer.Option("--state-dir", help="Where evicted sessions are saved. Default: a temp folder."),
+]
+
+
+def check_listen(host: str, port: int) -> None:
+    """One-line error, before the model loads, unless ``host:port`` can be listened on."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind((host, port))
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port} ({exc.strerror or exc})")
+
+
+def parse_bytes(text: str) -> int | None:
+    """``"2GB"`` -> 2_000_000_000; ``"auto"`` -> None; else a one-line error."""
+    if text.strip().lower() == "auto":
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in UNITS or float(match.group(1)) <= 0:
+        fail(f"--memory-budget must be a size like 2GB, 512MiB or 'auto' (got {text!r})")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+@handle_errors
+def serve(
+    model: opt.Model = None,
+    host: Host = "127.0.0.1",
+    port: Port = 8080,
+    sinks: opt.Sinks = None,
+    window: opt.Window = None,
+    keep_system: KeepSystem = True,
+    max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
+    memory_budget: MemoryBudget = "auto",
+    max_sessions: MaxSessions = None,
+    state_dir: StateDir = None,
+    draft_model: opt.DraftModel = None,
+    num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
+    dtype: opt.Dtype = "auto",
+    kv_bits: opt.KvBits = None,
+    kv_group_size: opt.KvGroupSize = 64,
+    kv_key_bits: opt.KvKeyBits = None,
+) -> None:
+    """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
+
+    Clients resend the whole conversation each turn; the server finds the session by
+    its transcript (or an X-Session-ID header) and feeds only the new message. Memory
+    is weights + sessions x a fixed size: a session that does not fit evicts an idle
+    one to disk, and when none is idle the request gets 429 with Retry-After.
+    """
+    check_positive(sinks, "--sinks", 0)
+    check_positive(window, "--window")
+    check_positive(max_tokens, "--max-tokens")
+    check_positive(num_draft_tokens, "--num-draft-tokens")
+    check_positive(max_sessions, "--max-sessions")
+    check_positive(port, "--port", 0)
+    if port > 65535:
+        fail(f"--port must be at most 65535 (got {port})")
+    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    budget = parse_bytes(memory_budget)
+    if state_dir is not None and not state_dir.is_dir():
+        fail(f"--state-dir {state_dir}: no such directory")
+    check_listen(host, port)
+    target, tokenizer, spec = load_model(model, dtype)
+    draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
+    sinks, window = sizes(spec, sinks, window)
+    model_id = spec.name if spec is not None else Path(model or "default").name
+
+    import uvicorn
+
+    from mlx_stream.api import create_app
+    from mlx_stream.server import Engine
+    from mlx_stream.session import Settings
+
+    settings = Settings(
+        sinks=sinks,
+        window=window,
+        max_tokens=max_tokens,
+        num_draft_tokens=num_draft_tokens,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        kv_key_bits=kv_key_bits,
+    )
+    engine = Engine(
+        target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
+        budget=budget, max_sessions=max_sessions, state_dir=state_dir,
+    )  # fmt: skip
+    engine.start()
+    try:
+        memory = engine.stats.get("memory", {})
+        per = memory.get("session_bytes") or 0
+        stderr_console().print(
+            f"mlx-stream serve · {model_id} · sinks {sinks} + window {window} · "
+            f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
+            f"{per / 1e6:,.2f} MB per session) · http://{host}:{port}/v1",
+            style="dim",
+            highlight=False,
+            soft_wrap=True,
+        )
+        config = uvicorn.Config(
+            create_app(engine), host=host, port=port, log_level="warning", access_log=False
+        )
+        uvicorn.Server(config).run()
+    finally:
+        engine.stop()

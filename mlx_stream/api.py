@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP side of ``mlx-stream serve`` (FastAPI).
+
+Contract: request bodies are validated by pydantic models (bad JSON or a bad field is
+a 400 naming the field, in OpenAI's error shape); every model call happens on the
+:class:`~mlx_stream.server.Engine`'s worker thread, this side only turns requests into
+:class:`~mlx_stream.server.Request` objects and the worker's events into JSON or
+server-sent events. A streaming client that disconnects cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlx_stream.server import Engine
+from mlx_stream.server import Request as EngineRequest
+
+DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
+
+
+# ----------------------------------------------------------------------- bodies
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields chat and plain completions share (OpenAI's names and ranges)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(Sampling):
+    prompt: str
+
+
+# ----------------------------------------------------------------------- errors
+
+
+def error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({first.get('msg', '')})", None
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with 413, before reading them all."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error(413, f"the request body is larger than {self.limit:,} bytes")
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+# -------------------------------------------------------------------------- app
+
+
+class _Job:
+    """The HTTP side of one engine request: its events as an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.events = loop, asyncio.Queue()
+
+    def emit(self, event: tuple) -> None:  # called on the worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutting down)
+            pass
+
+
+def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """The FastAPI app serving ``engine`` under OpenAI's routes."""
+    app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=max_body)
+    names = {engine.model_id, "default"}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    def check_model(name: str | None) -> JSONResponse | None:
+        if name is None or name in names:
+            return None
+        return error(
+            404, f"model {name!r} is not served here (this server serves {engine.model_id!r})",
+            "model",
+        )  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_id, **engine.stats.get("memory", {})}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-stream"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/sessions")
+    async def sessions():
+        stats = engine.stats
+        return {"object": "list", "data": stats.get("sessions", []), **stats.get("counters", {})}
+
+    async def run(body: Sampling, make: dict[str, Any], kind: str, http: Request):
+        job = _Job(asyncio.get_running_loop())
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        request = EngineRequest(
+            emit=job.emit, stop=stop or None, temp=body.temperature, top_p=body.top_p,
+            seed=body.seed, **make,
+        )  # fmt: skip
+        engine.submit(request)
+        first = await job.events.get()
+        if first[0] == "error":
+            _, status, message, retry = first
+            headers = {"Retry-After": str(retry)} if retry else None
+            return error(status, message, headers=headers)
+        session_id = first[1].get("session_id")
+        headers = {"X-Session-ID": session_id} if session_id else None
+        ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        shape = _Shape(kind, ident, created, engine.model_id)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(job, request.cancelled, shape, usage),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        try:
+            texts, end = [], None
+            while end is None:
+                event = await job.events.get()
+                if event[0] == "text":
+                    texts.append(event[1])
+                elif event[0] == "end":
+                    end = event
+                else:
+                    return error(event[1], event[2])
+        except asyncio.CancelledError:
+            request.cancelled.set()
+            raise
+        return JSONResponse(shape.whole("".join(texts), end[2], end[1]), headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(
+        body: ChatRequest,
+        http: Request,
+        x_session_id: Annotated[str | None, Header()] = None,
+    ):
+        bad = check_model(body.model)
+        if bad is not None:
+            return bad
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        make = {
+            "messages": messages,
+            "session_id": x_session_id,
+            "max_tokens": body.max_completion_tokens or body.max_tokens,
+        }
+        return await run(body, make, "chat", http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        bad = check_model(body.model)
+        if bad is not None:
+            return bad
+        return await run(body, {"prompt": body.prompt, "max_tokens": body.max_tokens}, "text", http)
+
+    return app
+
+
+class _Shape:
+    """OpenAI's response and chunk shapes for chat (``kind="chat"``) or text."""
+
+    def __init__(self, kind: str, ident: str, created: int, model: str):
+        self.kind, self.ident, self.created, self.model = kind, ident, created, model
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        if chunk and self.kind == "chat":
+            obj += ".chunk"
+        return {"id": self.ident, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish: str, usage: dict) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish
+        return {**self._head(False), "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None}
+        choice["finish_reason"] = finish
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict[str, Any]:
+        return {**self._head(True), "choices": [], "usage": usage}
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _sse(job: _Job, cancelled: threading.Event, shape: _Shape, include_usage: bool):
+    """Server-sent events of one request; a client that goes away cancels it."""
+    try:
+        yield _event(shape.chunk("", None, first=True))
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                yield _event(shape.chunk(event[1], None))
+            elif event[0] == "end":
+                _, usage, finish = event
+                yield _event(shape.chunk(None, finish))
+                if include_usage:
+                    yield _event(shape.usage_chunk(usage))
+                break
+            else:
+                _, status, message, _retry = event
+                yield _event(
+                    {"error": {"message": message, "type": "server_error", "code": status}}
+                )
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        cancelled.set()  # a no-op once the engine has finished the request

@@ -1,0 +1,607 @@
+"""The engine of ``mlx-stream serve``: chat sessions in fixed memory, admitted by bytes,
+all model work on one MLX thread.
+
+Contract:
+- Every session is a :class:`~mlx_stream.session.ChatSession` whose SinkCaches have a
+  fixed size, so a session costs a known number of bytes (its caches plus the
+  checkpoint taken before its current turn, measured from real caches). Admission:
+  ``weights + snapshots + resident sessions x bytes <= budget``. A session that does
+  not fit evicts the least recently used idle session to disk (``save_cache``); it
+  comes back on its next request. When nothing can be evicted the request is refused
+  (:class:`Busy`: HTTP 429 with ``Retry-After``), never an out-of-memory.
+- Sessions are named by the client or found by their transcript: a request whose
+  messages extend a session's transcript by one user message feeds only that message;
+  one that replaces the session's last turn (an edit or a regeneration) restores the
+  checkpoint from before that turn; anything else rebuilds the conversation from the
+  pinned system prompt plus the tail that fits the window. A wrapped ring matches no
+  token prefix, so matching is on the transcript, never on the KV cache.
+- Pinned system prompt (``keep_system``): the rendered system prompt is the session's
+  sinks; sessions with the same system prompt start from one prefilled snapshot.
+- One worker thread runs every MLX call, fed by a queue. Each scheduler round advances
+  every active request by at most ``chunk`` tokens (fair interleaving: no request waits
+  for another's long reply); a cancelled request (a client that went away) stops at the
+  next token and its session goes back to the checkpoint from before the turn.
+  A batched decode can later replace "one request per step" inside :meth:`Engine._round`.
+
+The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
+objects and events back into responses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_stream.errors import UserError
+from mlx_stream.session import (
+    ChatSession,
+    Checkpoint,
+    Reply,
+    Settings,
+    cache_count,
+    clean_text,
+)
+
+DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
+DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
+MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
+MAX_STORED = 256  # sessions kept on disk (oldest dropped)
+PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
+
+
+class Busy(Exception):
+    """No memory for another session now: every resident session is busy (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = DEFAULT_RETRY_AFTER):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class BadRequest(UserError):
+    """A request the engine cannot serve as asked (HTTP 400), with one line saying why."""
+
+
+@dataclass
+class Request:
+    """One generation request, built by the HTTP side.
+
+    ``messages`` (chat) or ``prompt`` (plain completion). Events reach ``emit`` from the
+    worker thread: ``("start", info)``, ``("text", str)`` per segment, then ``("end",
+    usage, finish_reason)`` or ``("error", status, message, retry_after)``. Setting
+    ``cancelled`` stops the request at its next token.
+    """
+
+    emit: Callable[[tuple], None]
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    session_id: str | None = None
+    max_tokens: int | None = None
+    temp: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Entry:
+    """A session the server knows: resident (``session`` set) or on disk (``path``)."""
+
+    id: str
+    system: str | None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    session: ChatSession | None = None
+    checkpoint: Checkpoint | None = None
+    path: Path | None = None
+    bytes: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False
+    tokens_seen: int = 0
+    sinks: int = 0
+    transient: bool = False  # a plain completion: dropped when done
+
+
+@dataclass
+class _Job:
+    request: Request
+    entry: Entry
+    tokens: Iterator[Any]
+    cached: int
+    started: float = field(default_factory=time.perf_counter)
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes of a model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def physical_memory() -> int:
+    """Bytes of memory of this machine (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class Engine:
+    """Sessions, admission by bytes and the one MLX worker thread.
+
+    Args:
+        model, tokenizer: The loaded model.
+        settings (Settings): Session defaults (sinks, window, kv bits, max tokens...).
+        model_id (str): The name the API serves the model under.
+        draft_model: A draft model for speculative decoding.
+        keep_system (bool): Make the rendered system prompt the sinks. Default: True.
+        budget (int, optional): Memory budget in bytes. Default: 75% of the machine.
+        max_sessions (int, optional): Most resident sessions. Default: no limit.
+        state_dir (Path, optional): Where evicted sessions go. Default: a temp folder.
+        chunk (int): Tokens a request advances per scheduler round.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        settings: Settings,
+        model_id: str,
+        *,
+        draft_model: Any = None,
+        keep_system: bool = True,
+        budget: int | None = None,
+        max_sessions: int | None = None,
+        state_dir: str | Path | None = None,
+        chunk: int = DEFAULT_CHUNK,
+    ):
+        self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
+        self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
+        self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
+        self.max_sessions, self.chunk = max_sessions, chunk
+        self._tmp = None
+        if state_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
+            state_dir = self._tmp.name
+        self.state_dir = Path(state_dir)
+        self.entries: dict[str, Entry] = {}
+        self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
+        self._bytes_by_sinks: dict[int, int] = {}
+        self._active: list[_Job] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats: dict[str, Any] = {}
+        self._published = 0.0
+        self.evictions = self.restores = self.refusals = 0
+
+    # ----- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker; measure a session's bytes first and refuse a budget
+        that cannot hold the weights and one session."""
+        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
+        self._thread.start()
+        need = self.call(lambda: self.weights + self.session_bytes(self.settings.sinks)).result()
+        self.call(self._publish).result()
+        if need > self.budget:
+            self.stop()
+            raise UserError(
+                f"--memory-budget {self.budget:,} bytes cannot hold the weights "
+                f"({self.weights:,}) and one session ({need - self.weights:,}); "
+                f"give at least {need:,}"
+            )
+
+    def stop(self) -> None:
+        """Stop the worker (active requests end without a reply)."""
+        self._stopping = True
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def submit(self, request: Request) -> None:
+        """Queue a generation request (any thread)."""
+        self._queue.put(request)
+
+    def call(self, fn: Callable[[], Any]):
+        """Run ``fn`` on the worker thread; returns a ``concurrent.futures.Future``."""
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    # ----- the worker -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                item = self._queue.get(timeout=None if not self._active else 0)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    return
+                self._handle(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = False
+            self._round()
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, tuple):
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            return
+        try:
+            self._admit(item)
+        except Busy as exc:
+            self.refusals += 1
+            item.emit(("error", 429, str(exc), exc.retry_after))
+        except UserError as exc:
+            item.emit(("error", 400, str(exc), None))
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            item.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+        self._publish()
+
+    def _round(self) -> None:
+        """Advance every active request by at most ``chunk`` tokens."""
+        for job in list(self._active):
+            try:
+                self._advance(job)
+            except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+                self._end(job, rollback=True)
+                job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+        if self._active and time.monotonic() - self._published > PUBLISH_EVERY:
+            self._publish()
+
+    def _advance(self, job: _Job) -> None:
+        for _ in range(self.chunk):
+            if job.request.cancelled.is_set():
+                self._end(job, rollback=True)
+                return
+            response = next(job.tokens, None)
+            if response is None:
+                self._finish(job)
+                return
+            if response.text:
+                job.request.emit(("text", response.text))
+
+    def _finish(self, job: _Job) -> None:
+        entry = job.entry
+        session = entry.session
+        reply = session.last
+        finish = reply.finish_reason if reply is not None else None
+        self._end(job, rollback=False)
+        sinks, window = session.sinks, session.settings.window
+        seen = cache_count(session.caches)
+        prompt = reply.prompt_tokens if reply is not None else 0
+        usage = {
+            "prompt_tokens": job.cached + prompt,
+            "completion_tokens": reply.tokens if reply is not None else 0,
+            "total_tokens": job.cached + prompt + (reply.tokens if reply is not None else 0),
+            "prompt_tokens_details": {"cached_tokens": job.cached},
+            "evicted_tokens": max(0, seen - sinks - window),
+        }
+        self._publish()
+        job.request.emit(("end", usage, finish or "stop"))
+
+    def _end(self, job: _Job, rollback: bool) -> None:
+        """Close the request's generator; on ``rollback`` its session goes back to the
+        checkpoint from before the turn."""
+        if job in self._active:
+            self._active.remove(job)
+        job.tokens.close()
+        entry = job.entry
+        entry.busy = False
+        entry.last_used = time.monotonic()
+        if entry.transient:
+            self._drop(entry)
+            return
+        if rollback and entry.checkpoint is not None:
+            entry.session.restore(entry.checkpoint)
+        entry.messages = [dict(m) for m in entry.session.messages]
+        entry.tokens_seen = cache_count(entry.session.caches)
+        if rollback:
+            self._publish()
+
+    # ----- admission --------------------------------------------------------------------
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks: its caches and its
+        checkpoint, measured once from real caches (after their one allocation)."""
+        if sinks not in self._bytes_by_sinks:
+            import mlx.core as mx
+
+            probe = ChatSession(
+                self.model, self.tokenizer, dataclasses.replace(self.settings, sinks=sinks),
+                draft_model=self.draft_model,
+            )  # fmt: skip
+            probe.prefill(self.tokenizer.decode([0]) or " ")
+            mx.eval([c.state for c in probe.caches])
+            cache = sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
+            self._bytes_by_sinks[sinks] = 2 * cache
+        return self._bytes_by_sinks[sinks]
+
+    def used_bytes(self) -> int:
+        """Weights + snapshots + resident sessions."""
+        snaps = sum(b for _, b in self.snapshots.values())
+        return self.weights + snaps + sum(e.bytes for e in self.entries.values() if e.session)
+
+    def _make_room(self, need: int, keep: Entry) -> None:
+        """Evict idle sessions (least recently used first) until ``need`` more bytes
+        fit the budget and the session count; :class:`Busy` when none is left."""
+        while True:
+            resident = [e for e in self.entries.values() if e.session is not None]
+            over_count = self.max_sessions is not None and len(resident) >= self.max_sessions
+            if not over_count and self.used_bytes() + need <= self.budget:
+                return
+            idle = [e for e in resident if not e.busy and e is not keep]
+            if not idle:
+                raise Busy(
+                    f"no memory for another session: {len(resident)} sessions are busy "
+                    f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
+                )
+            self._evict(min(idle, key=lambda e: e.last_used))
+
+    def _evict(self, entry: Entry) -> None:
+        """Save a resident session to disk and free its memory."""
+        path = self.state_dir / entry.id
+        entry.session.save(path)
+        entry.path, entry.session, entry.checkpoint = path, None, None
+        self.evictions += 1
+        stored = [e for e in self.entries.values() if e.session is None]
+        if len(stored) > MAX_STORED:
+            self._drop(min(stored, key=lambda e: e.last_used))
+
+    def _drop(self, entry: Entry) -> None:
+        self.entries.pop(entry.id, None)
+        if entry.path is not None:
+            for suffix in (".safetensors", ".json", ".draft.safetensors"):
+                with contextlib.suppress(OSError):
+                    entry.path.with_name(entry.path.name + suffix).unlink()
+
+    def _new_session(self, system: str | None) -> ChatSession:
+        """A session for ``system`` whose caches are not allocated yet."""
+        settings = dataclasses.replace(self.settings, keep_system=self.keep_system)
+        try:
+            session = ChatSession(
+                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
+            )
+        except UserError:  # keep_system without any system prompt: plain sinks
+            settings.keep_system = False
+            session = ChatSession(
+                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
+            )
+        if session.sinks > settings.window:
+            raise BadRequest(
+                f"the system prompt has {session.sinks} tokens; the server pins at most "
+                f"--window ({settings.window}) tokens of it"
+            )
+        return session
+
+    def _from_snapshot(self, session: ChatSession, keep: Entry) -> None:
+        """Start ``session`` from its system prompt's shared prefilled snapshot (made,
+        and admitted by bytes, on first use)."""
+        head = session.system_text() if session.settings.keep_system else ""
+        if not head:
+            return
+        snap = self.snapshots.pop(head, None)
+        if snap is None:
+            size = self.session_bytes(session.sinks) // 2
+            self._make_room(size, keep)
+            session.prefill(head)
+            snap = (session.checkpoint(), size)
+        else:
+            session.restore(snap[0])
+        self.snapshots[head] = snap  # most recently used last
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            self.snapshots.pop(next(iter(self.snapshots)))
+
+    def _resident(self, entry: Entry) -> None:
+        """Make ``entry`` resident: admitted by bytes, then loaded from disk or new."""
+        if entry.session is not None:
+            return
+        session = self._new_session(entry.system)
+        need = self.session_bytes(session.sinks)
+        self._make_room(need, entry)
+        if entry.path is not None:
+            session.load(entry.path)
+            self.restores += 1
+        else:
+            self._from_snapshot(session, entry)
+        entry.session, entry.bytes, entry.sinks = session, need, session.sinks
+
+    # ----- requests -------------------------------------------------------------------
+
+    def _admit(self, request: Request) -> None:
+        if request.messages is None:
+            self._admit_completion(request)
+            return
+        system, history, user = split_messages(request.messages)
+        entry, mode = self._find(request.session_id, system, history)
+        if entry.busy:
+            raise Busy(f"session {entry.id} is answering another request; retry shortly")
+        try:
+            self._resident(entry)
+        except BaseException:
+            if entry.session is None and entry.path is None:  # refused before it began
+                self._drop(entry)
+            raise
+        session, tail = entry.session, None
+        if mode == "restore" and entry.checkpoint is not None:
+            session.restore(entry.checkpoint)  # the checkpoint from before the turn
+        elif mode in ("restore", "rebuild"):
+            self._rebuild(entry, system, history)
+            session, tail = entry.session, self.settings.window
+        else:
+            entry.checkpoint = session.checkpoint()
+        cached = cache_count(session.caches)
+        tokens = session.stream(
+            user, tail=tail, max_tokens=request.max_tokens, temp=request.temp,
+            top_p=request.top_p, stop=request.stop, seed=request.seed,
+        )  # fmt: skip
+        self._start(request, entry, tokens, cached)
+
+    def _rebuild(self, entry: Entry, system: str | None, history: list[dict]) -> None:
+        """Start ``entry`` over from its system prompt's snapshot with ``history`` as
+        its transcript (the next turn feeds the tail of it that fits the window)."""
+        session = self._new_session(system)
+        need = self.session_bytes(session.sinks)
+        if need > entry.bytes:
+            self._make_room(need - entry.bytes, entry)
+        self._from_snapshot(session, entry)
+        session.messages = [dict(m) for m in history]
+        entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
+        entry.checkpoint = session.checkpoint()
+
+    def _find(self, session_id: str | None, system: str | None, history: list) -> tuple:
+        """The entry for a chat request and how to continue it: ``append`` (the history
+        is its transcript), ``restore`` (its transcript minus the last turn),
+        ``rebuild`` (anything else) or ``new``."""
+        if session_id is not None:
+            entry = self.entries.get(session_id)
+            if entry is None:
+                entry = self.entries[session_id] = Entry(id=session_id, system=system)
+                return entry, "new"
+            candidates = [entry]
+        else:
+            candidates = [e for e in self.entries.values() if not e.busy and not e.transient]
+            candidates.sort(key=lambda e: -e.last_used)
+        for entry in candidates:
+            if entry.system == system and entry.messages == history:
+                return entry, "append"
+        for entry in candidates:
+            if entry.system == system and entry.messages[:-2] == history and entry.messages:
+                return entry, "restore"
+        if session_id is not None:
+            entry = candidates[0]
+            entry.system = system
+            return entry, "rebuild"
+        entry = Entry(id=uuid.uuid4().hex[:16], system=system)
+        self.entries[entry.id] = entry
+        return entry, "new" if not history else "rebuild"
+
+    def _admit_completion(self, request: Request) -> None:
+        entry = Entry(id="completion-" + uuid.uuid4().hex[:12], system=None, transient=True)
+        self.entries[entry.id] = entry
+        try:
+            self._make_room(self.session_bytes(self.settings.sinks) // 2, entry)
+            settings = dataclasses.replace(self.settings, keep_system=False)
+            session = ChatSession(
+                self.model, self.tokenizer, settings, draft_model=self.draft_model
+            )
+        except BaseException:
+            self._drop(entry)
+            raise
+        entry.session, entry.bytes = session, self.session_bytes(session.sinks) // 2
+        tokens = list(self.tokenizer.encode(clean_text(request.prompt or "")))
+        if not tokens:
+            self._drop(entry)
+            raise BadRequest("prompt: must not be empty")
+        self._start(request, entry, self._completion(session, tokens, request), 0)
+
+    @staticmethod
+    def _completion(session: ChatSession, tokens: list[int], request: Request) -> Iterator[Any]:
+        """A plain completion of ``tokens`` on ``session``'s caches; sets ``session.last``."""
+        generator = session.generate(
+            tokens, max_tokens=request.max_tokens, temp=request.temp, top_p=request.top_p,
+            stop=request.stop, seed=request.seed,
+        )  # fmt: skip
+        last, generated = None, 0
+        try:
+            for last in generator:
+                generated += 1
+                yield last
+        finally:
+            generator.close()
+            session.last = Reply(
+                text="",
+                tokens=generated,
+                tps=float(getattr(last, "generation_tps", 0.0) or 0.0),
+                prompt_tokens=len(tokens),
+                finish_reason=getattr(last, "finish_reason", None),
+            )
+
+    def _start(self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int) -> None:
+        entry.busy = True
+        entry.last_used = time.monotonic()
+        self._active.append(_Job(request, entry, tokens, cached))
+        request.emit(("start", {"session_id": None if entry.transient else entry.id}))
+
+    # ----- inspection -------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Refresh :attr:`stats` (read by other threads without locking)."""
+        import mlx.core as mx
+
+        now = self._published = time.monotonic()
+        sessions = []
+        for e in self.entries.values():
+            if e.transient:
+                continue
+            seen = cache_count(e.session.caches) if e.session else e.tokens_seen
+            window = self.settings.window
+            sessions.append(
+                {
+                    "id": e.id,
+                    "resident": e.session is not None,
+                    "turns": len(e.messages) // 2,
+                    "tokens_seen": seen,
+                    "tokens_evicted": max(0, seen - e.sinks - window),
+                    "sinks": e.sinks,
+                    "window": window,
+                    "cache_bytes": e.bytes if e.session else 0,
+                    "idle_s": round(now - e.last_used, 3),
+                    "busy": e.busy,
+                }
+            )
+        self.stats = {
+            "sessions": sessions,
+            "memory": {
+                "budget_bytes": self.budget,
+                "used_bytes": self.used_bytes(),
+                "weights_bytes": self.weights,
+                "session_bytes": self._bytes_by_sinks.get(self.settings.sinks),
+                "snapshots": len(self.snapshots),
+                "mlx_active_bytes": mx.get_active_memory(),
+                "mlx_cache_bytes": mx.get_cache_memory(),
+            },
+            "counters": {
+                "evictions": self.evictions,
+                "restores": self.restores,
+                "refusals": self.refusals,
+                "active": len(self._active),
+            },
+        }
+
+
+def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
+    """``(system, history, user)`` of a chat request: a leading system message, the
+    turns before the last, and the last (a user message). Text is decoded leniently."""
+    messages = [{"role": m["role"], "content": clean_text(m["content"])} for m in messages]
+    if not messages:
+        raise BadRequest("messages: must hold at least one message")
+    system = None
+    if messages[0]["role"] in ("system", "developer"):
+        system = messages[0]["content"]
+        messages = messages[1:]
+    if not messages or messages[-1]["role"] != "user":
+        raise BadRequest("messages: the last message must be from the user")
+    return system, messages[:-1], messages[-1]["content"]

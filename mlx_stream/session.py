@@ -1,0 +1,515 @@
+"""A conversation held in a fixed-size KV cache: what ``chat`` and ``serve`` share.
+
+Contract: a :class:`ChatSession` owns a transcript (system prompt + user/assistant
+turns), the SinkCaches that hold its rendered conversation, and the text the caches
+hold (``fed_text``). Each turn renders the whole conversation through the model's chat
+template and feeds only the text beyond ``fed_text``, so memory stays fixed however
+long the conversation runs; a template that rewrites earlier turns falls back to
+rendering the new message alone (mlx-lm's ``chat`` approach). The session knows
+nothing about terminals or HTTP: callers pass a ``write`` callback and a ``stop``
+predicate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_stream.errors import RuntimeFailure, UserError
+
+STATE_KEY = "mlx_stream_chat"
+DEFAULT_SLACK = 64
+SENTINEL = "\x00mlx-stream\x00"
+PREFILL_STEP = 512
+
+
+@dataclass
+class Settings:
+    """Per-session generation settings (``stream_generate``'s names and defaults)."""
+
+    sinks: int
+    window: int
+    keep_system: bool = False
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    num_draft_tokens: int = 3
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    kv_key_bits: int | None = None
+
+
+@dataclass
+class Reply:
+    """One finished (or interrupted) reply."""
+
+    text: str
+    tokens: int
+    tps: float
+    prompt_tokens: int
+    interrupted: bool = False
+    finish_reason: str | None = None
+
+
+def clean_text(text: str) -> str:
+    """``text`` with undecodable input made replacement characters (U+FFFD).
+
+    Bytes that were not UTF-8 reach Python as lone surrogates (``surrogateescape`` on
+    stdin, ``"\\udcff"`` escapes in JSON), which the tokenizer rejects: decode them
+    leniently wherever text enters a session.
+    """
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that is not an escaped byte
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
+def cache_count(caches: list) -> int:
+    """Tokens the first cache of ``caches`` has consumed."""
+    c = caches[0]
+    return int(getattr(c, "tokens_seen", c.offset))
+
+
+@dataclass
+class Checkpoint:
+    """A session's conversation and caches at one moment (see ``ChatSession.checkpoint``)."""
+
+    messages: list[dict[str, str]]
+    fed_text: str
+    pending: list[int]
+    system: str | None
+    sinks: int
+    caches: list
+
+
+@dataclass
+class ChatSession:
+    """A conversation: transcript, KV caches and what they hold.
+
+    Attributes:
+        messages: The user/assistant turns (the system prompt is kept apart).
+        fed_text: The rendered conversation whose tokens are in the caches, apart from
+            ``pending``.
+        pending: Tokens of ``fed_text`` the caches have not seen yet (the last sampled
+            token of a reply is sampled but not fed); fed at the start of the next turn.
+    """
+
+    model: Any
+    tokenizer: Any
+    settings: Settings
+    system: str | None = None
+    draft_model: Any = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    fed_text: str = ""
+    pending: list[int] = field(default_factory=list)
+    sinks: int = 0
+    caches: list = field(default_factory=list)
+    n_target: int = 0
+    last: Reply | None = None
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    # ----- rendering ----------------------------------------------------------------
+
+    def conversation(self, messages: list[dict[str, str]] | None = None) -> list[dict]:
+        """The system prompt (if any) followed by ``messages`` (default: the transcript)."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + list(self.messages if messages is None else messages)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """``messages`` through the chat template (plain lines without one)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        return "".join(m["content"] + "\n" for m in messages)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokens of rendered text (the template writes any BOS itself)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def system_text(self) -> str:
+        """The rendered system prompt: what ``keep_system`` makes the sinks.
+
+        Without a system prompt, a template that writes a default one (SmolLM2's does)
+        keeps that: everything rendered before the first user message. Returns ``""``
+        when there is no system prompt at all.
+        """
+        first_turn = [{"role": "user", "content": SENTINEL}]
+        full = self.render(self.conversation(first_turn))
+        if self.system:
+            text = self.render(self.conversation([]), add_generation_prompt=False)
+            if full.startswith(text):
+                return text
+        head = full[: full.index(SENTINEL)] if SENTINEL in full else ""
+        if not self.system and "system" not in head:
+            return ""
+        return head
+
+    def system_tokens(self) -> int:
+        """Tokens of :meth:`system_text` (0 without a system prompt)."""
+        text = self.system_text()
+        return len(self.encode(text)) if text else 0
+
+    def turn_tokens(self, user_text: str) -> tuple[list[int], str]:
+        """Tokens to feed for a new user message, and the rendered conversation after it."""
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        full = self.render(self.conversation(messages))
+        if full.startswith(self.fed_text):
+            new = full[len(self.fed_text) :]
+        else:
+            # The template rewrote earlier turns: render the new message alone.
+            new = self.render([{"role": "user", "content": user_text}])
+            bos = getattr(self.tokenizer, "bos_token", None)
+            if bos and new.startswith(bos):
+                new = new[len(bos) :]
+        return self.pending + self.encode(new), full
+
+    # ----- engine calls -------------------------------------------------------------
+
+    def make_caches(self) -> list:
+        """Fresh SinkCaches for the model (and the draft model after it)."""
+        from mlx_stream.cache import make_sink_cache
+
+        s = self.settings
+        # Slack must cover a speculative verify block and its rollback.
+        slack = max(s.num_draft_tokens + 1, DEFAULT_SLACK)
+        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
+        caches = make_sink_cache(self.model, self.sinks, s.window, slack, **kv)
+        self.n_target = len(caches)
+        if self.draft_model is not None:
+            caches += make_sink_cache(self.draft_model, self.sinks, s.window, slack, **kv)
+        return caches
+
+    def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
+        """The engine's streaming generator over ``tokens`` with the session's caches;
+        ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
+        ``top_p``) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
+        from mlx_stream.decode import stream_generate
+
+        s = self.settings
+        kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return stream_generate(
+            self.model,
+            self.tokenizer,
+            tokens,
+            sinks=self.sinks,
+            window=s.window,
+            draft_model=self.draft_model,
+            num_draft_tokens=s.num_draft_tokens,
+            prompt_cache=self.caches,
+            **kwargs,
+        )
+
+    def prefill(self, text: str) -> None:
+        """Feed ``text`` (rendered, the start of the conversation) into empty caches."""
+        import mlx.core as mx
+
+        from mlx_stream.cache import max_call_tokens
+
+        tokens = self.encode(text)
+        groups = [(self.model, self.caches[: self.n_target])]
+        if self.draft_model is not None:
+            groups.append((self.draft_model, self.caches[self.n_target :]))
+        for model, caches in groups:
+            rest = tokens
+            while rest:
+                n = min(len(rest), PREFILL_STEP, max_call_tokens(caches) or PREFILL_STEP)
+                model(mx.array(rest[:n])[None], cache=caches)
+                mx.eval([c.state for c in caches])
+                rest = rest[n:]
+        self.fed_text, self.pending = text, []
+
+    # ----- conversation -------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the conversation; keep the model, settings and system prompt."""
+        self.messages, self.fed_text, self.pending, self.last = [], "", [], None
+        self.sinks = self.settings.sinks
+        if self.settings.keep_system:
+            self.sinks = self.system_tokens()
+            if self.sinks == 0:
+                raise UserError("--keep-system needs a system prompt: pass --system TEXT")
+        self.caches = self.make_caches()
+
+    def set_system(self, text: str | None) -> None:
+        """Set the system prompt and start over (the cache holds the old one)."""
+        self.system = text or None
+        self.reset()
+
+    def reply(self, user_text: str, write: Callable[[str], None]) -> Reply:
+        """Stream a reply to ``user_text`` through ``write``; Ctrl-C stops it early.
+
+        The reply, finished or not, joins the transcript and the cache; an exception
+        raised by ``write`` stops it the same way and is raised again afterwards.
+        """
+        from mlx_stream.decode import StopOnInterrupt
+
+        turn = self.stream(user_text)
+        with StopOnInterrupt() as ctrl_c:
+            try:
+                for response in turn:
+                    write(response.text)
+                    if ctrl_c.interrupted:
+                        break
+            finally:
+                turn.close()
+        return self.last
+
+    def stream(self, user_text: str, tail: int | None = None, **overrides: Any) -> Iterator[Any]:
+        """Generate a reply to ``user_text``, yielding ``stream_generate``'s responses.
+
+        However the generator ends (finished, or ``close()``-d by its consumer), the
+        reply so far joins the transcript and the cache, and :attr:`last` describes it.
+
+        Args:
+            user_text (str): The new user message.
+            tail (int, optional): Feed at most the last ``tail`` new tokens (a rebuilt
+                conversation keeps only what fits the window).
+            **overrides: Per-call settings, see :meth:`generate`.
+        """
+        tokens, full = self.turn_tokens(user_text)
+        if tail is not None and len(tokens) > tail:
+            tokens = tokens[-tail:]
+        before = [cache_count(self.caches)]
+        if self.draft_model is not None:
+            before.append(cache_count(self.caches[self.n_target :]))
+        generated: list[int] = []
+        texts: list[str] = []
+        last = None
+        finished = False
+        gen = self.generate(tokens, **overrides)
+        try:
+            for response in gen:
+                last = response
+                generated.append(response.token)
+                texts.append(response.text)
+                yield response
+            finished = True
+        finally:
+            gen.close()
+            finish = getattr(last, "finish_reason", None)
+            eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            if generated and finish == "stop" and generated[-1] in eos:
+                generated.pop()
+            self._settle(before, len(tokens), generated)
+            # The text the consumer saw (a stop string is cut from it).
+            text = "".join(texts)
+            self.messages += [
+                {"role": "user", "content": user_text},
+                {"role": "assistant", "content": text},
+            ]
+            self.fed_text = full + text
+            self.last = Reply(
+                text=text,
+                tokens=len(generated),
+                tps=float(getattr(last, "generation_tps", 0.0) or 0.0),
+                prompt_tokens=len(tokens),
+                interrupted=not finished,
+                finish_reason=finish,
+            )
+
+    # ----- checkpoints in memory ------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """A copy of the conversation and its caches to :meth:`restore` later (costs
+        one more cache: a fixed size)."""
+        import copy
+
+        return Checkpoint(
+            messages=[dict(m) for m in self.messages],
+            fed_text=self.fed_text,
+            pending=list(self.pending),
+            system=self.system,
+            sinks=self.sinks,
+            caches=copy.deepcopy(self.caches),
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Go back to ``checkpoint``; it stays usable (its caches are copied again)."""
+        import copy
+
+        self.messages = [dict(m) for m in checkpoint.messages]
+        self.fed_text, self.pending = checkpoint.fed_text, list(checkpoint.pending)
+        self.system, self.sinks = checkpoint.system, checkpoint.sinks
+        self.caches = copy.deepcopy(checkpoint.caches)
+        self.last = None
+
+    def _settle(self, before: list[int], n_prompt: int, generated: list[int]) -> None:
+        """Make the caches hold exactly prompt + reply, apart from ``pending``.
+
+        A decode loop that feeds the end-of-turn token it sampled (mlx-lm does) left
+        one token too many: trim it, the next turn's template text brings it back. One
+        that did not feed the last sampled token leaves it pending.
+        """
+        groups = [self.caches[: self.n_target]]
+        if self.draft_model is not None:
+            groups.append(self.caches[self.n_target :])
+        fed = cache_count(groups[0]) - before[0] - n_prompt
+        for group, start in zip(groups, before, strict=False):
+            extra = cache_count(group) - start - n_prompt - len(generated)
+            if extra > 0:
+                for c in group:
+                    if c.is_trimmable():
+                        c.trim(extra)
+        self.pending = generated[max(0, fed) :]
+
+    # ----- inspection and checkpoints -------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``/stats`` and the line after each reply."""
+        from mlx_stream.reclaim import memory_snapshot
+
+        first = self.caches[0]
+        seen = cache_count(self.caches)
+        mem = memory_snapshot()
+        return {
+            "turns": len(self.messages) // 2,
+            "tokens_seen": seen,
+            "sinks": self.sinks,
+            "window": self.settings.window,
+            "sinks_used": min(seen, self.sinks),
+            "window_used": min(max(0, seen - self.sinks), self.settings.window),
+            "cache_bytes": sum(int(getattr(c, "nbytes", 0) or 0) for c in self.caches),
+            "capacity": getattr(first, "capacity", None),
+            "active_memory": mem.active,
+            "cache_memory": mem.cache,
+            "peak_memory": mem.peak,
+        }
+
+    def state(self) -> dict[str, Any]:
+        """What ``/save`` stores besides the KV cache."""
+        return {
+            "version": 1,
+            "system": self.system,
+            "messages": self.messages,
+            "fed_text": self.fed_text,
+            "pending": self.pending,
+            "sinks": self.sinks,
+            "window": self.settings.window,
+            "keep_system": self.settings.keep_system,
+        }
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Save the KV cache and the transcript (each file atomically); with a draft
+        model its cache goes to ``PATH.draft.safetensors``."""
+        from mlx_stream.cache import save_cache
+
+        cache_path, transcript_path = checkpoint_paths(path)
+        state = self.state()
+        try:
+            save_cache(cache_path, self.caches[: self.n_target], {STATE_KEY: json.dumps(state)})
+            if self.draft_model is not None:
+                save_cache(draft_cache_path(cache_path), self.caches[self.n_target :])
+            text = json.dumps(state, indent=2, ensure_ascii=False) + "\n"
+            write_text_atomic(transcript_path, text)
+        except OSError as exc:
+            where = exc.filename or cache_path
+            raise RuntimeFailure(f"{where}: cannot save ({exc.strerror or exc})") from exc
+        return cache_path, transcript_path
+
+    def load(self, path: str | Path) -> Path:
+        """Restore a conversation saved by :meth:`save`."""
+        from mlx_stream.cache import load_cache
+
+        cache_path, _ = checkpoint_paths(path)
+        draft_path = draft_cache_path(cache_path)
+        if not cache_path.is_file():
+            raise UserError(f"{cache_path}: no such file")
+        if self.draft_model is not None and not draft_path.is_file():
+            raise UserError(f"{cache_path}: saved without a draft model (no {draft_path.name})")
+        try:
+            caches, meta = load_cache(cache_path, self.model)
+            state = json.loads(meta[STATE_KEY])
+            if self.draft_model is not None:
+                caches += load_cache(draft_path, self.draft_model)[0]
+        except (ValueError, KeyError, OSError, RuntimeError) as exc:
+            raise UserError(f"{cache_path}: not a chat saved with /save ({exc})") from exc
+        if len(caches) != len(self.caches):
+            raise UserError(
+                f"{cache_path}: saved for another model ({len(caches)} cache layers, not {len(self.caches)})"
+            )
+        state = check_state(state, cache_path)
+        self.caches = caches
+        self.system = state["system"]
+        self.messages = state["messages"]
+        self.fed_text = state["fed_text"]
+        self.pending = state["pending"]
+        self.sinks = state["sinks"]
+        self.settings.window = state["window"]
+        self.last = None
+        return cache_path
+
+
+# What a saved state must hold, and a check per field (``None`` allowed for ``system``).
+STATE_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "system": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "messages": (
+        "a list of {role, content} strings",
+        lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in v
+            )
+        ),
+    ),
+    "fed_text": ("a string", lambda v: isinstance(v, str)),
+    "pending": (
+        "a list of token ids",
+        lambda v: isinstance(v, list) and all(type(t) is int and t >= 0 for t in v),
+    ),
+    "sinks": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
+    "window": ("an integer >= 1", lambda v: type(v) is int and v >= 1),
+}
+
+
+def check_state(state: Any, path: Path) -> dict[str, Any]:
+    """``state`` if it has every field a session needs, with the right types; else a
+    one-line :class:`UserError` naming the first field at fault."""
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: the saved chat state is not an object")
+    for name, (kind, ok) in STATE_FIELDS.items():
+        if name not in state:
+            raise UserError(f"{path}: the saved chat has no {name!r} field")
+        if not ok(state[name]):
+            raise UserError(f"{path}: the saved chat's {name!r} must be {kind}")
+    return state
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def draft_cache_path(cache_path: Path) -> Path:
+    """Where ``/save`` puts the draft model's cache: ``PATH.draft.safetensors``."""
+    return cache_path.with_name(cache_path.name.removesuffix(".safetensors") + ".draft.safetensors")
+
+
+def checkpoint_paths(path: str | Path) -> tuple[Path, Path]:
+    """``PATH`` -> (``PATH.safetensors``, ``PATH.json``); a given suffix of either is dropped."""
+    path = Path(path).expanduser()
+    if path.suffix in (".safetensors", ".json"):
+        path = path.with_suffix("")
+    return path.with_name(path.name + ".safetensors"), path.with_name(path.name + ".json")

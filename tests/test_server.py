@@ -1,0 +1,394 @@
+"""``mlx-stream serve`` as its users meet it: a real server process on a free loopback
+port, driven by the official ``openai`` client (and plain HTTP for malformed input)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests.conftest import assert_one_line_error
+
+openai = pytest.importorskip("openai")
+
+SYSTEM = "you are a captain"
+
+
+class Response:
+    """Status, headers and JSON of a plain HTTP exchange (urllib: no extra client)."""
+
+    def __init__(self, status: int, body: bytes):
+        self.status_code, self.text = status, body.decode("utf-8", "replace")
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 30) -> Response:
+    headers = {"content-type": "application/json"} if body is not None else {}
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Response(r.status, r.read())
+    except urllib.error.HTTPError as e:
+        return Response(e.code, e.read())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``mlx-stream serve`` subprocess on 127.0.0.1."""
+
+    def __init__(self, model_dir, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-c", "from cli.main import main; main()", "serve", "-m",
+               str(model_dir), "--port", str(self.port), *args]  # fmt: skip
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited: {self.proc.stderr.read()}")
+            try:
+                if http("GET", self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        else:
+            self.stop()
+            raise RuntimeError("serve did not start within 60 s")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def get(self, path: str) -> dict:
+        return http("GET", self.url + path, timeout=10).json()
+
+    def sessions(self) -> dict[str, dict]:
+        return {s["id"]: s for s in self.get("/v1/sessions")["data"]}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    s = Server(tiny_model_dir, "--sinks", "2", "--window", "256", "--max-tokens", "24")
+    yield s
+    s.stop()
+
+
+def chat(server, messages, **kw):
+    return server.client.chat.completions.create(model="tiny-llama", messages=messages, **kw)
+
+
+def conversation(*turns: str, system: str | None = SYSTEM) -> list[dict]:
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": "user", "content": t} for t in turns]
+
+
+# ------------------------------------------------------------------------- turns
+
+
+def test_second_turn_is_served_from_the_cache_and_feeds_only_the_new_message(server):
+    messages = conversation("hello there")
+    first = chat(server, messages)
+    assert first.choices[0].message.content
+    # The system prompt is the session's pinned, shared prefill: cached from turn one.
+    assert first.usage.prompt_tokens_details.cached_tokens > 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "the sea"},
+    ]
+    second = chat(server, messages)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.total_tokens - 1
+    assert 0 < second.usage.prompt_tokens - cached < 12  # only the new message was fed
+    assert second.usage.model_extra["evicted_tokens"] == 0  # mlx-stream's own field
+
+
+def test_streaming_and_not_give_the_same_greedy_text(server):
+    messages = conversation("the whale", system="you are a sailor")
+    whole = chat(server, messages, extra_headers={"X-Session-ID": "plain"})
+    stream = chat(
+        server, messages, stream=True, stream_options={"include_usage": True},
+        extra_headers={"X-Session-ID": "streamed"},
+    )  # fmt: skip
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_plain_completions_and_models(server):
+    done = server.client.completions.create(model="tiny-llama", prompt="the sea", max_tokens=5)
+    assert done.choices[0].text and done.usage.completion_tokens == 5
+    assert [m.id for m in server.client.models.list()] == ["tiny-llama"]  # the folder's name
+
+
+@pytest.mark.slow
+def test_a_3000_token_conversation_keeps_answering_in_flat_memory(server):
+    """Well past the 256-token window: every turn answers, the session's cache bytes
+    never change and MLX's active memory stays flat."""
+    messages = conversation(system="you are a whale")
+    words = "the old captain said the sea was very long and the ship sail on".split()
+    bytes_seen, active, seen = set(), [], 0
+    for turn in range(80):
+        if seen >= 3000:
+            break
+        messages.append({"role": "user", "content": " ".join(words[turn % 5 :] * 2)})
+        reply = chat(server, messages, max_tokens=24, extra_headers={"X-Session-ID": "long"})
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if turn:
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0
+        info = server.sessions()["long"]
+        seen = info["tokens_seen"]
+        bytes_seen.add(info["cache_bytes"])
+        active.append(server.get("/health")["mlx_active_bytes"])
+    assert seen >= 3000 and info["tokens_evicted"] > 2000
+    assert len(bytes_seen) == 1
+    assert max(active[5:]) - min(active[5:]) < 0.05 * max(active[5:])
+
+
+# ---------------------------------------------------------- admission and eviction
+
+
+def test_six_clients_with_room_for_four_sessions(tiny_model_dir):
+    """Every request is answered or refused with 429 + Retry-After; sessions evicted
+    to disk come back with their history."""
+    from mlx_stream.loader import load
+    from mlx_stream.server import Engine, weights_bytes
+    from mlx_stream.session import Settings
+
+    model, tokenizer = load(str(tiny_model_dir))
+    probe = Engine(model, tokenizer, Settings(sinks=2, window=64), "tiny")
+    per = probe.session_bytes(2)
+    budget = weights_bytes(model) + 4 * per + per // 2
+    server = Server(
+        tiny_model_dir, "--sinks", "2", "--window", "64", "--max-tokens", "120",
+        "--memory-budget", str(budget), "--no-keep-system",
+    )  # fmt: skip
+    statuses: list[int] = []
+    finals: dict[int, object] = {}
+    talks = [
+        [{"role": "user", "content": f"hello {word}"}]
+        for word in "sea ship whale man day night".split()
+    ]
+    barrier = threading.Barrier(6)
+
+    def turn(i: int) -> None:
+        """One turn of client ``i``, retried after each 429."""
+        for _attempt in range(100):
+            try:
+                reply = chat(server, talks[i])
+            except openai.RateLimitError as exc:
+                statuses.append(429)
+                assert int(exc.response.headers["Retry-After"]) > 0
+                time.sleep(0.2)
+                continue
+            statuses.append(200)
+            break
+        else:
+            raise AssertionError("no answer in 100 attempts")
+        talks[i] += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": f"and the sea {len(talks[i])}"},
+        ]
+        finals[i] = reply
+
+    def client(i: int) -> None:
+        barrier.wait()  # six first requests at once: two find every session busy
+        turn(i)
+        turn(i)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert not any(t.is_alive() for t in threads)
+        # Then every client once more, in turn: at least two of the six sessions are on
+        # disk (four fit) and must come back with their history.
+        for i in range(6):
+            turn(i)
+        counters = server.get("/v1/sessions")
+        sessions = counters["data"]
+    finally:
+        server.stop()
+    assert set(statuses) <= {200, 429} and statuses.count(200) == 18
+    assert 429 in statuses
+    assert counters["evictions"] >= 2 and counters["restores"] >= 2
+    assert sum(s["resident"] for s in sessions) <= 4
+    assert sorted(s["turns"] for s in sessions) == [3] * 6  # every history came back
+    assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in finals.values())
+
+
+# -------------------------------------------------------------------- disconnects
+
+
+def test_a_disconnect_mid_stream_rolls_back_and_the_session_goes_on(server):
+    messages = conversation("hello", system="you are a ship")
+    headers = {"X-Session-ID": "drop"}
+    first = chat(server, messages, extra_headers=headers)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "the sea"},
+    ]
+    stream = chat(server, messages, stream=True, max_tokens=100000, extra_headers=headers)
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    for _ in range(200):
+        info = server.sessions()["drop"]
+        if not info["busy"]:
+            break
+        time.sleep(0.05)
+    assert not info["busy"] and info["turns"] == 1  # back to before the dropped turn
+    again = chat(server, messages, extra_headers=headers)
+    assert again.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.total_tokens - 1
+    assert server.sessions()["drop"]["turns"] == 2
+
+
+# ------------------------------------------------------------------- bad requests
+
+
+def post(server, body: str, path: str = "/v1/chat/completions") -> Response:
+    return http("POST", server.url + path, body.encode())
+
+
+def one_message(response) -> str:
+    error = response.json()["error"]
+    assert "\n" not in error["message"]
+    return error["message"]
+
+
+def test_malformed_json_is_400(server):
+    r = post(server, '{"messages": [')
+    assert r.status_code == 400 and "JSON" in one_message(r)
+
+
+def test_unknown_model_is_404_naming_it(server):
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        server.client.chat.completions.create(model="gpt-9", messages=conversation("hi"))
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+         "last message"),
+    ],
+)  # fmt: skip
+def test_bad_fields_are_400_naming_the_field(server, body, field):
+    r = post(server, json.dumps(body))
+    assert r.status_code == 400, r.text
+    assert field in one_message(r)
+
+
+def test_a_huge_body_is_413_before_it_is_read(server):
+    """A 5 MB body is refused from its Content-Length, after 64 KB of it were sent."""
+    size = 5 << 20
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"messages": "' + b"a" * (64 << 10))
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    status = int(reply.split(b" ", 2)[1])
+    body = Response(status, reply.split(b"\r\n\r\n", 1)[1])
+    assert status == 413 and "larger than" in one_message(body)
+
+
+def test_invalid_utf8_escapes_in_a_message_are_answered(server):
+    r = post(server, '{"messages": [{"role": "user", "content": "hello \\udcff\\ud800 sea"}]}')
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+
+
+# ------------------------------------------------------------------------ the CLI
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--memory-budget", "lots"], ["--memory-budget"]),
+        (["--memory-budget", "1KB"], ["--memory-budget", "one session"]),
+        (["--port", "70000"], ["--port"]),
+        (["--max-sessions", "0"], ["--max-sessions"]),
+    ],
+)
+def test_bad_serve_options_are_one_line_exit_2(tiny_model_dir, args, words):
+    result = CliRunner().invoke(app, ["serve", "-m", str(tiny_model_dir), *args])
+    assert_one_line_error(result, 2, *words)
+
+
+def test_a_port_in_use_is_one_line_exit_2_before_loading(server):
+    result = CliRunner().invoke(app, ["serve", "-m", "no-such-model", "--port", str(server.port)])
+    assert_one_line_error(result, 2, "cannot listen", str(server.port))
+
+
+# ------------------------------------------------------------------- the benchmark
+
+
+@pytest.mark.slow
+def test_benchmark_runs_both_servers_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+    """benchmarks/server.py --quick: both servers answer every request; JSON lines with
+    finite figures, a summary with the ratios, and the plot."""
+    import importlib.util
+    import math
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    monkeypatch.syspath_prepend(bench)
+    spec = importlib.util.spec_from_file_location("bench_server", os.path.join(bench, "server.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, png = tmp_path / "server.jsonl", tmp_path / "server.png"
+    records = module.main(["--quick", "--model", str(tiny_model_dir), "--out", str(out),
+                           "--plot", str(png)])  # fmt: skip
+    ours, theirs, summary = records
+    assert (ours["server"], theirs["server"]) == ("mlx-stream", "mlx-lm")
+    for r in (ours, theirs):
+        assert r["requests"] == 4 and not r["errors"], r["errors"]
+        assert r["requests_per_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] > 0
+        assert r["series"] and r["rss_mb_max"] > 0
+    assert ours["cached_tokens_total"] > 0
+    assert all(math.isfinite(v) for k, v in summary.items() if k.endswith("_ratio"))
+    assert png.stat().st_size > 0 and len(out.read_text().splitlines()) == 3

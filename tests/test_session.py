@@ -1,0 +1,223 @@
+"""The engine's conversation logic without a terminal or HTTP: ChatSession turns,
+checkpoints and the shared system-prompt prefill, and the server Engine's session
+matching, admission by bytes and eviction to disk."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from mlx_stream.session import ChatSession, Settings, cache_count
+
+
+@pytest.fixture(scope="module")
+def endless_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its end-of-sequence embeddings zeroed (tied weights: their
+    logits are 0 while the best of ~70 random logits is positive), so a reply only
+    ends at its token limit or when it is stopped."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("endless") / "tiny"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    key = "model.embed_tokens.weight"
+    keep = mx.ones((weights[key].shape[0], 1))
+    keep[1] = 0  # <|endoftext|>
+    keep[3] = 0  # <|im_end|>
+    weights[key] = weights[key] * keep
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    from mlx_stream.loader import load
+
+    return load(str(tiny_model_dir))
+
+
+def session(loaded, **kw) -> ChatSession:
+    model, tokenizer = loaded
+    settings = Settings(
+        sinks=kw.pop("sinks", 2), window=kw.pop("window", 48), max_tokens=kw.pop("max_tokens", 8),
+        keep_system=kw.pop("keep_system", False),
+    )  # fmt: skip
+    return ChatSession(model, tokenizer, settings, **kw)
+
+
+def consistent(s: ChatSession) -> bool:
+    """The caches hold the rendered conversation exactly once (apart from pending)."""
+    return cache_count(s.caches) + len(s.pending) == len(s.encode(s.fed_text))
+
+
+def test_restoring_a_checkpoint_gives_the_same_next_reply(loaded):
+    s = session(loaded, system="you are a captain")
+    s.reply("hello", lambda t: None)
+    point = s.checkpoint()
+    first = s.reply("the sea", lambda t: None).text
+    s.reply("what ship", lambda t: None)
+    s.restore(point)
+    assert len(s.messages) == 2 and consistent(s)
+    assert s.reply("the sea", lambda t: None).text == first
+    s.restore(point)  # a checkpoint can be restored more than once
+    assert s.reply("the sea", lambda t: None).text == first
+
+
+def test_a_turn_closed_early_keeps_the_transcript_and_cache_consistent(loaded):
+    s = session(loaded, max_tokens=50)
+    turn = s.stream("hello")
+    texts = [next(turn).text for _ in range(3)]
+    turn.close()
+    assert s.last.interrupted and s.last.tokens == 3
+    assert s.messages[-1] == {"role": "assistant", "content": "".join(texts)}
+    assert consistent(s)
+
+
+def test_a_prefilled_system_prompt_answers_like_a_first_turn_that_feeds_it(loaded):
+    """The server starts sessions from a prefilled system snapshot: the same greedy
+    replies as feeding the system prompt with the first message."""
+    plain = session(loaded, system="you are a captain", keep_system=True)
+    shared = session(loaded, system="you are a captain", keep_system=True)
+    shared.prefill(shared.system_text())
+    start = shared.checkpoint()
+    copy = session(loaded, system="you are a captain", keep_system=True)
+    copy.restore(start)
+    for text in ("hello", "the sea", "what ship"):
+        want = plain.reply(text, lambda t: None).text
+        assert shared.reply(text, lambda t: None).text == want
+        assert copy.reply(text, lambda t: None).text == want
+
+
+# ---------------------------------------------------------------- the server engine
+
+
+@pytest.fixture
+def engine(loaded, tmp_path):
+    from mlx_stream.server import Engine, weights_bytes
+
+    made = []
+
+    def make(sessions: int | None = None, **kw):
+        model, tokenizer = loaded
+        settings = Settings(sinks=2, window=48, max_tokens=6)
+        e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path, **kw)
+        if sessions is not None:  # a budget that holds exactly this many sessions
+            per = e.session_bytes(settings.sinks)
+            e.budget = weights_bytes(model) + sessions * per + per // 2
+        e.start()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.stop()
+
+
+def ask(engine, messages, session_id=None, **kw):
+    """Submit one chat request and wait for its events: (text, usage) or an error."""
+    from mlx_stream.server import Request
+
+    events: queue.Queue = queue.Queue()
+    engine.submit(Request(emit=events.put, messages=messages, session_id=session_id, **kw))
+    text = []
+    while True:
+        event = events.get(timeout=60)
+        if event[0] == "text":
+            text.append(event[1])
+        elif event[0] == "end":
+            return "".join(text), event[1]
+        elif event[0] == "error":
+            return None, event
+
+
+def test_engine_feeds_only_the_new_message_of_a_resent_conversation(engine):
+    e = engine()
+    history = [{"role": "user", "content": "hello"}]
+    first, usage1 = ask(e, history)
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "the sea"}]
+    _, usage2 = ask(e, history)
+    assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage1["total_tokens"] - 1
+    fed = usage2["prompt_tokens"] - usage2["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < fed < 12  # end of turn + the new message + the assistant header
+    assert len(e.stats["sessions"]) == 1
+
+
+def test_engine_regenerates_the_last_turn_from_its_checkpoint(engine):
+    e = engine()
+    history = [{"role": "user", "content": "hello"}]
+    first, _ = ask(e, history)
+    again, usage = ask(e, history)  # the same request again: a regeneration
+    assert again == first
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert [s["turns"] for s in e.stats["sessions"]] == [1]
+
+
+def test_engine_evicts_idle_sessions_to_disk_and_brings_them_back(engine):
+    """A budget of two sessions, three conversations: the oldest goes to disk and its
+    next turn answers exactly as if it had stayed in memory."""
+    small, roomy = engine(sessions=2), engine()
+    talks = {name: [{"role": "user", "content": name}] for name in ("hello", "the sea", "ship")}
+    for e in (small, roomy):
+        for name, history in talks.items():
+            text, _ = ask(e, history, session_id=name)
+            assert text is not None
+    assert small.evictions >= 1 and roomy.evictions == 0
+    resident = [s["id"] for s in small.stats["sessions"] if s["resident"]]
+    assert "hello" not in resident and len(resident) == 2
+    follow = talks["hello"] + [{"role": "assistant", "content": ""}]
+    follow[-1]["content"] = next(
+        m["content"] for m in roomy.entries["hello"].messages if m["role"] == "assistant"
+    )
+    follow.append({"role": "user", "content": "what ship"})
+    back, usage = ask(small, follow, session_id="hello")
+    want, _ = ask(roomy, follow, session_id="hello")
+    assert back == want and small.restores == 1
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_engine_refuses_when_every_session_is_busy(engine):
+    from mlx_stream.server import Request
+
+    e = engine(sessions=1)
+    events: queue.Queue = queue.Queue()
+    long = Request(emit=events.put, messages=[{"role": "user", "content": "hello"}], max_tokens=400)
+    e.submit(long)
+    assert events.get(timeout=30)[0] == "start"
+    text, refusal = ask(e, [{"role": "user", "content": "the sea"}])
+    assert text is None and refusal[1] == 429 and refusal[3] > 0
+    long.cancelled.set()
+
+
+def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_path):
+    """A request never waits for another's long reply: a 5-token reply submitted after
+    a 100,000-token one finishes while the long one is still streaming."""
+    from mlx_stream.loader import load
+    from mlx_stream.server import Engine, Request
+
+    model, tokenizer = load(str(endless_model))
+    e = Engine(model, tokenizer, Settings(sinks=2, window=48), "endless", state_dir=tmp_path)
+    e.start()
+    try:
+        events: queue.Queue = queue.Queue()
+        long = Request(emit=events.put, messages=[{"role": "user", "content": "hello"}],
+                       max_tokens=100_000)  # fmt: skip
+        e.submit(long)
+        assert events.get(timeout=30)[0] == "start"
+        text, usage = ask(e, [{"role": "user", "content": "the sea"}], max_tokens=5)
+        assert usage["completion_tokens"] == 5
+        long_texts = []
+        while not events.empty():
+            long_texts.append(events.get())
+        assert all(ev[0] == "text" for ev in long_texts)  # still streaming, not ended
+        long.cancelled.set()
+    finally:
+        e.stop()
+
+
+def test_engine_rejects_a_conversation_that_does_not_end_with_the_user(engine):
+    e = engine()
+    text, err = ask(e, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}])
+    assert text is None and err[1] == 400 and "last message" in err[2]
