@@ -167,8 +167,12 @@ class SharedStream(io.TextIOBase):
         return self._share(lambda: self._accepted_line(limit))
 
     def _accepted_line(self, limit: int) -> str:
+        raw = getattr(self.source, "buffer", None)  # bytes that are not UTF-8 become U+FFFD
         while True:
-            line = self.source.readline(limit)
+            if raw is not None:
+                line = raw.readline(limit).decode("utf-8", errors="replace")
+            else:
+                line = self.source.readline(limit)
             reason = next((r for p, r in self.refuse.items() if line.lstrip().startswith(p)), None)
             if reason is None:
                 return line
