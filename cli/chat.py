@@ -168,6 +168,10 @@ def run(session: ChatSession, interactive: bool, console) -> None:
                 continue
             session.reply(line, write)
         except Exception as exc:  # noqa: BLE001 - one operation fails, the chat goes on
+            from mlx_stream.distributed import is_peer_lost
+
+            if is_peer_lost(exc):  # a rank died: every rank must stop
+                raise
             print(flush=True)
             error_line(describe(exc))
             continue

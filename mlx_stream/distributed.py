@@ -50,6 +50,12 @@ def launched() -> bool:
     return any(os.environ.get(name) for name in LAUNCH_ENV)
 
 
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank went away: the
+    end of the run, not one failed operation to recover from."""
+    return isinstance(error, RuntimeError) and PEER_LOST in str(error)
+
+
 def _settle() -> None:
     """Wait for the model's collectives still in flight on any stream we know of.
 
