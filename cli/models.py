@@ -221,3 +221,39 @@ def remove(name: Name) -> None:
     if not removed and not forgotten:
         raise UserError(f"'{spec.name}' is not pulled")
     typer.echo(f"removed {name}" + (" and its registry entry" if forgotten else ""))
+
+
+@app.command("check")
+@handle_errors
+def check(
+    model: Annotated[str, typer.Argument(help="A model name from `models list`, or a folder.")],
+) -> None:
+    """Run the position self-check on a model and print the verdict per layer type.
+
+    Exit 0 when the sink cache serves the model exactly, 2 (one line) when it refuses.
+    """
+    from mlx_lm.models import cache as mlx_cache
+
+    from cli.common import load_model
+    from mlx_stream.cache import make_sink_cache
+    from mlx_stream.positions import check_model, model_type
+
+    net, _, spec = load_model(model)
+    caches = mlx_cache.make_prompt_cache(net)
+    verdict = check_model(net, caches)
+    kinds: dict[str, list[int]] = {}
+    for i, c in enumerate(caches):
+        move = verdict.moves.get(i)
+        if type(c) is mlx_cache.KVCache:
+            what = "SinkCache: " + (move.describe() if move is not None else "no rope move fits")
+        else:
+            what = f"kept as {type(c).__name__}"
+        kinds.setdefault(what, []).append(i)
+    typer.echo(f"model:  {model_type(net)}, {len(caches)} cache layers")
+    for what, layers in kinds.items():
+        span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
+        typer.echo(f"layers {span} ({len(layers)}): {what}")
+    typer.echo(f"mask:   {'additive' if verdict.additive_mask else 'boolean'}")
+    kwargs = {"sinks": spec.sinks, "window": spec.window} if spec is not None else {}
+    make_sink_cache(net, **kwargs)  # refuses (exit 2, one line) what it cannot serve
+    typer.echo("verdict: exact (positions within the cache)")

@@ -8,11 +8,17 @@ slack`` slots, allocated at the first update and written in place forever after.
 
 Positions follow StreamingLLM's "positions within the cache": mlx-lm models rotate keys
 with ``rope(x, offset=cache.offset)`` before storing them, so the cache chooses
-``offset`` and keeps it bounded (``max_offset``), moves the sink keys to sit right before
-the oldest window token, and rebases the window keys now and then. Both moves are the
-layer's own rope applied to stored keys, i.e. pure rotations, and happen only at token
-indices that are multiples of ``stride``: a call that never crosses one
-(``max_call_tokens``) sees exactly what token-by-token decoding would see.
+``offset`` and keeps it bounded (``max_offset``), moves the sinks to sit right before
+the oldest window token, and rebases the window now and then. Where each layer's cached
+tensors carry positions (keys, the values slot for MLA, a roped tail, or nothing) is
+found and verified on the model itself (``mlx_stream.positions``); moves happen only at
+token indices that are multiples of ``stride``. A call that crosses one stays exact
+(spare sink copies, ``mlx_stream.ring``); ``max_call_tokens`` keeps our own loop from
+needing them.
+
+The parts: ``mlx_stream.ring`` (slot layout and masks, numpy), ``mlx_stream.kvstore``
+(float or quantized storage), ``mlx_stream.positions`` (moves and the self-check);
+``SinkCache`` glues them behind mlx-lm's cache protocol.
 
 ``SinkCache`` speaks mlx-lm's prompt-cache protocol (``update_and_fetch``, ``offset``,
 ``make_mask``, ``state``, ``trim``...), so a list of them is a valid ``prompt_cache`` for
@@ -23,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -34,6 +39,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from mlx_stream import kvstore
+from mlx_stream.errors import Unsupported
+from mlx_stream.positions import Move, check_model, model_type, position_limit
+from mlx_stream.ring import Ring
+
 POSITIONS = ("cache", "absolute")
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
@@ -43,6 +53,10 @@ DEFAULT_STRIDE = 64
 class SinkCache(mlx_cache._BaseCache):
     """A fixed-size KV cache keeping ``sinks`` first tokens and a ``window`` of recent ones.
 
+    A thin glue of three parts: the slot layout (``mlx_stream.ring.Ring``), the storage
+    of keys and values (``mlx_stream.kvstore``: float or quantized) and the position
+    mover (``mlx_stream.positions.Move``: which cached part carries positions).
+
     Args:
         sinks (int): Number of first tokens kept forever. Default: ``4``.
         window (int): Number of most recent tokens each query sees. Default: ``1024``.
@@ -51,13 +65,13 @@ class SinkCache(mlx_cache._BaseCache):
             tokens. Default: ``64``.
         stride (int): Sinks move and the buffer rebases only at multiples of this
             token index. Default: ``64``.
-        rope (nn.Module, optional): The layer's rope module, used to move stored keys.
-            Required for ``positions="cache"`` once the window starts sliding.
+        rope (nn.Module, optional): Shorthand for ``move=Move(0, rope)``: the layer's
+            rope rotated all of the keys.
         positions (str): ``"cache"`` (bounded StreamingLLM positions) or
             ``"absolute"`` (mlx-lm's behaviour: positions grow with the stream).
             Default: ``"cache"``.
         kv_bits (int, optional): Store keys and values quantized to 4 or 8 bits with
-            ``mx.quantize`` (attention then runs mlx-lm's quantized path). Sink keys are
+            ``mx.quantize`` (attention then runs mlx-lm's quantized path). Sinks are
             re-derived from a full-precision copy whenever they move. Default: ``None``.
         kv_group_size (int): Quantization group size (32, 64 or 128; divides the
             head dimension). Default: ``64``.
@@ -65,6 +79,12 @@ class SinkCache(mlx_cache._BaseCache):
             (keys carry most of the quantization error: 8-bit keys with 4-bit values
             cost little perplexity). Attention then runs on dequantized float keys and
             values. Default: ``kv_bits``.
+        move (Move, optional): Where the layer's cached tensors carry positions
+            (``make_sink_cache`` finds and verifies it). Required for
+            ``positions="cache"`` once the window starts sliding.
+        additive_mask (bool): Whether ``make_mask`` may return the additive (0/-inf)
+            form to a model that did not ask for an array; ``False`` for models that
+            combine masks themselves. Default: ``True``.
     """
 
     def __init__(
@@ -78,24 +98,24 @@ class SinkCache(mlx_cache._BaseCache):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         key_bits: int | None = None,
+        move: Move | None = None,
+        additive_mask: bool = True,
     ):
         key_bits = kv_bits if key_bits is None else key_bits
         validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
-        self.sinks, self.window, self.slack, self.stride = sinks, window, slack, stride
-        self.positions = positions
-        self.rope = rope
-        self.capacity = sinks + window + slack
-        # Rebase often enough to bound positions, rarely enough to cost < 1 token/token.
-        self.rebase_every = stride * math.ceil(self.capacity / stride)
+        self.ring = Ring(sinks, window, slack, stride, positions)
+        self.move = move if move is not None else (Move(0, rope) if rope is not None else None)
+        self.additive_mask = additive_mask
         self.keys = None
         self.values = None
-        self.sink_keys = None  # sink keys as first written (their natural positions)
-        self.tokens_seen = 0
-        self._slots = np.full(self.capacity, -1, dtype=np.int64)  # token index per slot
-        self._filled = 0  # slots ever written (high-water mark)
-        self._layout_applied = (0, 0)  # (base, sink_start) the stored keys are in
+        self.sink_copy = None  # the moved slot's sinks as first written (full precision)
+        self._layout_applied = (0, 0)  # (base, sink_start) the stored tensors are in
         self._layout_stride = -1  # stride index (token // stride) the layout was set for
-        self._mscale = None
+        self._undo = None  # (token, layout, layout stride, moved buffer) before a rebase
+        # Keep that copy only once the cache has been rolled back (speculative decoding):
+        # plain decoding never trims and keeps its memory flat.
+        self._rolls_back = False
+        self._last_fetched = 0  # slots the last update_and_fetch returned
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
         if kv_bits is not None and key_bits == kv_bits:
@@ -103,231 +123,202 @@ class SinkCache(mlx_cache._BaseCache):
             # attention to its quantized kernel on hasattr(cache, "bits").
             self.bits, self.group_size = kv_bits, kv_group_size
 
-    # ----- positions ---------------------------------------------------------------
+    # ----- the layout's numbers -----------------------------------------------------
 
-    def _layout(self, n: int) -> tuple[int, int]:
-        """(base, sink_start) for a call whose first token has index ``n``.
+    sinks = property(lambda self: self.ring.sinks)
+    window = property(lambda self: self.ring.window)
+    slack = property(lambda self: self.ring.slack)
+    stride = property(lambda self: self.ring.stride)
+    positions = property(lambda self: self.ring.positions)
+    capacity = property(lambda self: self.ring.capacity)
 
-        Stored keys sit at RoPE position ``token_index - base``; the sinks sit at
-        ``sink_start + i - base``, right before the oldest window token of the first
-        token of ``n``'s stride.
-        """
-        if self.positions == "absolute":
-            return 0, 0
-        sink_start = max(0, (n // self.stride) * self.stride - self.window + 1 - self.sinks)
-        rebased_at = (n // self.rebase_every) * self.rebase_every
-        base = max(0, rebased_at - self.window + 1 - self.sinks)
-        return base, sink_start
+    @property
+    def rebase_every(self) -> int:
+        return self.ring.rebase_every
+
+    @rebase_every.setter
+    def rebase_every(self, value: int) -> None:
+        self.ring.rebase_every = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.ring.tokens_seen
+
+    @property
+    def rope(self) -> nn.Module | None:
+        return self.move.rope if self.move is not None else None
 
     @property
     def offset(self) -> int:
         """RoPE position of the next token (``< max_offset`` for ``positions="cache"``)."""
-        return self.tokens_seen - self._layout(self.tokens_seen)[0]
+        return self.ring.offset
 
     @property
     def max_offset(self) -> int:
         """Upper bound of ``offset`` (exclusive) when ``positions="cache"``."""
-        return self.sinks + self.window + self.rebase_every
+        return self.ring.max_offset
+
+    def _layout(self, n: int) -> tuple[int, int]:
+        return self.ring.layout(n)
+
+    def max_call_tokens(self) -> int:
+        """Most tokens the next model call may feed: no overwritten token a row still
+        needs, and no stride boundary where the sink/rebase layout changes."""
+        return self.ring.max_call_tokens()
+
+    # ----- moving positions ---------------------------------------------------------
+
+    @property
+    def _moving(self) -> bool:
+        return self.positions == "cache" and (self.move is None or self.move.moves)
+
+    def _bits(self, slot: int) -> int | None:
+        return (self.key_bits, self.value_bits)[slot]
+
+    def _buffers(self) -> list:
+        return [self.keys, self.values]
 
     def _shift(self, x: mx.array, d: int) -> mx.array:
-        """Move post-RoPE keys ``x`` (B, H, L, D) by ``d`` positions (a pure rotation)."""
+        """Move the positioned tensor ``x`` (B, H, L, D) by ``d`` positions."""
         if d == 0:
             return x
-        if self.rope is None:
-            raise ValueError(
-                "SinkCache needs the layer's rope module to move keys "
+        if self.move is None:
+            raise Unsupported(
+                "SinkCache needs to know where the layer's positions live to move them "
                 "(build it with make_sink_cache, or use positions='absolute')"
             )
-        B, H, L, D = x.shape
-        moved = self.rope(x.reshape(B, H, L, 1, D), offset=d).reshape(B, H, L, D)
-        scale = self._rope_scale(D)
-        return moved if scale == 1.0 else (moved / scale).astype(x.dtype)
+        return self.move(x, d)
 
-    def _rope_scale(self, head_dim: int) -> float:
-        """The magnitude factor of the rope (YaRN's mscale); 1.0 for a pure rotation."""
-        if self._mscale is None:
-            probe = mx.random.normal((1, 1, 4, 1, head_dim), key=mx.random.key(0))
-            out = self.rope(probe, offset=0)
-            scale = (mx.linalg.norm(out) / mx.linalg.norm(probe)).item()
-            self._mscale = 1.0 if abs(scale - 1.0) < 1e-4 else scale
-        return self._mscale
+    def _moved(self, buf, start: int, stop: int, d: int, bits: int | None):
+        """Slots ``start:stop`` of ``buf`` moved by ``d`` positions, in storage form."""
+        g = self.kv_group_size
+        x = kvstore.unpack(kvstore.get(buf, start, stop), bits, g)
+        return kvstore.pack(self._shift(x, d), bits, g)
 
-    def _apply_layout(self, n: int) -> None:
-        """Bring stored keys into the layout of a call starting at token ``n``."""
-        if n // self.stride == self._layout_stride:  # it only changes at stride multiples
+    def _apply_layout(self, n: int, N: int) -> None:
+        """Bring stored tensors into the layout of an ``N``-token call at token ``n``
+        (and write the spare sinks of the later layouts a crossing call spans)."""
+        ring, S, C = self.ring, self.sinks, self.capacity
+        if not self._moving:
+            if not ring.in_order(N):
+                for k in range(1, len(ring.sink_layouts(N))):  # unmoved sink copies
+                    lo = C + (k - 1) * S
+                    for b in self._buffers():
+                        kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
             return
-        base, sink_start = self._layout(n)
-        self._layout_stride = n // self.stride
-        old_base, old_sink_start = self._layout_applied
-        if (base, sink_start) == (old_base, old_sink_start):
+        slot = self.move.slot if self.move is not None else 0
+        bits, g = self._bits(slot), self.kv_group_size
+        buf = self._buffers()[slot]
+        base, sink_start = ring.layout(n)
+        if n // self.stride != self._layout_stride:  # it only changes at stride multiples
+            old = self._layout_applied
+            if base != old[0]:
+                keep = self._rolls_back  # the moved tensors, for an exact trim back
+                self._undo = (n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
+                kvstore.put(buf, S, C, self._moved(buf, S, C, old[0] - base, bits))
+            if S > 0 and sink_start - base != old[1] - old[0]:
+                # Re-derived from the full-precision first-written copy: moves never
+                # accumulate rounding or quantization error, and undo exactly.
+                moved = self._shift(self.sink_copy, sink_start - base)
+                kvstore.put(buf, 0, S, kvstore.pack(moved, bits, g))
+            self._layout_applied = (base, sink_start)
+            self._layout_stride = n // self.stride
+        if ring.in_order(N):
             return
-        S, C = self.sinks, self.capacity
-        if base != old_base:
-            self._set(self.keys, S, C, self._moved(self.keys, S, C, old_base - base))
-        if S > 0 and sink_start - base != old_sink_start - old_base:
-            # Re-derived from the full-precision first-written copy: moves never
-            # accumulate rounding or quantization error.
-            moved = self._shift(self.sink_keys, sink_start - base)
-            self._set(self.keys, 0, S, self._pack(moved, self.key_bits))
-        self._layout_applied = (base, sink_start)
+        for k, start in enumerate(ring.sink_layouts(N)[1:], 1):
+            lo = C + (k - 1) * S
+            for b in self._buffers():
+                kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
+            moved = self._shift(self.sink_copy, start - base)
+            kvstore.put(buf, lo, lo + S, kvstore.pack(moved, bits, g))
 
-    # ----- storage (float arrays, or (packed, scales, biases) tuples) ---------------
+    # ----- storage ----------------------------------------------------------------
 
     @property
     def quantized(self) -> bool:
         """Whether keys or values are stored quantized."""
         return self.value_bits is not None
 
-    def _pack(self, x: mx.array, bits: int | None):
-        if bits is None:
-            return x
-        return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=bits))
-
-    def _unpack(self, x, bits: int | None):
-        if bits is None:
-            return x
-        return mx.dequantize(*x, group_size=self.kv_group_size, bits=bits)
-
-    def _zeros(self, B: int, H: int, D: int, dtype, bits: int | None):
-        return self._pack(mx.zeros((B, H, self.capacity, D), dtype), bits)
-
-    @staticmethod
-    def _get(buf, start: int, stop: int):
-        if start == 0 and stop == (buf[0] if isinstance(buf, tuple) else buf).shape[-2]:
-            return buf  # the whole buffer: no slice op in the decode graph
-        if isinstance(buf, tuple):
-            return tuple(b[..., start:stop, :] for b in buf)
-        return buf[..., start:stop, :]
-
-    @staticmethod
-    def _set(buf, start: int, stop: int, src, src_start: int = 0) -> None:
-        n = stop - start
-        pairs = zip(buf, src) if isinstance(buf, tuple) else ((buf, src),)
-        for b, x in pairs:
-            whole = src_start == 0 and x.shape[-2] == n  # no slice op on the decode path
-            b[..., start:stop, :] = x if whole else x[..., src_start : src_start + n, :]
-
-    def _moved(self, buf, start: int, stop: int, d: int):
-        """Keys of slots ``start:stop`` moved by ``d`` positions, in storage form."""
-        bits = self.key_bits
-        return self._pack(self._shift(self._unpack(self._get(buf, start, stop), bits), d), bits)
-
-    # ----- slots -------------------------------------------------------------------
-
-    def _slot(self, t: int) -> int:
-        S = self.sinks
-        return t if t < S else S + (t - S) % (self.capacity - S)
-
-    def _runs(self, n: int, N: int):
-        """Contiguous (slot, source, length) runs where tokens ``n..n+N-1`` go."""
-        if N == 1:
-            return ((self._slot(n), 0, 1),)
-        runs, i = [], 0
-        while i < N:
-            slot = self._slot(n + i)
-            end = self.sinks if n + i < self.sinks else self.capacity
-            length = min(N - i, end - slot)
-            runs.append((slot, i, length))
-            i += length
-        return runs
-
-    def _room(self, n: int) -> int:
-        """Most tokens a call at ``n`` may write without overwriting one a row needs."""
-        ring = self.capacity - self.sinks
-        return ring + max(self.sinks, n - self.window + 1) - n
-
-    def max_call_tokens(self) -> int:
-        """Most tokens the next model call may feed: no overwritten token a row still
-        needs, and no stride boundary where the sink/rebase layout changes."""
-        n = self.tokens_seen
-        room = self._room(n)
-        if self.positions == "absolute":
-            return room
-        layout = self._layout(n)
-        m = (n // self.stride + 1) * self.stride
-        while m - n < room and self._layout(m) == layout:
-            m += self.stride
-        return min(room, m - n)
-
-    def _slots_after(self, N: int) -> np.ndarray:
-        slots = self._slots.copy()
-        n = self.tokens_seen
-        for slot, i, length in self._runs(n, N):
-            slots[slot : slot + length] = np.arange(n + i, n + i + length)
-        return slots
-
-    def _in_order(self, N: int) -> bool:
-        """True while nothing was evicted: the buffer then is exactly a KVCache."""
-        return self.tokens_seen + N <= self.sinks + self.window
+    def _allocate(self, keys: mx.array, values: mx.array) -> None:
+        B, H, _, D = keys.shape
+        if self.quantized and (D % self.kv_group_size or values.shape[-1] % self.kv_group_size):
+            raise Unsupported(
+                f"kv_group_size {self.kv_group_size} does not divide the head dimension "
+                f"{D if D % self.kv_group_size else values.shape[-1]}; use a group size "
+                "that does"
+            )
+        g, L = self.kv_group_size, self.ring.slots_total
+        self.keys = kvstore.zeros(B, H, L, D, keys.dtype, self.key_bits, g)
+        self.values = kvstore.zeros(
+            B, values.shape[1], L, values.shape[-1], values.dtype, self.value_bits, g
+        )
+        if self.sinks > 0 and self._moving:
+            slot = self.move.slot if self.move is not None else 0
+            x = (keys, values)[slot]
+            self.sink_copy = mx.zeros((B, x.shape[1], self.sinks, x.shape[-1]), x.dtype)
 
     # ----- mlx-lm cache protocol ---------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, n_kv_heads, N, head_dim = keys.shape
-        n = self.tokens_seen
-        if N > self._room(n):
-            raise ValueError(
-                f"a call of {N} tokens at token {n} would overwrite tokens still in the "
-                f"window (at most {self._room(n)} here); raise slack (now {self.slack}) "
-                "or feed smaller chunks"
-            )
+        N = keys.shape[2]
+        ring, g = self.ring, self.kv_group_size
+        n = ring.tokens_seen
+        ring.check_call(N)
         if self.keys is None:
-            if self.quantized and (
-                head_dim % self.kv_group_size or values.shape[-1] % self.kv_group_size
-            ):
-                raise ValueError(
-                    f"kv_group_size {self.kv_group_size} does not divide the head dimension "
-                    f"{head_dim}; use a group size that does"
-                )
-            self.keys = self._zeros(B, n_kv_heads, head_dim, keys.dtype, self.key_bits)
-            self.values = self._zeros(
-                B, n_kv_heads, values.shape[-1], values.dtype, self.value_bits
-            )
-            if self.sinks > 0 and self.positions == "cache":
-                self.sink_keys = mx.zeros((B, n_kv_heads, self.sinks, head_dim), keys.dtype)
-        self._apply_layout(n)
-        packed_keys = self._pack(keys, self.key_bits)
-        packed_values = self._pack(values, self.value_bits)
-        for slot, i, length in self._runs(n, N):
-            self._set(self.keys, slot, slot + length, packed_keys, i)
-            self._set(self.values, slot, slot + length, packed_values, i)
-            if slot < self.sinks and self.sink_keys is not None:
-                self._set(self.sink_keys, slot, slot + length, keys, i)
-            self._slots[slot : slot + length] = range(n + i, n + i + length)
-        in_order = self._in_order(N)
-        self.tokens_seen += N
-        self._filled = max(self._filled, min(self.capacity, self.tokens_seen))
-        L = self.tokens_seen if in_order else self._filled
-        keys, values = self._get(self.keys, 0, L), self._get(self.values, 0, L)
+            self._allocate(keys, values)
+        self._apply_layout(n, N)
+        L = ring.fetched(N)
+        packed_keys = kvstore.pack(keys, self.key_bits, g)
+        packed_values = kvstore.pack(values, self.value_bits, g)
+        slot = self.move.slot if self.move is not None and self.move.moves else 0
+        for s, i, length in ring.runs(n, N):
+            kvstore.put(self.keys, s, s + length, packed_keys, i)
+            kvstore.put(self.values, s, s + length, packed_values, i)
+            if s < self.sinks and self.sink_copy is not None:
+                kvstore.put(self.sink_copy, s, s + length, (keys, values)[slot], i)
+        ring.write(N)
+        if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
+            self._undo = None  # no rollback can reach back across that rebase any more
+        self._last_fetched = L
+        return self._fetch(L)
+
+    def _fetch(self, L: int):
+        """The first ``L`` slots of keys and values, as attention takes them."""
+        g = self.kv_group_size
+        keys, values = kvstore.get(self.keys, 0, L), kvstore.get(self.values, 0, L)
         if self.quantized and not hasattr(self, "bits"):
             # Mixed key/value bits: attention runs on dequantized floats.
-            return self._unpack(keys, self.key_bits), self._unpack(values, self.value_bits)
+            return kvstore.unpack(keys, self.key_bits, g), kvstore.unpack(
+                values, self.value_bits, g
+            )
         return keys, values
+
+    def keys_and_values(self):
+        """The keys and values the last ``update_and_fetch`` returned."""
+        if self.keys is None:
+            return None, None
+        return self._fetch(self._last_fetched or self.ring.fetched(0))
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """The mask for the next ``N`` tokens, describing the buffer after they are
         written. Before the first eviction it is mlx-lm's own causal mask; after it, a
-        boolean array when ``return_array`` (models that combine masks ask for one),
-        else the same mask in additive form (0 or -inf, the cache's dtype)."""
-        n = self.tokens_seen
-        if self._in_order(N):
+        boolean array when ``return_array`` or when the model combines masks itself
+        (``additive_mask=False``), else the same mask in additive form (0 or -inf, the
+        cache's dtype)."""
+        ring = self.ring
+        ring.check_call(N)  # refuse before any layer of the model is touched
+        if ring.in_order(N):
             return mlx_cache.create_attention_mask(
-                N, offset=n, return_array=return_array, window_size=window_size
+                N, offset=ring.tokens_seen, return_array=return_array, window_size=window_size
             )
-        slots = self._slots_after(N)
-        L = max(self._filled, min(self.capacity, n + N))
-        t = slots[None, :L]
-        q = np.arange(n, n + N)[:, None]
-        visible = (t >= 0) & (t <= q) & ((t < self.sinks) | (t > q - self.window))
-        if window_size is not None:
-            visible &= t > q - window_size
-        if return_array or self.values is None:
+        visible = ring.visible(N, window_size)
+        if return_array or not self.additive_mask or self.values is None:
             return mx.array(visible)  # the model combines masks (&): boolean form
         # Additive form for a model that only hands the mask to attention: MLX's CPU
         # attention adds it in one pass where a boolean mask costs a select; same
         # scores (+0 or -inf); decode attention 1.15x -> 1.13x mlx-lm's rotating cache
         # at window 1024 here (benchmarks/attention.py).
-        dtype = self.values[1].dtype if isinstance(self.values, tuple) else self.values.dtype
+        dtype = kvstore.dtype_of(self.values)
         return mx.array(np.where(visible, 0.0, -np.inf), dtype=dtype)
 
     def is_trimmable(self) -> bool:
@@ -335,18 +326,33 @@ class SinkCache(mlx_cache._BaseCache):
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens, restoring exactly the state before they were
-        added. Exact for ``n <= slack + 1`` at any point of the stream."""
-        n = min(n, self.tokens_seen)
-        keep = self.tokens_seen - n
-        lost_newest = self.tokens_seen - 1 - (self.capacity - self.sinks)
-        if n and lost_newest >= max(self.sinks, keep - self.window + 1):
-            raise ValueError(
-                f"cannot trim {n} tokens: they overwrote tokens that would be back in the "
-                f"window (trim at most slack + 1 = {self.slack + 1})"
-            )
-        for t in range(keep, self.tokens_seen):
-            self._slots[self._slot(t)] = -1
-        self.tokens_seen = keep
+        added (also across a sink move or a rebase). Exact for ``n <= slack + 1`` at
+        any point of the stream; a deeper rollback is refused, and so is one back across
+        a rebase that happened before the cache was first trimmed (the tensors the
+        rebase moved are kept only once a cache rolls back)."""
+        ring = self.ring
+        n = ring.check_trim(n)
+        keep = ring.tokens_seen - n
+        self._rolls_back = self._rolls_back or n > 0
+        if n and self._moving and self.keys is not None:
+            base = ring.layout(keep)[0]
+            rebased = keep // self.stride < self._layout_stride and base != self._layout_applied[0]
+            if rebased:  # back across a rebase that was applied: restore, never re-rotate
+                undo = self._undo
+                if undo is None or keep >= undo[0] or undo[1][0] != base:
+                    raise Unsupported(
+                        f"cannot trim {n} tokens exactly: the rollback crosses the rebase "
+                        f"at token {ring.rebase_point(ring.tokens_seen)}, whose moved "
+                        "tensors were not kept (they are, once a cache has been trimmed)"
+                    )
+                _, self._layout_applied, self._layout_stride, saved = undo
+                slot = self.move.slot if self.move is not None else 0
+                if slot == 0:
+                    self.keys = saved
+                else:
+                    self.values = saved
+                self._undo = None
+        ring.forget(n)
         return n
 
     def size(self) -> int:
@@ -365,14 +371,26 @@ class SinkCache(mlx_cache._BaseCache):
         if self.keys is None:
             return []
         arrays = [self.keys, self.values]
-        return arrays + ([self.sink_keys] if self.sink_keys is not None else [])
+        return arrays + ([self.sink_copy] if self.sink_copy is not None else [])
 
     @state.setter
     def state(self, v):
         v = list(v)
-        self.keys = tuple(v[0]) if self.key_bits else v[0]
-        self.values = tuple(v[1]) if self.value_bits else v[1]
-        self.sink_keys = v[2] if len(v) > 2 else None
+        keys = tuple(v[0]) if self.key_bits else v[0]
+        values = tuple(v[1]) if self.value_bits else v[1]
+        self.keys, self.values = (self._pad(x) for x in (keys, values))
+        self.sink_copy = v[2] if len(v) > 2 else None
+
+    def _pad(self, buf):
+        """A buffer saved before spare sink slots existed, given them (zeros)."""
+        missing = self.ring.slots_total - kvstore.length(buf)
+        if missing <= 0:
+            return buf
+
+        def pad(b):
+            return mx.concatenate([b, mx.zeros((*b.shape[:2], missing, b.shape[3]), b.dtype)], 2)
+
+        return tuple(pad(b) for b in buf) if isinstance(buf, tuple) else pad(buf)
 
     @property
     def meta_state(self) -> dict:
@@ -383,9 +401,9 @@ class SinkCache(mlx_cache._BaseCache):
             "stride": self.stride,
             "positions": self.positions,
             "tokens_seen": self.tokens_seen,
-            "filled": self._filled,
+            "filled": self.ring.filled,
             "layout_applied": list(self._layout_applied),
-            "slots": self._slots.tolist(),
+            "slots": self.ring.slots.tolist(),
             "kv_bits": self.value_bits,
             "kv_group_size": self.kv_group_size,
             "key_bits": self.key_bits,
@@ -398,28 +416,26 @@ class SinkCache(mlx_cache._BaseCache):
             meta["window"],
             meta["slack"],
             meta["stride"],
-            self.rope,
+            None,
             meta["positions"],
             meta.get("kv_bits"),
             meta.get("kv_group_size", 64),
             meta.get("key_bits"),
+            self.move,
+            self.additive_mask,
         )
-        self.tokens_seen = meta["tokens_seen"]
-        self._filled = meta["filled"]
+        self.ring.tokens_seen = meta["tokens_seen"]
+        self.ring.filled = meta["filled"]
         self._layout_applied = tuple(meta["layout_applied"])
-        self._slots = np.array(meta["slots"], dtype=np.int64)
+        self.ring.slots = np.array(meta["slots"], dtype=np.int64)
 
     def __deepcopy__(self, memo):
-        # The rope module is shared (it belongs to the model); everything else is copied.
+        # The move (and its rope) is shared: it belongs to the model. Everything else
+        # is copied.
         clone = copy.copy(self)
-        clone._slots = self._slots.copy()
-        for name in ("keys", "values", "sink_keys"):
-            value = getattr(self, name)
-            if isinstance(value, tuple):
-                value = tuple(mx.array(x) for x in value)
-            elif value is not None:
-                value = mx.array(value)
-            setattr(clone, name, value)
+        clone.ring = copy.deepcopy(self.ring)
+        for name in ("keys", "values", "sink_copy"):
+            setattr(clone, name, kvstore.copy(getattr(self, name)))
         return clone
 
 
@@ -433,40 +449,39 @@ def validate_sizes(
     kv_group_size: int = 64,
     key_bits: int | None = None,
 ) -> None:
-    """Raise ValueError, saying what to change, for sizes a SinkCache cannot have."""
+    """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache cannot have."""
     if window < 1:
-        raise ValueError(f"window must be at least 1 (got {window})")
+        raise Unsupported(f"window must be at least 1 (got {window})")
     if sinks < 0:
-        raise ValueError(f"sinks must be 0 or more (got {sinks})")
+        raise Unsupported(f"sinks must be 0 or more (got {sinks})")
     if slack < 1:
-        raise ValueError(f"slack must be at least 1 (got {slack})")
+        raise Unsupported(f"slack must be at least 1 (got {slack})")
     if stride < 1:
-        raise ValueError(f"stride must be at least 1 (got {stride})")
+        raise Unsupported(f"stride must be at least 1 (got {stride})")
     if positions not in POSITIONS:
-        raise ValueError(f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
+        raise Unsupported(f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
     if kv_bits not in (None, 4, 8):
-        raise ValueError(f"kv_bits must be 4 or 8 (got {kv_bits})")
+        raise Unsupported(f"kv_bits must be 4 or 8 (got {kv_bits})")
     if key_bits not in (None, 4, 8) or (key_bits is not None and kv_bits is None):
-        raise ValueError(f"key_bits must be 4 or 8, with kv_bits set (got {key_bits})")
+        raise Unsupported(f"key_bits must be 4 or 8, with kv_bits set (got {key_bits})")
     if kv_bits is not None and kv_group_size not in (32, 64, 128):
-        raise ValueError(f"kv_group_size must be 32, 64 or 128 (got {kv_group_size})")
+        raise Unsupported(f"kv_group_size must be 32, 64 or 128 (got {kv_group_size})")
 
 
-def _layers(model: nn.Module) -> list:
-    layers = getattr(model, "layers", None)
-    if layers is None and hasattr(model, "model"):
-        layers = getattr(model.model, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find the layers of {type(model).__name__}")
-    return layers
+#: Bounded caches a model makes itself, kept as they are (PASS-THROUGH).
+KEPT = (mlx_cache.RotatingKVCache, mlx_cache.ArraysCache, mlx_cache.ChunkedKVCache)
 
 
-def find_rope(layer: nn.Module) -> nn.Module | None:
-    """The rope module of a transformer layer (``self_attn.rope`` and the like)."""
-    for name, module in layer.named_modules():
-        if name.split(".")[-1] in ("rope", "rotary_emb") and callable(module):
-            return module
-    return None
+def _refuse_layer(model, i: int, c) -> None:
+    kind = type(c).__name__
+    inner = ", ".join(type(x).__name__ for x in getattr(c, "caches", ()))
+    why = {
+        "CacheList": f"a CacheList ({inner}) couples caches mlx-stream cannot bound together",
+    }.get(kind, f"a {kind}, which mlx-stream cannot bound")
+    raise Unsupported(
+        f"{model_type(model)}: layer {i} uses {why}; supported: KVCache (made a SinkCache), "
+        "RotatingKVCache, ArraysCache, ChunkedKVCache"
+    )
 
 
 def make_sink_cache(
@@ -483,7 +498,10 @@ def make_sink_cache(
     """The model's prompt cache with every unbounded ``KVCache`` layer made a SinkCache.
 
     Bounded layers a model makes itself (``RotatingKVCache`` sliding windows,
-    ``ArraysCache`` SSM state) are kept as they are.
+    ``ArraysCache`` SSM state, ``ChunkedKVCache``) are kept as they are. Where each
+    layer's cached tensors carry positions is found and verified on the model itself
+    (``mlx_stream.positions.check_model``, once per model); a model the cache cannot
+    serve exactly is refused here, before the first token, with one line.
 
     Args:
         model (nn.Module): An mlx-lm model.
@@ -500,40 +518,37 @@ def make_sink_cache(
 
     Returns:
         list: One cache per layer, usable as mlx-lm's ``prompt_cache``.
+
+    Raises:
+        Unsupported: Impossible sizes, or a model this cache would serve inexactly.
     """
     slack = stride if slack is None else slack
     validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
     caches = mlx_cache.make_prompt_cache(model)
-    layers = _layers(model)
+    for i, c in enumerate(caches):
+        if type(c) is not mlx_cache.KVCache and not isinstance(c, KEPT):
+            _refuse_layer(model, i, c)
+    verdict = check_model(model, caches)
+    if positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
+        if verdict.refusal:
+            raise Unsupported(verdict.refusal + "; use positions='absolute'")
+        limit = position_limit(model)
+        ring = Ring(sinks, window, slack, stride, positions)
+        highest = ring.max_offset + ring.room(ring.max_offset) - 1
+        if limit is not None and highest >= limit[0]:
+            raise Unsupported(
+                f"{model_type(model)}: its {limit[1]} reads cache.offset and is exact only "
+                f"while positions stay below {limit[0]}; this cache reaches {highest} "
+                "(use a smaller window)"
+            )
     out = []
     for i, c in enumerate(caches):
         if type(c) is mlx_cache.KVCache:
-            rope = find_rope(layers[i]) if i < len(layers) else None
-            if rope is None and positions == "cache":
-                raise ValueError(
-                    f"layer {i} of {type(model).__name__} has no rope module to move keys "
-                    "with; use positions='absolute'"
-                )
-            out.append(
-                SinkCache(
-                    sinks,
-                    window,
-                    slack,
-                    stride,
-                    rope,
-                    positions,
-                    kv_bits,
-                    kv_group_size,
-                    key_bits,
-                )  # fmt: skip
-            )
-        elif isinstance(c, (mlx_cache.RotatingKVCache, mlx_cache.ArraysCache)):
-            out.append(c)
-        else:
-            raise ValueError(
-                f"layer {i} uses a {type(c).__name__}, which mlx-stream cannot bound; "
-                "supported: KVCache (made a SinkCache), RotatingKVCache, ArraysCache"
-            )
+            c = SinkCache(
+                sinks, window, slack, stride, None, positions, kv_bits, kv_group_size,
+                key_bits, verdict.moves.get(i), verdict.additive_mask,
+            )  # fmt: skip
+        out.append(c)
     return out
 
 
@@ -589,8 +604,8 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
 
     Args:
         path: The file.
-        model (nn.Module, optional): The model it belongs to; SinkCaches need its rope
-            modules to keep moving sinks.
+        model (nn.Module, optional): The model it belongs to; SinkCaches need to know
+            where its layers' positions live to keep moving sinks.
 
     Returns:
         tuple: ``(caches, metadata)``.
@@ -598,11 +613,17 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
     try:
         arrays, header = mx.load(str(path), format="safetensors", return_metadata=True)
     except (OSError, RuntimeError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable cache file ({e})") from e
+        raise Unsupported(f"{path} is not a readable cache file ({e})") from e
     if "mlx_stream" not in header:
-        raise ValueError(f"{path} is not an mlx-stream cache file")
+        raise Unsupported(f"{path} is not an mlx-stream cache file")
     layers = json.loads(header.pop("mlx_stream"))["layers"]
-    model_layers = _layers(model) if model is not None else []
+    verdict = check_model(model, mlx_cache.make_prompt_cache(model)) if model is not None else None
+    moving = any(
+        layer["class"] == "SinkCache" and (layer["meta"] or {}).get("positions") == "cache"
+        for layer in layers
+    )
+    if verdict is not None and verdict.refusal and moving:
+        raise Unsupported(verdict.refusal)
     caches = []
     for i, layer in enumerate(layers):
         flat = [
@@ -611,8 +632,9 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
         ]
         state = tree_unflatten(flat) if flat else []
         if layer["class"] == "SinkCache":
-            rope = find_rope(model_layers[i]) if i < len(model_layers) else None
-            c = SinkCache(rope=rope)
+            move = verdict.moves.get(i) if verdict is not None else None
+            additive = verdict.additive_mask if verdict is not None else False
+            c = SinkCache(move=move, additive_mask=additive)
             c.meta_state = layer["meta"]
             if state:
                 c.state = state

@@ -23,3 +23,12 @@ class RuntimeFailure(UserError):
     """
 
     exit_code = 1
+
+
+class Unsupported(UserError, ValueError):
+    """A cache the engine cannot build or serve exactly: impossible sizes, a model
+    layer whose positions it cannot move, a call or rollback it cannot do exactly.
+
+    Refused before anything is written, with one line saying why. Exit code 2. Also a
+    ``ValueError``, so callers that catch bad values keep working.
+    """

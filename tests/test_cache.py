@@ -6,6 +6,7 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.rope_utils import initialize_rope
@@ -17,6 +18,7 @@ from mlx_stream.cache import (
     max_call_tokens,
     save_cache,
 )
+from mlx_stream.errors import Unsupported
 from tests import tiny
 
 S, W = 4, 32
@@ -61,7 +63,9 @@ def test_bounded_buffer_and_offset_after_ten_windows(model):
     sizes = [(c.keys.shape, c.nbytes) for c in sink_layers(cache)]
     feed(model, cache, TOKENS[S + W + 16 :], chunk=16)
     for c, (shape, nbytes) in zip(sink_layers(cache), sizes):
-        assert c.keys.shape == shape == (1, c.keys.shape[1], S + W + 16, c.keys.shape[3])
+        # sinks + window + slack, plus spare sink copies for calls crossing a stride
+        slots = S + W + 16 + c.ring.spare_sets * S
+        assert c.keys.shape == shape == (1, c.keys.shape[1], slots, c.keys.shape[3])
         assert c.nbytes == nbytes > 0
         assert c.tokens_seen == len(TOKENS)
         assert 0 <= c.offset < c.max_offset <= 2 * (S + W + 16 + 16)
@@ -87,7 +91,7 @@ def test_sink_keys_are_first_keys_moved_by_a_rotation(tiny_llama):
         base, sink_start = c._layout(c.tokens_seen)
         assert sink_start > 0  # the sinks did move
         first_keys = ref.keys[..., :S, :]
-        assert mx.allclose(c.sink_keys, first_keys, atol=1e-5).item()  # first-written copy
+        assert mx.allclose(c.sink_copy, first_keys, atol=1e-5).item()  # first-written copy
         moved_back = c._shift(c.keys[..., :S, :], -(sink_start - base))
         assert mx.allclose(moved_back, first_keys, atol=1e-4).item()
 
@@ -228,7 +232,7 @@ def test_unknown_cache_layer_is_named(tiny_llama):
         def make_cache(self):
             return [Strange() for _ in self.layers]
 
-    with pytest.raises(ValueError, match="Strange"):
+    with pytest.raises(Unsupported, match="Strange"):
         make_sink_cache(Wrapped())
 
 
@@ -327,3 +331,80 @@ def test_load_cache_refuses_other_files(tmp_path, tiny_llama):
     mx.save_safetensors(str(tmp_path / "other.safetensors"), {"x": mx.zeros(2)})
     with pytest.raises(ValueError, match="not an mlx-stream cache file"):
         load_cache(tmp_path / "other.safetensors", tiny_llama)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_trim_back_across_a_rebase_is_exact(bits):
+    model = tiny.make_model("llama", num_attention_heads=2, num_key_value_heads=1, scale=1.0)
+    kw = dict(sinks=S, window=W, slack=8, stride=8, kv_bits=bits, kv_group_size=32)
+    cache = make_sink_cache(model, **kw)
+    r = cache[0].rebase_every * 2  # a rebase point past the first eviction
+    feed(model, cache, TOKENS[:9], 8)
+    assert mlx_cache.trim_prompt_cache(cache, 1) == 1  # a cache that rolls back keeps...
+    feed(model, cache, TOKENS[8 : r - 1], 8)  # ...what a rebase moved, for a while
+    expected = copy.deepcopy(cache)
+    model(mx.array([TOKENS[r - 1 : r]]), cache=cache)
+    model(mx.array([TOKENS[r : r + 2]]), cache=cache)  # this call rebases the buffer
+    assert cache[0]._layout_applied[0] != expected[0]._layout_applied[0]
+    assert mlx_cache.trim_prompt_cache(cache, 3) == 3
+    for c, e in zip(cache, expected):
+        held = c.ring.slots >= 0  # slots the trimmed tokens wrote are masked out
+        assert (c.ring.slots[held] == e.ring.slots[held]).all()
+        held = mx.array(held)
+        for a, b in zip(tree_flatten(c.state[:2]), tree_flatten(e.state[:2])):
+            same = (a[1] == b[1])[..., : c.capacity, :].all(axis=(0, 1, 3))
+            assert mx.all(same | ~held).item()  # bit for bit, not a rotation back
+    nxt = mx.array([TOKENS[r - 1 : r + 3]])
+    assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=expected)).item()
+
+
+def test_trim_across_a_rebase_before_any_rollback_is_refused(tiny_llama):
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    r = cache[0].rebase_every * 2
+    feed(tiny_llama, cache, TOKENS[: r + 2], 1)  # never trimmed: nothing kept (flat memory)
+    with pytest.raises(Unsupported, match="crosses the rebase"):
+        cache[0].trim(3)
+    assert cache[0].tokens_seen == r + 2 and cache[0].trim(2) == 2  # not across: fine
+
+
+def test_calls_crossing_strides_are_exact(tiny_llama):
+    # mlx-lm's own loops ignore max_call_tokens: each row still sees its own sinks.
+    kw = dict(sinks=S, window=W, slack=8, stride=4)
+    one = feed(tiny_llama, make_sink_cache(tiny_llama, **kw), TOKENS, 1)
+    cache = make_sink_cache(tiny_llama, **kw)
+    out, i = [], 0
+    while i < len(TOKENS):
+        out.append(tiny_llama(mx.array([TOKENS[i : i + 7]]), cache=cache)[0])
+        i += 7
+    many = mx.concatenate(out)
+    assert mx.abs(one - many).max().item() <= 1e-3 * mx.abs(one).max().item()
+
+
+def test_a_call_spanning_more_sink_moves_than_spares_is_refused(tiny_llama):
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=32, stride=2)
+    feed(tiny_llama, cache, TOKENS[:100], 1)
+    n = cache[0].tokens_seen
+    with pytest.raises(Unsupported, match="spans more sink moves"):
+        tiny_llama(mx.array([TOKENS[100:120]]), cache=cache)
+    assert all(c.tokens_seen == n for c in cache)  # refused before anything was written
+
+
+def test_trim_back_across_a_rebase_is_exact_for_mla():
+    # MLA keeps the roped part in the values slot: the undo copy must be of that slot.
+    from tests import archs
+
+    model, vocab = archs.build("deepseek_v3")
+    tokens = [t % vocab for t in TOKENS]
+    cache = make_sink_cache(model, sinks=S, window=W, slack=8, stride=8)
+    assert cache[0].move.slot == 1
+    r = cache[0].rebase_every * 2
+    feed(model, cache, tokens[:9], 8)
+    assert mlx_cache.trim_prompt_cache(cache, 1) == 1
+    feed(model, cache, tokens[8 : r - 1], 8)
+    expected = copy.deepcopy(cache)
+    model(mx.array([tokens[r - 1 : r + 2]]), cache=cache)  # crosses into the rebase
+    model(mx.array([tokens[r + 2 : r + 3]]), cache=cache)  # this call rebases
+    assert cache[0]._layout_applied[0] != expected[0]._layout_applied[0]
+    assert mlx_cache.trim_prompt_cache(cache, 4) == 4
+    nxt = mx.array([tokens[r - 1 : r + 3]])
+    assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=expected)).item()

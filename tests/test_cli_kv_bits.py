@@ -68,4 +68,4 @@ def test_group_size_not_dividing_head_dim_is_one_line(tiny_model_dir, text_file)
     result = runner.invoke(
         app, ["stream-run", text_file, "-m", str(tiny_model_dir), *SIZES, *KV]
     )  # head_dim 16
-    assert_one_line_error(result, 1, "does not divide the head dimension")
+    assert_one_line_error(result, 2, "does not divide the head dimension")  # user error

@@ -1,0 +1,210 @@
+"""The slot layout of a sink + window ring, in numpy: no model, no mlx.
+
+A buffer of ``sinks + window + slack`` slots (plus spare sink copies, below). Token
+``t < sinks`` lives in slot ``t``; later tokens go round a ring of ``window + slack``
+slots. ``slots[i]`` records the token slot ``i`` holds (``-1``: none). Row ``q`` of a
+call sees the slots holding a token ``t <= q`` with ``t < sinks`` or ``t > q - window``.
+
+Positions ("positions within the cache"): a token stored under the layout of a call
+starting at token ``n`` sits at position ``t - base(n)``; the sinks sit at
+``sink_start(n) + i - base(n)``, right before the oldest window token of the first
+token of ``n``'s stride. Both change only at multiples of ``stride``.
+
+A call whose rows span two or more layouts (a foreign loop's chunk crossing a stride
+multiple) stays exact: each further layout's sinks are written to a spare copy of the
+sink slots after the ring, and the mask shows each row the copy of its own layout. The
+layout here is a pure function of token indices, so a batched cache can share it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mlx_stream.errors import Unsupported
+
+#: Most spare sink copies a buffer carries (calls spanning more layouts are refused).
+MAX_SPARE_SINK_SETS = 4
+
+
+class Ring:
+    """Slot bookkeeping and positions of one sink + window buffer.
+
+    Args:
+        sinks (int): First tokens kept forever.
+        window (int): Recent tokens each row sees.
+        slack (int): Extra ring slots (largest call and deepest rollback: ``slack + 1``).
+        stride (int): Sinks move and the buffer rebases only at multiples of it.
+        positions (str): ``"cache"`` (bounded positions) or ``"absolute"``.
+    """
+
+    def __init__(self, sinks: int, window: int, slack: int, stride: int, positions: str):
+        self.sinks, self.window, self.slack, self.stride = sinks, window, slack, stride
+        self.positions = positions
+        self.capacity = sinks + window + slack
+        # Rebase often enough to bound positions, rarely enough to cost < 1 token/token.
+        self.rebase_every = stride * math.ceil(self.capacity / stride)
+        spare = min(MAX_SPARE_SINK_SETS, math.ceil((slack + 1) / stride))
+        self.spare_sets = spare if sinks > 0 and positions == "cache" else 0
+        self.slots_total = self.capacity + self.spare_sets * sinks
+        self.slots = np.full(self.capacity, -1, dtype=np.int64)
+        self.filled = 0  # ring slots ever written (high-water mark)
+        self.tokens_seen = 0
+
+    # ----- positions -----------------------------------------------------------------
+
+    def layout(self, n: int) -> tuple[int, int]:
+        """``(base, sink_start)`` for a call whose first token has index ``n``."""
+        if self.positions == "absolute":
+            return 0, 0
+        sink_start = max(0, (n // self.stride) * self.stride - self.window + 1 - self.sinks)
+        rebased_at = self.rebase_point(n)
+        base = max(0, rebased_at - self.window + 1 - self.sinks)
+        return base, sink_start
+
+    def rebase_point(self, n: int) -> int:
+        """The last token index ``<= n`` where the buffer rebased (or 0)."""
+        return (n // self.rebase_every) * self.rebase_every
+
+    @property
+    def offset(self) -> int:
+        return self.tokens_seen - self.layout(self.tokens_seen)[0]
+
+    @property
+    def max_offset(self) -> int:
+        return self.sinks + self.window + self.rebase_every
+
+    def sink_layouts(self, N: int) -> list[int]:
+        """The distinct ``sink_start`` of the rows of the next ``N``-token call, in
+        order: the first one is the call's layout, each later one needs a spare copy."""
+        n = self.tokens_seen
+        starts = [self.layout(n)[1]]
+        m = (n // self.stride + 1) * self.stride
+        while m < n + N:
+            s = self.layout(m)[1]
+            if s != starts[-1]:
+                starts.append(s)
+            m += self.stride
+        return starts
+
+    # ----- slots -----------------------------------------------------------------
+
+    def slot(self, t: int) -> int:
+        S = self.sinks
+        return t if t < S else S + (t - S) % (self.capacity - S)
+
+    def runs(self, n: int, N: int) -> list[tuple[int, int, int]]:
+        """Contiguous ``(slot, source, length)`` runs where tokens ``n..n+N-1`` go."""
+        if N == 1:
+            return [(self.slot(n), 0, 1)]
+        runs, i = [], 0
+        while i < N:
+            slot = self.slot(n + i)
+            end = self.sinks if n + i < self.sinks else self.capacity
+            length = min(N - i, end - slot)
+            runs.append((slot, i, length))
+            i += length
+        return runs
+
+    def room(self, n: int) -> int:
+        """Most tokens a call at ``n`` may write without overwriting one a row needs."""
+        ring = self.capacity - self.sinks
+        return ring + max(self.sinks, n - self.window + 1) - n
+
+    def max_call_tokens(self) -> int:
+        """Most tokens the next call may feed without overwriting a token a row still
+        needs and without crossing a layout change (so it needs no spare sinks)."""
+        n = self.tokens_seen
+        room = self.room(n)
+        if self.positions == "absolute":
+            return room
+        layout = self.layout(n)
+        m = (n // self.stride + 1) * self.stride
+        while m - n < room and self.layout(m) == layout:
+            m += self.stride
+        return min(room, m - n)
+
+    def check_call(self, N: int) -> None:
+        """Refuse, before anything is written, a call this buffer cannot serve exactly."""
+        n = self.tokens_seen
+        if N > self.room(n):
+            raise Unsupported(
+                f"a call of {N} tokens at token {n} would overwrite tokens still in the "
+                f"window (at most {self.room(n)} here); raise slack (now {self.slack}) "
+                "or feed smaller chunks"
+            )
+        if not self.in_order(N) and len(self.sink_layouts(N)) - 1 > self.spare_sets:
+            raise Unsupported(
+                f"a call of {N} tokens at token {n} spans more sink moves than the cache "
+                f"can serve exactly (stride {self.stride}); feed at most "
+                f"max_call_tokens() = {self.max_call_tokens()} tokens"
+            )
+
+    def in_order(self, N: int) -> bool:
+        """True while nothing was evicted: the buffer then is exactly a KVCache."""
+        return self.tokens_seen + N <= self.sinks + self.window
+
+    def fetched(self, N: int) -> int:
+        """How many leading slots the next ``N``-token call attends over."""
+        if self.in_order(N):
+            return self.tokens_seen + N
+        if len(self.sink_layouts(N)) > 1:
+            return self.slots_total
+        return max(self.filled, min(self.capacity, self.tokens_seen + N))
+
+    def visible(self, N: int, window_size: int | None = None) -> np.ndarray:
+        """The boolean mask ``(N, fetched(N))`` of the next ``N``-token call."""
+        n = self.tokens_seen
+        slots = self.slots.copy()
+        for slot, i, length in self.runs(n, N):
+            slots[slot : slot + length] = np.arange(n + i, n + i + length)
+        L = self.fetched(N)
+        q = np.arange(n, n + N)[:, None]
+        t = slots[None, : min(L, self.capacity)]
+        seen = (t >= 0) & (t <= q) & ((t < self.sinks) | (t > q - self.window))
+        if window_size is not None:
+            seen &= t > q - window_size
+        if L <= self.capacity:
+            return seen
+        # Spare sink copies: each row sees the sinks of its own layout, in one copy.
+        S = self.sinks
+        starts = self.sink_layouts(N)
+        row_start = np.array([self.layout(r)[1] for r in range(n, n + N)])
+        which = np.searchsorted(starts, row_start)  # starts increase with the stride
+        spare = np.zeros((N, L - self.capacity), dtype=bool)
+        for k in range(1, len(starts)):
+            spare[which == k, (k - 1) * S : k * S] = True
+        seen[which > 0, :S] = False
+        if window_size is not None:
+            sink_tokens = np.tile(np.arange(S), self.spare_sets)[None, :]
+            spare &= sink_tokens > q - window_size
+        return np.concatenate([seen, spare], axis=1)
+
+    def write(self, N: int) -> None:
+        """Record that the next ``N`` tokens were written."""
+        n = self.tokens_seen
+        for slot, i, length in self.runs(n, N):
+            self.slots[slot : slot + length] = range(n + i, n + i + length)
+        self.tokens_seen += N
+        self.filled = max(self.filled, min(self.capacity, self.tokens_seen))
+
+    def check_trim(self, n: int) -> int:
+        """How many tokens ``trim(n)`` removes; refuses a rollback to tokens already
+        overwritten."""
+        n = min(n, self.tokens_seen)
+        keep = self.tokens_seen - n
+        lost_newest = self.tokens_seen - 1 - (self.capacity - self.sinks)
+        if n and lost_newest >= max(self.sinks, keep - self.window + 1):
+            raise Unsupported(
+                f"cannot trim {n} tokens: they overwrote tokens that would be back in the "
+                f"window (trim at most slack + 1 = {self.slack + 1})"
+            )
+        return n
+
+    def forget(self, n: int) -> None:
+        """Forget the last ``n`` tokens (checked by ``check_trim``)."""
+        keep = self.tokens_seen - n
+        for t in range(keep, self.tokens_seen):
+            self.slots[self.slot(t)] = -1
+        self.tokens_seen = keep
