@@ -235,6 +235,28 @@ def blas_tables(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+def distributed_tables(records: list[dict]) -> str:
+    rows = [r for r in records if r.get("bench") == "distributed" and not r.get("summary")]
+    if not rows:
+        return ""
+    r0 = rows[0]
+    out = [
+        f"Machine: {machine(r0)}. Loopback ring, {r0['context']} tokens prefilled, "
+        f"{r0['decode_tokens']} decoded, sinks {r0['sinks']} + window {r0['window']}.",
+        "",
+    ]
+    body = [
+        [r["ranks"], r.get("strategy") or "-", r["cache"], rounded(r["tok_s"]),
+         rounded(r["prefill_tps"]), max(x["weights_mb"] for x in r["per_rank"]),
+         max(x["kv_mb"] for x in r["per_rank"]), max(x["peak_mb"] for x in r["per_rank"])]
+        for r in rows
+    ]  # fmt: skip
+    header = ["ranks", "strategy", "cache", "decode tok/s", "prefill tok/s",
+              "weights MB/rank", "KV MB/rank", "peak MB/rank"]  # fmt: skip
+    out.append(table(header, body))
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -243,6 +265,7 @@ def main(argv: list[str] | None = None) -> str:
         ("attention", "Decode attention", attention_tables),
         ("blas", "BLAS", blas_tables),
         ("decode", "Decode", decode_tables),
+        ("distributed", "Sharded over loopback ranks", distributed_tables),
         ("spec_memory", "Speculative decoding memory", spec_tables),
         ("perplexity", "Perplexity", perplexity_tables),
         ("quantized", "Quantized cache", quantized_tables),

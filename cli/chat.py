@@ -168,6 +168,10 @@ def run(session: ChatSession, interactive: bool, console) -> None:
                 continue
             session.reply(line, write)
         except Exception as exc:  # noqa: BLE001 - one operation fails, the chat goes on
+            from mlx_stream.distributed import is_peer_lost
+
+            if is_peer_lost(exc):  # a rank died: every rank must stop
+                raise
             print(flush=True)
             error_line(describe(exc))
             continue
@@ -193,6 +197,7 @@ def chat(
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
+    distributed: opt.Distributed = "auto",
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -206,11 +211,19 @@ def chat(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
-    interactive = is_interactive()
+    from mlx_stream import distributed as dist
+
+    cluster = dist.join(distributed, model)
+    interactive = is_interactive() and cluster is None
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec = load_model(model, dtype)
+    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
+        why = "not available with --distributed (each rank holds part of the cache)"
+        sys.stdin = cluster.stream(
+            sys.stdin, {"/save": f"/save is {why}", "/load": f"/load is {why}"}
+        )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
     if seed is not None:

@@ -309,7 +309,7 @@ def stderr_console():
     return Console(stderr=True)
 
 
-def load_model(name: str | None, dtype: str = "auto", what: str = "model"):
+def load_model(name: str | None, dtype: str = "auto", what: str = "model", prepare=None):
     """Load ``name`` (registry name, folder or .gguf; None: the default) with a rich
     progress bar on stderr while a first use pulls or converts it.
 
@@ -325,7 +325,7 @@ def load_model(name: str | None, dtype: str = "auto", what: str = "model"):
 
     with _pull_progress(console, what) as callback:
         model, tokenizer, info = loader.load(
-            name, dtype=dtype, progress=callback, log=log, return_info=True
+            name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare
         )
     return model, tokenizer, info.spec
 

@@ -150,3 +150,11 @@ Plot = Annotated[
     Path | None,
     typer.Option("--plot", help="Save a PNG of memory against tokens (needs matplotlib)."),
 ]
+Distributed = Annotated[
+    str,
+    typer.Option(
+        "--distributed",
+        help="Shard the model over the ranks of mlx.launch: auto (when launched), tensor, "
+        "pipeline or off.",
+    ),
+]

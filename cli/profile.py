@@ -238,6 +238,13 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
             f"{lat['p50']:.1f}",
         )
     console.print(table)
+    for s in summaries:
+        if "distributed" in s:
+            d = s["distributed"]
+            share = f"{d['collective_share']:.0%}" if d["collective_share"] is not None else "-"
+            console.print(f"{s['setting']}: {d['strategy']} parallel, collectives {d['collective_ms']:.1f} ms of a step ({share})")  # fmt: skip
+            for r in d["ranks"]:
+                console.print(f"  rank {r['rank']}: weights {r['weights_mb']:.1f} MB, KV cache {r['kv_cache_mb']:.1f} MB, peak {r['peak_memory_mb']:.1f} MB")  # fmt: skip
     everything = [r["active_memory_mb"] for rows in runs.values() for r in rows]
     lo, hi = min(everything), max(everything)
     console.print(f"active memory against tokens ({lo:.1f}..{hi:.1f} MB)", style="dim")
@@ -317,6 +324,7 @@ def profile(
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
+    distributed: opt.Distributed = "auto",
 ) -> None:
     """Profile memory and latency per decoded token.
 
@@ -341,7 +349,12 @@ def profile(
     check_distinct({"--csv": csv, "--plot": plot}, {"--file": file})
     if plot is not None:
         check_matplotlib()
-    target, tokenizer, spec = load_model(model, dtype)
+    from mlx_stream import distributed as dist
+
+    cluster = dist.join(distributed, model)
+    if cluster is not None and not cluster.is_root:
+        csv = plot = None
+    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
     from mlx_stream.defaults import slack_for
@@ -359,6 +372,11 @@ def profile(
         )  # fmt: skip
         runs[setting.name] = rows
         summaries.append(dict(summarize(setting, rows, sinks, window), estimate=estimate))
+        if cluster is not None:  # per-rank memory and the collectives' share of a step
+            s = summaries[-1]
+            s["distributed"] = dist.rank_report(
+                cluster, target, s["kv_cache_mb"]["end"], s["latency_ms"]["p50"]
+            )
 
     # The main result goes out first: a side output that fails cannot take it along.
     if json_out:

@@ -294,6 +294,7 @@ def stream_run(
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
+    distributed: opt.Distributed = "auto",
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
@@ -321,11 +322,23 @@ def stream_run(
     # Continuing a checkpoint in place is what --resume X --checkpoint X means.
     check_distinct({"--csv": csv, "--checkpoint": checkpoint}, {"the input": path})
     check_distinct({"--csv": csv}, {"--resume": resume})
-    f, size = open_source(path)
+    from mlx_stream import distributed as dist
+
+    cluster = dist.join(distributed, model)
+    if cluster is not None and (checkpoint or resume):
+        fail("--checkpoint and --resume are not available with --distributed")
+    if cluster is None or cluster.is_root:
+        f, size = open_source(path)
+    else:  # the text lives on rank 0's machine: read what rank 0 shares
+        f, size = None, None
+        csv = None
+    if cluster is not None:
+        f, size = cluster.stream(f), cluster.share_int(-1 if size is None else size)
+        size = None if size < 0 else size
     try:
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
-        target, tokenizer, spec = load_model(model, dtype)
+        target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
         sinks, window = sizes(spec, sinks, window)
         from mlx_stream.evaluate import iter_tokens
         from mlx_stream.loader import resolve_dtype

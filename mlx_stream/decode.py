@@ -571,6 +571,9 @@ class StopOnInterrupt:
         self._previous: dict = {}
 
     def __enter__(self) -> StopOnInterrupt:
+        current = signal.getsignal(signal.SIGINT)
+        if getattr(current, "final", False):  # e.g. distributed: Ctrl-C ends every rank
+            return self
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
         return self

@@ -405,6 +405,7 @@ def load(
     progress: ProgressCallback | None = None,
     log: LogCallback | None = None,
     return_info: bool = False,
+    prepare: Callable[[Any], Any] | None = None,
 ):
     """Load a model and its tokenizer, pulling a registry model on first use.
 
@@ -419,6 +420,8 @@ def load(
         progress: Optional ``progress(done, total, stage)`` callback for a pull.
         log: Optional callback for one-line notes. Default: the ``mlx_stream`` logger.
         return_info: Also return a :class:`LoadInfo`. Default: ``False``.
+        prepare: Optional ``prepare(model)`` called while the weights are still lazy
+            (``distributed`` cuts a rank's shard there). Default: ``None``.
 
     Returns:
         ``(model, tokenizer)`` with mlx-lm's ``TokenizerWrapper``, plus ``LoadInfo``
@@ -434,6 +437,8 @@ def load(
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise UserError(f"cannot load {folder}: {_one_line(e)}") from None
     weights = apply_dtype(model, policy)
+    if prepare is not None:
+        prepare(model)
     mx.eval(model.parameters())
     if spec is not None and spec.template_override and folder == _local_folder(spec):
         tokenizer._tokenizer.chat_template = spec.template_override

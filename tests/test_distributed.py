@@ -1,0 +1,343 @@
+"""Sharded runs with MLX distributed (issue 16), on loopback with the ring backend.
+
+The fast tests check the refusals in-process. The ``slow`` ones start real ranks with
+``mlx.launch --backend ring --hosts 127.0.0.1`` (or by hand, to kill one) and compare
+what rank 0 prints with one process: perplexity within float tolerance and greedy
+answers token for token, past many wraps of a small window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from mlx_stream import distributed
+from mlx_stream.errors import UserError
+from tests import tiny
+from tests.conftest import DATA, assert_one_line_error
+
+runner = CliRunner()
+VENV_BIN = Path(sys.executable).parent
+MLX_STREAM = VENV_BIN / "mlx-stream"
+MLX_LAUNCH = VENV_BIN / "mlx.launch"
+LAUNCH_TIMEOUT = 120
+REAL_MODEL_TIMEOUT = 300  # three float32 copies' shards on two shared cores
+SMALL = ["--window", "16", "--sinks", "2"]
+
+
+# ----------------------------------------------------------------------- helpers
+
+
+def free_port_base(n: int) -> int:
+    """A port with ``n`` free ports from it (the ring listens on base + rank)."""
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(20000, 60000)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def launch(
+    n: int, *args: str, input: str | None = None, timeout: float = LAUNCH_TIMEOUT
+) -> subprocess.CompletedProcess:
+    """``mlx-stream ARGS`` on ``n`` loopback ranks under ``mlx.launch`` (killed on timeout)."""
+    command = [str(MLX_LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(n)]
+    command += ["--starting-port", str(free_port_base(n)), "--python", sys.executable]
+    command += [str(MLX_STREAM), *args]
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    # stdin stays open: at end of input mlx.launch spins on it, slowing the ranks down
+    try:
+        proc.stdin.write(input or "")
+        proc.stdin.flush()
+        proc.wait(timeout=timeout)  # our outputs are far below a pipe's buffer
+        out, err = proc.stdout.read(), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def start_ranks(n: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+    """``mlx-stream ARGS`` on ``n`` loopback ranks started by hand (what mlx.launch
+    does: a hostfile and ``MLX_RANK``), without the launcher's stdin forwarding loop."""
+    base = free_port_base(n)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        procs.append(
+            subprocess.Popen(
+                [str(MLX_STREAM), *args],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def stop_ranks(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def errors(result: subprocess.CompletedProcess) -> list[str]:
+    """Our ``Error:`` lines (mlx.launch adds its own ``[WARN]`` lines)."""
+    return [line for line in result.stderr.splitlines() if "Error:" in line]
+
+
+def last_json(result: subprocess.CompletedProcess) -> dict:
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, (result.stdout, result.stderr)
+    return json.loads(lines[-1])
+
+
+def single(*args: str) -> dict:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Tiny models on disk: llama (tensor parallel only), qwen2 (tensor and pipeline)."""
+    root = tmp_path_factory.mktemp("distributed")
+    return {
+        "llama": tiny.save_model_folder(root / "llama", "llama"),
+        "qwen2": tiny.save_model_folder(root / "qwen2", "qwen2", num_hidden_layers=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    rng = random.Random(3)
+    path = tmp_path_factory.mktemp("text") / "book.txt"
+    path.write_text(" ".join(rng.choice(tiny.VOCAB_WORDS) for _ in range(400)) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------- refusals
+
+
+def test_refuses_heads_that_do_not_divide_and_names_them():
+    model = tiny.make_model("llama")  # 4 heads, 2 KV heads; no pipeline in mlx-lm
+    with pytest.raises(UserError, match="4 attention heads do not divide over 3 ranks"):
+        distributed.choose(model, 3)
+    assert distributed.choose(model, 2) == "tensor"
+    with pytest.raises(UserError, match="pipeline: mlx-lm has none"):
+        distributed.choose(model, 2, "pipeline")
+
+
+def test_falls_back_to_pipeline_when_heads_do_not_divide():
+    model = tiny.make_model("qwen2", num_hidden_layers=3)
+    assert distributed.strategies(model) == ["tensor", "pipeline"]
+    assert distributed.choose(model, 2) == "tensor"
+    assert distributed.choose(model, 3) == "pipeline"
+    with pytest.raises(UserError, match="3 layers are fewer than 4 ranks"):
+        distributed.choose(model, 4, "pipeline")
+
+
+def test_refuses_a_model_with_neither_strategy():
+    model = tiny.make_model("gemma3_text")
+    with pytest.raises(UserError, match="neither tensor parallel .* nor pipeline"):
+        distributed.choose(model, 2)
+
+
+def test_no_launch_is_one_process_unless_a_strategy_is_forced(monkeypatch, tiny_model_dir):
+    for name in distributed.LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.start("auto") is None
+    assert distributed.start("off") is None
+    with pytest.raises(UserError, match="unknown --distributed mode"):
+        distributed.start("rings")
+    result = runner.invoke(app, ["chat", "-m", str(tiny_model_dir), "--distributed", "tensor"])
+    assert_one_line_error(result, 2, "runs under mlx.launch")
+
+
+# ------------------------------------------------------------- real ranks (slow)
+
+
+def compare_stream_run(n: int, folder: Path, text: Path, *extra: str) -> None:
+    args = ["stream-run", str(text), "-m", str(folder), *SMALL, "--json"]
+    args += ["--prompt", "the sea", "--max-tokens", "24"]
+    one = single(*args)
+    result = launch(n, *args, *extra)
+    assert not errors(result), result.stderr
+    sharded = last_json(result)
+    assert sharded["tokens"] == one["tokens"] > 16 * 10  # many wraps of the window
+    assert sharded["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
+    assert sharded["answer"] == one["answer"] and sharded["answer"]
+    assert len([line for line in result.stdout.splitlines() if line.startswith("{")]) == 1
+
+
+@pytest.mark.slow
+def test_tensor_parallel_stream_run_equals_one_process(folders, text):
+    compare_stream_run(2, folders["llama"], text)
+
+
+@pytest.mark.slow
+def test_pipeline_stream_run_equals_one_process(folders, text):
+    compare_stream_run(2, folders["qwen2"], text, "--distributed", "pipeline")
+
+
+@pytest.mark.slow
+def test_chat_replies_equal_one_process_and_refuses_save(folders):
+    # mlx.launch never passes on the end of its input: /quit ends the ranks
+    lines = "hello the sea\n/save here\nwhale ship captain\n/quit\n"
+    args = ["chat", "-m", str(folders["qwen2"]), *SMALL, "--max-tokens", "30"]
+    one = runner.invoke(app, args, input="hello the sea\nwhale ship captain\n")
+    assert one.exit_code == 0, one.stderr
+    result = launch(2, *args, "--distributed", "pipeline", input=lines)
+    assert result.stdout == one.stdout
+    assert errors(result) == ["Error: /save is not available with --distributed (each rank holds part of the cache)"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "mode"), [("llama", "tensor"), ("qwen2", "pipeline")])
+def test_profile_each_rank_holds_half_the_cache(folders, model, mode):
+    args = ["profile", "-m", str(folders[model]), *SMALL, "--tokens", "40", "--json"]
+    one = single(*args)
+    result = launch(2, *args, "--distributed", mode)
+    assert not errors(result), result.stderr
+    report = last_json(result)["distributed"]
+    assert report["strategy"] == mode
+    whole = one["kv_cache_mb"]["end"]
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for r in report["ranks"]:  # half the KV heads (tensor) or half the layers (pipeline)
+        assert r["kv_cache_mb"] == pytest.approx(whole / 2, abs=1e-3)
+        assert 0 < r["weights_mb"]
+    assert 0 < report["collective_share"]
+
+
+@pytest.mark.slow
+def test_refusal_under_launch_is_one_line(folders, text):
+    result = launch(3, "stream-run", str(text), "-m", str(folders["llama"]), "--json")
+    assert errors(result) == [
+        "Error: cannot shard llama over 3 ranks: tensor: its 4 attention heads do not divide "
+        "over 3 ranks; pipeline: mlx-lm has none for it"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_others_within_seconds(folders, tmp_path):
+    """Ranks started by hand (no mlx.launch to clean up): rank 1 dies mid-reply, and
+    rank 0 ends by itself with one error line."""
+    args = ["chat", "-m", str(folders["llama"]), *SMALL, "--max-tokens", "100000"]
+    procs = start_ranks(2, args, tmp_path)
+    root, other = procs
+    try:
+        root.stdin.write(b"the sea\n")
+        root.stdin.flush()
+        assert root.stdout.read(16)  # rank 0 is replying
+        other.kill()
+        start = time.monotonic()
+        root.stdin.close()  # should the reply have ended, the next read ends it too
+        code = root.wait(timeout=30)
+        waited = time.monotonic() - start
+        err = root.stderr.read().decode()
+    finally:
+        stop_ranks(procs)
+    assert code == 1
+    assert waited < 15
+    assert err.strip().splitlines() == ["Error: RuntimeError: [ring] connection to a peer was lost"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_every_rank_with_one_line(folders, tmp_path):
+    """Ctrl-C reaches every rank of the terminal's process group, mid-reply: all stop
+    (a reply stopped on one rank only would leave the ranks out of step)."""
+    args = ["chat", "-m", str(folders["llama"]), *SMALL, "--max-tokens", "100000"]
+    procs = start_ranks(2, args, tmp_path)
+    root = procs[0]
+    try:
+        root.stdin.write(b"the sea\n")
+        root.stdin.flush()
+        assert root.stdout.read(16)  # rank 0 is replying
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        codes = [p.wait(timeout=30) for p in procs]
+        err = root.stderr.read().decode()
+    finally:
+        stop_ranks(procs)
+    assert codes == [130, 130]
+    assert err.strip().splitlines() == ["Error: interrupted; every rank stops"]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_default_model_tensor_parallel_over_three_ranks(real_model_path, tmp_path):
+    """9 heads and 3 KV heads over 3 ranks: the same greedy answer and perplexity,
+    96 tokens through a 16-token window (5 wraps). Each token costs 60 collectives
+    over loopback, slow on a loaded machine: few tokens, ranks started by hand."""
+    text = DATA / "alice_in_wonderland.txt"
+    args = ["stream-run", str(text), "-m", str(real_model_path), "--window", "16"]
+    args += ["--sinks", "4", "--limit-tokens", "96", "--json", "--prompt", "Who is Alice?"]
+    args += ["--max-tokens", "12"]
+    one = single(*args)
+    procs = start_ranks(3, args, tmp_path)
+    try:
+        out, err = procs[0].communicate(timeout=REAL_MODEL_TIMEOUT)
+        for p in procs[1:]:
+            p.wait(timeout=30)
+    finally:
+        stop_ranks(procs)
+    assert procs[0].returncode == 0, err.decode()
+    sharded = json.loads(out.decode().strip().splitlines()[-1])
+    assert sharded["tokens"] == one["tokens"] == 95
+    assert sharded["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
+    assert sharded["answer"] == one["answer"] and sharded["answer"]
+
+
+def test_benchmark_quick_one_rank_and_skips_what_does_not_divide(
+    folders, tmp_path, capsys, monkeypatch
+):
+    from tests.test_benchmarks_smoke import load_script
+
+    bench = load_script("distributed", monkeypatch)
+    out = tmp_path / "d.jsonl"
+    records = bench.main(["--quick", "--model", str(folders["llama"]), "--ranks", "1,3",
+                          "--out", str(out)])  # fmt: skip
+    assert "skipping 3 ranks: cannot shard llama over 3 ranks" in capsys.readouterr().err
+    *rows, summary = records
+    assert {r["cache"] for r in rows} == {"sink", "rotating"}
+    for r in rows:
+        assert r["ranks"] == 1 and r["tok_s"] > 0 and r["per_rank"][0]["weights_mb"] > 0
+    assert summary["ranks"] == [1] and summary["sink_over_rotating_tok_s_1"] > 0
+    assert len(out.read_text().splitlines()) == 3
+    sys.modules.pop("tables", None)
+    import tables  # benchmarks/tables.py, on the path load_script set
+
+    assert "| 1 | - | sink |" in tables.distributed_tables(tables.read(out))
