@@ -312,7 +312,12 @@ def _tensor_refusal(model, size: int) -> str | None:
 
 def _pipeline_refusal(model, size: int) -> str | None:
     layers = len(model.model.layers)
-    return f"its {layers} layers are fewer than {size} ranks" if layers < size else None
+    if layers < size:
+        return f"its {layers} layers are fewer than {size} ranks"
+    # Pipeline ranks hung once the sink cache began checking the model at build time
+    # (each rank runs probe passes through a pipeline it holds only part of): refused
+    # rather than risk a hang until that check runs across ranks.
+    return "not supported with the sink cache yet (use tensor parallel)"
 
 
 def choose(model, size: int, mode: str = "auto") -> str:
