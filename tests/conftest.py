@@ -22,6 +22,16 @@ def assert_one_line_error(result, code: int, *words: str) -> None:
         assert word in err, err
 
 
+# Bad text inputs every command that reads a document refuses: (make(tmp_path) -> path,
+# words the one-line error must hold).
+BAD_TEXT_FILES = [
+    (lambda p: p / "missing.txt", ["no such file"]),
+    (lambda p: p, ["is a directory"]),
+    (lambda p: (p / "empty.txt", (p / "empty.txt").write_text(""))[0], ["empty"]),
+    (lambda p: (p / "bin", (p / "bin").write_bytes(b"\x7fELF\x00\x00"))[0], ["binary"]),
+]
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No network, and a throwaway user directory for every test."""

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import DATA, assert_one_line_error
+from tests.conftest import BAD_TEXT_FILES, DATA, assert_one_line_error
 
 runner = CliRunner()
 BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]
@@ -123,10 +123,7 @@ def test_stdin_and_absolute_positions(tiny_model_dir, text_file):
 @pytest.mark.parametrize(
     "make, words",
     [
-        (lambda p: p / "missing.txt", ["no such file"]),
-        (lambda p: p, ["is a directory"]),
-        (lambda p: (p / "empty.txt", (p / "empty.txt").write_text(""))[0], ["empty"]),
-        (lambda p: (p / "bin", (p / "bin").write_bytes(b"\x7fELF\x00\x00"))[0], ["binary"]),
+        *BAD_TEXT_FILES,
         (
             lambda p: (p / "l1.txt", (p / "l1.txt").write_bytes("caf\xe9\n".encode("latin-1")))[0],
             ["not UTF-8"],

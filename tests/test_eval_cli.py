@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import assert_one_line_error
+from tests.conftest import BAD_TEXT_FILES, assert_one_line_error
 
 runner = CliRunner()
 FIELDS = ("window", "sinks", "positions", "kv_bits", "tokens", "kl", "top1_agreement",
@@ -80,10 +80,7 @@ def test_recall_json_one_object_per_window_and_placement(tiny_model_dir):
 @pytest.mark.parametrize(
     "make, words",
     [
-        (lambda p: p / "missing.txt", ["no such file"]),
-        (lambda p: p, ["is a directory"]),
-        (lambda p: (p / "empty.txt", (p / "empty.txt").write_text(""))[0], ["empty"]),
-        (lambda p: (p / "bin", (p / "bin").write_bytes(b"\x7fELF\x00\x00"))[0], ["binary"]),
+        *BAD_TEXT_FILES,
         (lambda p: (p / "one.txt", (p / "one.txt").write_text("the"))[0], ["too short"]),
     ],
 )
