@@ -235,6 +235,16 @@ class SinkCache(mlx_cache._BaseCache):
     # ----- storage ----------------------------------------------------------------
 
     @property
+    def keys(self):
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        # mlx-lm's pipeline models set ``cache[-1].keys = mx.depends(cache[-1].keys, h)``:
+        # a quantized buffer (a tuple) comes back a list.
+        self._keys = tuple(value) if isinstance(value, list) else value
+
+    @property
     def quantized(self) -> bool:
         """Whether keys or values are stored quantized."""
         return self.value_bits is not None

@@ -18,15 +18,25 @@ group, is refused with one line before a weight is read.
 Ending: Ctrl-C ends every rank (a stopped reply on one rank only would leave the
 ranks out of step); a rank that dies breaks the ring, and the others' next collective
 fails within seconds (``[ring] connection to a peer was lost``) instead of hanging.
+MLX 0.32's ring does not always fail a collective already waiting on a peer that
+left (ml-explore/mlx#3862, fixed by #4060): each rank watches its ring connections and
+ends itself, with the same line, when a peer closed its side while this rank is stuck
+(:func:`_watch_peers`). Under ``mlx.launch`` a rank that fails makes the launcher send
+SIGTERM to the others, which ends them at once (no Python handler: one would never run
+while the rank waits inside MLX).
 """
 
 from __future__ import annotations
 
 import atexit
 import io
+import json
 import os
 import signal
+import socket
+import stat
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +50,9 @@ MODES = ("auto", "tensor", "pipeline", "off")
 LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE")
 PEER_LOST = "connection to a peer was lost"
 EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
 FOLLOWER_ERROR_DELAY = 3.0
+PEER_GRACE = 2.0  # seconds a rank may sit still after a peer left before it ends itself
+WATCH_EVERY = 0.25
 LAUNCH_EXAMPLE = "mlx.launch --backend ring --hosts 127.0.0.1 -n 2 --python $(which python) $(which mlx-stream) ..."  # fmt: skip
 
 
@@ -222,6 +233,7 @@ def start(mode: str = "auto", backend: str = "any") -> Cluster | None:
     _end_on_interrupt(cluster)
     atexit.register(_settle_quietly)
     mx.random.seed(cluster.share_int(int.from_bytes(os.urandom(4), "little")))
+    _watch_peers(cluster, ring_sockets())
     return cluster
 
 
@@ -236,7 +248,9 @@ class _RankStderr(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, text: str) -> int:
+    def write(self, text: str | bytes) -> int:
+        if isinstance(text, bytes):  # click writes bytes to a stream it cannot place
+            text = text.decode(errors="replace")
         for line in text.splitlines():
             if line.startswith("Error:") and PEER_LOST not in line:
                 self.held.append(f"rank {self.rank}: {line}\n")
@@ -271,16 +285,93 @@ def _quiet_followers(cluster: Cluster) -> None:
 
 def _end_on_interrupt(cluster: Cluster) -> None:
     def handler(signum, frame):
-        # SIGTERM comes from mlx.launch stopping the ranks after one failed (it names
-        # the rank); only Ctrl-C needs saying.
-        if cluster.is_root and signum == signal.SIGINT:
+        if cluster.is_root:
             sys.stderr.write("Error: interrupted; every rank stops\n")
             sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+        os._exit(EXIT_INTERRUPTED)
 
     handler.final = True  # decode.StopOnInterrupt leaves a final handler in place
     signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    # SIGTERM comes from mlx.launch stopping the ranks after one failed (it names the
+    # rank): the default action ends a rank even while it waits inside a collective.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def ring_sockets() -> list[socket.socket]:
+    """This process's connections to the other ranks of a ring group: the TCP
+    sockets whose local or remote address is in ``MLX_HOSTFILE`` (copies of them, for
+    looking only). Empty for other backends."""
+    try:
+        hosts = json.loads(open(os.environ["MLX_HOSTFILE"]).read())  # noqa: SIM115
+        addresses = set()
+        for node in hosts:
+            for address in node if isinstance(node, list) else [node]:
+                ip, _, port = str(address).rpartition(":")
+                addresses.add((ip, int(port)))
+    except (KeyError, OSError, ValueError, TypeError):
+        return []
+    fds = "/dev/fd" if os.path.isdir("/dev/fd") else f"/proc/{os.getpid()}/fd"
+    found = []
+    for name in os.listdir(fds):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except (ValueError, OSError):
+            continue
+        try:
+            ends = {s.getsockname()[:2], s.getpeername()[:2]}
+        except OSError:  # a listening socket
+            ends = set()
+        if s.type == socket.SOCK_STREAM and ends & addresses:
+            found.append(s)
+        else:
+            s.close()
+    return found
+
+
+def _peer_left(s: socket.socket) -> bool:
+    try:
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _watch_peers(cluster: Cluster, sockets: list[socket.socket]) -> None:
+    """End this rank when a peer closed its connection and this rank stopped moving.
+
+    MLX raises in the rank's own thread when it notices (the usual case, with the usual
+    error line); this is for a collective that waits forever instead. "Stopped
+    moving": the main thread's Python frame stayed the same for ``PEER_GRACE``
+    seconds, so a rank still printing its last output is left to finish.
+    """
+    if not sockets:
+        return
+    main = threading.main_thread().ident
+
+    def where():
+        frame = sys._current_frames().get(main)
+        return None if frame is None else (frame.f_code, frame.f_lasti)
+
+    def watch():
+        while not any(_peer_left(s) for s in sockets):
+            time.sleep(WATCH_EVERY)
+        last, since = where(), time.monotonic()
+        while time.monotonic() - since < PEER_GRACE:
+            time.sleep(WATCH_EVERY)
+            now = where()
+            if now != last:
+                last, since = now, time.monotonic()
+        if cluster.is_root:
+            sys.stdout.flush()
+            sys.stderr.write(f"Error: RuntimeError: [ring] {PEER_LOST}\n")
+            sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mlx-stream-peers", daemon=True).start()
 
 
 # --------------------------------------------------------------------------- shard
@@ -314,10 +405,7 @@ def _pipeline_refusal(model, size: int) -> str | None:
     layers = len(model.model.layers)
     if layers < size:
         return f"its {layers} layers are fewer than {size} ranks"
-    # Pipeline ranks hung once the sink cache began checking the model at build time
-    # (each rank runs probe passes through a pipeline it holds only part of): refused
-    # rather than risk a hang until that check runs across ranks.
-    return "not supported with the sink cache yet (use tensor parallel)"
+    return None
 
 
 def choose(model, size: int, mode: str = "auto") -> str:

@@ -202,8 +202,51 @@ def _run(model, caches_like: list, offset: int, additive: bool, tokens, dtype):
     probes = {}
     for i in caches_like:
         caches[i] = probes[i] = Probe(offset, additive, dtype)
-    logits = model(tokens[:, :PROBE_TOKENS], cache=caches)
+    logits = _pass(model, tokens[:, :PROBE_TOKENS], caches)
     return caches, probes, logits
+
+
+def _pass(model, tokens, caches: list) -> mx.array:
+    """One model call, evaluated at once with everything it cached.
+
+    A pipeline-sharded model (mlx-lm's ``pipeline``) sends, receives and gathers
+    inside the call: evaluated lazily, the last stage's cached tensors would pull the
+    receives of every pass before any gather while the first stage's need no
+    communication at all, and the ranks would wait on different collectives. One pass
+    at a time runs the same collectives in the same order on every rank.
+    """
+    logits = model(tokens, cache=caches)
+    mx.eval(logits, [c.state for c in caches if isinstance(c, Probe)])
+    return logits
+
+
+def _pipeline_group(model):
+    """The group a pipeline-sharded model runs over, or ``None``."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return mx.distributed.init()
+    return None
+
+
+REFUSAL_BYTES = 512
+
+
+def _agree(model, refusal: str | None) -> str | None:
+    """The refusal every rank of a pipeline takes: each rank checks only its own
+    layers, and the passes that follow depend on the verdict, so all ranks must take
+    the same branch (the first refusing stage's reason, in layer order)."""
+    group = _pipeline_group(model)
+    if group is None:
+        return refusal
+    data = (refusal or "").encode()[:REFUSAL_BYTES]
+    row = np.zeros((1, REFUSAL_BYTES), np.uint8)
+    row[0, : len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.array(mx.distributed.all_gather(mx.array(row), group=group, stream=mx.cpu))
+    for r in reversed(range(group.size())):  # the last rank holds the first layers
+        text = rows[r].tobytes().rstrip(b"\0").decode(errors="replace")
+        if text:
+            return text
+    return None
 
 
 def _rel(a: mx.array, b: mx.array) -> float:
@@ -298,6 +341,7 @@ def _check(model, caches: list) -> Verdict:
         )
     layers = _layer_list(model)
     aligned = layers is not None and len(layers) == len(caches)
+    first_layer = getattr(getattr(model, "model", None), "start_idx", 0) or 0  # pipeline
     moves, rows, refusal = {}, [], None
     for i in plain:
         if probes_p[i].first is None:
@@ -308,14 +352,15 @@ def _check(model, caches: list) -> Verdict:
         move, error = _fit(probes_p[i].first, probes_q[i].first, ropes, tol)
         if move is None:
             refusal = refusal or (
-                f"{name}: layer {i}: its cached tensors change with position in a way no "
-                f"rope move reproduces ({error})"
+                f"{name}: layer {first_layer + i}: its cached tensors change with position "
+                f"in a way no rope move reproduces ({error})"
             )
             rows.append((i, "unknown", f"REFUSED ({error})"))
             moves[i] = None
         else:
             moves[i] = move
             rows.append((i, move.describe(), "ok"))
+    refusal = _agree(model, refusal)
     if refusal is None:
         err = _rel(logits_q, logits_p)
         if err > 10 * tol:
@@ -331,14 +376,14 @@ def _check(model, caches: list) -> Verdict:
         # rebase back to p) a boolean one: equal logits prove both at once (4 passes).
         for i in plain:
             probes_p[i].additive = True
-        decoded_p = model(next_token, cache=at_p)
+        decoded_p = _pass(model, next_token, at_p)
         if refusal is None:
             for i in plain:
                 probes_q[i].rebase(moves[i], PROBE_SHIFT)
-            decoded_q = model(next_token, cache=at_q)
+            decoded_q = _pass(model, next_token, at_q)
             if _rel(decoded_q, decoded_p) > 10 * tol:  # which one differs? (2 passes)
                 at_b, _, _ = _run(model, plain, PROBE_AT, False, tokens, dtype)
-                decoded_b = model(next_token, cache=at_b)
+                decoded_b = _pass(model, next_token, at_b)
                 additive = _rel(decoded_p, decoded_b) <= 10 * tol
                 err = _rel(decoded_q, decoded_b)
                 if err > 10 * tol:
@@ -349,7 +394,7 @@ def _check(model, caches: list) -> Verdict:
                     )
         else:
             at_b, _, _ = _run(model, plain, PROBE_AT, False, tokens, dtype)
-            additive = _rel(decoded_p, model(next_token, cache=at_b)) <= 10 * tol
+            additive = _rel(decoded_p, _pass(model, next_token, at_b)) <= 10 * tol
     except Exception as e:  # noqa: BLE001
         msg = " ".join(str(e).split())[:200]
         refusal = refusal or f"{name}: the self-check could not run it ({type(e).__name__}: {msg})"

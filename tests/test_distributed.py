@@ -160,12 +160,12 @@ def test_refuses_heads_that_do_not_divide_and_names_them():
         distributed.choose(model, 2, "pipeline")
 
 
-def test_pipeline_is_refused_with_a_reason_when_tensor_parallel_does_not_fit():
+def test_pipeline_takes_over_where_tensor_parallel_does_not_fit():
     model = tiny.make_model("qwen2", num_hidden_layers=3)
     assert distributed.strategies(model) == ["tensor", "pipeline"]
     assert distributed.choose(model, 2) == "tensor"
-    with pytest.raises(UserError, match="pipeline: not supported with the sink cache yet"):
-        distributed.choose(model, 3)
+    assert distributed.choose(model, 3) == "pipeline"  # 4 heads do not divide over 3
+    assert distributed.choose(model, 2, "pipeline") == "pipeline"
     with pytest.raises(UserError, match="3 layers are fewer than 4 ranks"):
         distributed.choose(model, 4, "pipeline")
 
@@ -209,6 +209,13 @@ def test_tensor_parallel_stream_run_equals_one_process(folders, text):
 
 
 @pytest.mark.slow
+def test_pipeline_stream_run_equals_one_process(folders, text):
+    """Each rank runs 2 of the 4 layers; the sink cache's build-time model check runs
+    its probe passes through the pipeline in step on both ranks."""
+    compare_stream_run(2, folders["qwen2"], text, "--distributed", "pipeline")
+
+
+@pytest.mark.slow
 def test_chat_replies_equal_one_process_and_refuses_save(folders):
     # mlx.launch never passes on the end of its input: /quit ends the ranks
     lines = "hello the sea\n/save here\nwhale ship captain\n/quit\n"
@@ -221,7 +228,7 @@ def test_chat_replies_equal_one_process_and_refuses_save(folders):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "mode"), [("llama", "tensor")])
+@pytest.mark.parametrize(("model", "mode"), [("llama", "tensor"), ("qwen2", "pipeline")])
 def test_profile_each_rank_holds_half_the_cache(folders, model, mode):
     args = ["profile", "-m", str(folders[model]), *SMALL, "--tokens", "40", "--json"]
     one = single(*args)
@@ -248,10 +255,13 @@ def test_refusal_under_launch_is_one_line(folders, text):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_others_within_seconds(folders, tmp_path):
+@pytest.mark.parametrize(("model", "mode"), [("llama", "tensor"), ("qwen2", "pipeline")])
+def test_a_killed_rank_ends_the_others_within_seconds(folders, tmp_path, model, mode):
     """Ranks started by hand (no mlx.launch to clean up): rank 1 dies mid-reply, and
-    rank 0 ends by itself with one error line."""
-    args = ["chat", "-m", str(folders["llama"]), *SMALL, "--max-tokens", "100000"]
+    rank 0 ends by itself with one error line (MLX raises, or, where its collective
+    waits on forever, the rank's watch on its ring connections ends it)."""
+    args = ["chat", "-m", str(folders[model]), *SMALL, "--max-tokens", "100000"]
+    args += ["--distributed", mode]
     procs = start_ranks(2, args, tmp_path)
     root, other = procs
     try:
