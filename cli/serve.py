@@ -99,6 +99,7 @@ def serve(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     batch: Batching = True,
+    distributed: opt.Distributed = "auto",
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
 
@@ -106,6 +107,9 @@ def serve(
     its transcript (or an X-Session-ID header) and feeds only the new message. Memory
     is weights + sessions x a fixed size: a session that does not fit evicts an idle
     one to disk, and when none is idle the request gets 429 with Retry-After.
+
+    Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
+    hands each request to the others (one request at a time, not batched).
     """
     check_positive(sinks, "--sinks", 0)
     check_positive(window, "--window")
@@ -119,8 +123,12 @@ def serve(
     budget = parse_bytes(memory_budget)
     if state_dir is not None and not state_dir.is_dir():
         fail(f"--state-dir {state_dir}: no such directory")
-    check_listen(host, port)
-    target, tokenizer, spec = load_model(model, dtype)
+    from mlx_stream import distributed as dist
+
+    cluster = dist.join(distributed, model)
+    if cluster is None or cluster.is_root:
+        check_listen(host, port)
+    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
     model_id = spec.name if spec is not None else Path(model or "default").name
@@ -143,14 +151,19 @@ def serve(
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
+        cluster=cluster,
     )  # fmt: skip
     engine.start()
+    if cluster is not None and not cluster.is_root:
+        engine.follow()  # until rank 0 stops
+        return
     try:
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
             f"mlx-stream serve · {model_id} · sinks {sinks} + window {window} · "
-            f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
+            + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
+            + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
             f"{per / 1e6:,.2f} MB per session) · "
             + (f"not batched: {engine.batch_refusal} · " if engine.batch_refusal else "batched · ")
             + f"http://{host}:{port}/v1",

@@ -30,14 +30,22 @@ Contract:
 
 The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
 objects and events back into responses.
+
+Sharded (``cluster``: ``serve --distributed``): rank 0 owns HTTP; its worker takes one
+request at a time, hands it to the other ranks (:meth:`Engine.follow`) with MLX's
+collectives and runs it to its end in step with them; batching is off. The ranks agree
+on session ids and on a cancelled request (once per ``chunk`` of tokens), so every
+rank's sessions stay the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import queue
+import random
 import tempfile
 import threading
 import time
@@ -96,6 +104,10 @@ class Request:
     stop: list[str] | None = None
     seed: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed")
+FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
 @dataclass
@@ -158,6 +170,7 @@ class Engine:
         chunk (int): Tokens a request advances per scheduler round when not batched.
         batching (bool): Decode sessions together in one batched call per round.
             Default: True (refused, with the reason in the stats, where inexact).
+        cluster (distributed.Cluster, optional): The ranks a sharded model runs on.
     """
 
     def __init__(
@@ -174,8 +187,15 @@ class Engine:
         state_dir: str | Path | None = None,
         chunk: int = DEFAULT_CHUNK,
         batching: bool = True,
+        cluster: Any = None,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.cluster, self._ids = cluster, None
+        if cluster is not None:
+            self._ids = random.Random(cluster.share_int(random.getrandbits(62)))
+            if state_dir is not None:  # ranks on one machine must not share files
+                state_dir = Path(state_dir) / f"rank-{cluster.rank}"
+                state_dir.mkdir(exist_ok=True)
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
         self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
         self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
@@ -196,6 +216,9 @@ class Engine:
         self._published = 0.0
         self.evictions = self.restores = self.refusals = 0
         self.batching, self._batch, self.batch_refusal = batching, None, "off (--no-batch)"
+        if cluster is not None:
+            self.batching = False
+            self.batch_refusal = "off (--distributed: one request at a time, on every rank)"
 
     # ----- lifecycle ------------------------------------------------------------------
 
@@ -227,6 +250,11 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a generation request (any thread)."""
         self._queue.put(request)
+
+    def follow(self) -> None:
+        """A follower rank: run rank 0's requests until rank 0 stops."""
+        self._queue.put(FOLLOW)
+        self._thread.join()
 
     def call(self, fn: Callable[[], Any]):
         """Run ``fn`` on the worker thread; returns a ``concurrent.futures.Future``."""
@@ -278,6 +306,9 @@ class Engine:
                 self._advance_safely(job)
 
     def _run(self) -> None:
+        if self.cluster is not None:
+            self._run_in_step()
+            return
         while not self._stopping:
             try:
                 item = self._queue.get(timeout=None if not self._active else 0)
@@ -292,6 +323,44 @@ class Engine:
                 except queue.Empty:
                     item = False
             self._round()
+
+    def _run_in_step(self) -> None:
+        """The worker of a sharded engine: one request at a time, run to its end,
+        taken from the queue (rank 0, which hands it on) or from rank 0 (followers)."""
+        from mlx_stream.distributed import is_peer_lost
+
+        cluster = self.cluster
+        try:
+            while True:
+                item = self._queue.get()
+                if item is FOLLOW:
+                    item = cluster.share_text(None)
+                    self._queue.put(FOLLOW)
+                    if item is None:
+                        return
+                    item = Request(emit=lambda event: None, **json.loads(item))
+                elif item is None or isinstance(item, Request):
+                    wire = None if item is None else {k: getattr(item, k) for k in WIRE}
+                    cluster.share_text(None if wire is None else json.dumps(wire))
+                    if item is None:
+                        return
+                self._handle(item)
+                while self._active:
+                    self._round()
+        except Exception as exc:  # noqa: BLE001 - the ranks are out of step: all stop
+            import sys
+
+            if not is_peer_lost(exc) or cluster.is_root:  # a follower's own error only
+                sys.stderr.write(f"Error: {type(exc).__name__}: {exc}\n")
+                sys.stderr.flush()
+            getattr(sys.stderr, "report", lambda: None)()  # a follower's held line
+            os._exit(1)
+
+    def _fatal(self, exc: Exception) -> bool:
+        """Whether ``exc`` ends a sharded server (a rank is gone) rather than a request."""
+        from mlx_stream.distributed import is_peer_lost
+
+        return self.cluster is not None and is_peer_lost(exc)
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, tuple):
@@ -309,6 +378,8 @@ class Engine:
         except UserError as exc:
             item.emit(("error", 400, str(exc), None))
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            if self._fatal(exc):
+                raise
             item.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
         self._publish()
 
@@ -330,6 +401,8 @@ class Engine:
         try:
             self._advance(job)
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            if self._fatal(exc):
+                raise
             job.running = False
             self._end(job, rollback=True)
             job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
@@ -338,8 +411,8 @@ class Engine:
         """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
         has ready, or its first token)."""
         job.running, ending = True, False
-        for _ in range(self.chunk if not job.batched else 1 << 30):
-            if job.request.cancelled.is_set():
+        for i in range(self.chunk if not job.batched else 1 << 30):
+            if self._cancelled(job, i == 0):
                 job.running = False
                 self._end(job, rollback=True)
                 return
@@ -354,6 +427,19 @@ class Engine:
                 job.request.emit(("text", response.text))
             ending = response.finish_reason is not None
         job.running = False
+
+    def _cancelled(self, job: _Job, first: bool) -> bool:
+        """Whether the request was cancelled; sharded: rank 0's answer, asked at the
+        start of each chunk (a collective per token would stall the decode)."""
+        if self.cluster is None:
+            return job.request.cancelled.is_set()
+        return first and bool(self.cluster.share_int(int(job.request.cancelled.is_set())))
+
+    def _new_id(self, n: int) -> str:
+        """A fresh ``n``-hex-digit id (the same on every rank of a cluster)."""
+        if self._ids is None:
+            return uuid.uuid4().hex[:n]
+        return f"{self._ids.getrandbits(4 * n):0{n}x}"
 
     def _finish(self, job: _Job) -> None:
         entry = job.entry
@@ -568,12 +654,12 @@ class Engine:
             entry = candidates[0]
             entry.system = system
             return entry, "rebuild"
-        entry = Entry(id=uuid.uuid4().hex[:16], system=system)
+        entry = Entry(id=self._new_id(16), system=system)
         self.entries[entry.id] = entry
         return entry, "new" if not history else "rebuild"
 
     def _admit_completion(self, request: Request) -> None:
-        entry = Entry(id="completion-" + uuid.uuid4().hex[:12], system=None, transient=True)
+        entry = Entry(id="completion-" + self._new_id(12), system=None, transient=True)
         self.entries[entry.id] = entry
         try:
             self._make_room(self.session_bytes(self.settings.sinks) // 2, entry)
