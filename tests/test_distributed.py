@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -300,6 +301,70 @@ def test_ctrl_c_ends_every_rank_with_one_line(folders, tmp_path):
         stop_ranks(procs)
     assert codes == [130, 130]
     assert err.strip().splitlines() == ["Error: interrupted; every rank stops"]
+
+
+def start_server(n: int, folder: Path, tmp_path: Path) -> tuple[str, list[subprocess.Popen]]:
+    """``mlx-stream serve`` on ``n`` ranks started by hand (one: a single process);
+    returns rank 0's URL once it answers, and the ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["serve", "-m", str(folder), *SMALL, "--max-tokens", "40", "--port", str(port)]
+    args += ["--distributed", "off" if n == 1 else "auto"]
+    (tmp_path / f"ranks-{n}").mkdir()
+    procs = start_ranks(n, args, tmp_path / f"ranks-{n}")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while time.monotonic() < deadline:
+        if procs[0].poll() is not None:
+            stop_ranks(procs)
+            raise RuntimeError(f"serve exited: {procs[0].stderr.read().decode()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1):
+                return url, procs
+        except OSError:
+            time.sleep(0.2)
+    stop_ranks(procs)
+    raise RuntimeError("serve did not start")
+
+
+def converse(url: str, turns: list[str]) -> list[str]:
+    """Greedy replies to ``turns``, each request resending the conversation so far."""
+    messages, replies = [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        body = json.dumps({"model": "default", "messages": messages, "temperature": 0})
+        request = urllib.request.Request(
+            url + "/v1/chat/completions", data=body.encode(), method="POST",
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=LAUNCH_TIMEOUT) as r:
+            reply = json.loads(r.read())["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    return replies
+
+
+@pytest.mark.slow
+def test_serve_replies_equal_one_process_and_followers_end_with_rank_0(folders, tmp_path):
+    """Rank 0 serves HTTP, rank 1 runs every request with it (tensor parallel); the
+    first message alone wraps the 16-token window several times."""
+    rng = random.Random(5)
+    turns = [" ".join(rng.choice(tiny.VOCAB_WORDS) for _ in range(60)), "the sea", "whale"]
+    replies = {}
+    for n in (1, 2):
+        url, procs = start_server(n, folders["llama"], tmp_path)
+        try:
+            replies[n] = converse(url, turns)
+            procs[0].terminate()
+            codes = [p.wait(timeout=15) for p in procs]  # rank 1 ends with rank 0
+            err = procs[0].stderr.read().decode()
+        finally:
+            stop_ranks(procs)
+        assert "Error" not in err, err
+        assert codes[0] == -signal.SIGTERM
+    assert replies[2] == replies[1] and all(replies[1])
+    assert "tensor over 2 ranks" in err and "--distributed: one request at a time" in err
 
 
 @pytest.mark.real_model
