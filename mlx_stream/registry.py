@@ -243,7 +243,6 @@ def edit_yaml(path: Path, edit: Callable[[Any], None]) -> None:
     """
     from ruamel.yaml import YAMLError
     from ruamel.yaml.comments import CommentedMap
-
     from ruamel.yaml.util import load_yaml_guess_indent
 
     yaml = _round_trip()
