@@ -10,11 +10,11 @@ lockstep:
 - ``mlx-lm``: ``mlx_lm.generate.BatchGenerator`` (continuous batching, its growing
   ``BatchKVCache``; ``--mlx-lm-max-kv`` gives it a ``BatchRotatingKVCache`` instead).
 
-Only decode steps are timed (prefill is not). One JSON line per (engine, B): aggregate
-tok/s (B x steps / time), the per-session p50/p90 of the step time (each session gets
-one token per step), KV bytes per session (exact, from the caches) and the process's
-active memory. The two engines alternate per B (``--repeats``), so machine noise falls on
-both alike. A summary line holds the targets: mlx-stream at the largest B over itself
+Only decode steps are timed (prefill is not). Both engines hold their B sessions at
+once and step alternately (one step of each in turn), so machine noise falls on both
+alike. One JSON line per (engine, B): aggregate tok/s (B x steps / time), the
+per-session p50/p90 of the step time (each session gets one token per step), KV bytes
+per session (exact, from the caches) and the process's active memory (both engines'). A summary line holds the targets: mlx-stream at the largest B over itself
 at B=1 (target >= 3) and over mlx-lm at the largest B (target >= 1).
 
     python benchmarks/batch.py --tokens 24      # 34 min at load average 15-18 on 2 cores
@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 import common
-
-ENGINES = ("mlx-stream", "mlx-lm")
 
 
 def tree_bytes(caches) -> int:
@@ -46,65 +44,89 @@ def prompts_for(tokenizer, B: int, context: int) -> list[list[int]]:
     return [tokens[i * context : (i + 1) * context] for i in range(B)]
 
 
-def run_ours(model, prompts, args) -> dict:
-    import mlx.core as mx
+class Ours:
+    """mlx-stream: one ``Batch`` row per session, each on its own sink cache."""
 
-    from mlx_stream.batch import Batch
-    from mlx_stream.cache import make_sink_cache
+    def __init__(self, model, prompts, args):
+        from mlx_stream.batch import Batch
+        from mlx_stream.cache import make_sink_cache
 
-    batch = Batch(model, prefill_chunk=512)
-    rows = [batch.add(make_sink_cache(model, args.sinks, args.window), p) for p in prompts]
-    while batch.waiting:  # prefill (not timed)
-        batch.step()
-    for r in rows:
-        r.inbox.clear()
-    times = []
-    for _ in range(args.tokens):
-        tic = time.perf_counter()
-        batch.step()
-        times.append(time.perf_counter() - tic)
-        for r in rows:
+        self.batch = Batch(model, prefill_chunk=512)
+        self.rows = [
+            self.batch.add(make_sink_cache(model, args.sinks, args.window), p) for p in prompts
+        ]
+        while self.batch.waiting:  # prefill (not timed)
+            self.batch.step()
+        self.step()
+
+    def step(self) -> None:
+        self.batch.step()
+        for r in self.rows:
             r.inbox.clear()
-    kv = sum(layer.nbytes for layer in batch.layers)
-    memory = common.memory_mb()
-    for r in list(rows):
-        batch.remove(r)
-    mx.clear_cache()
-    return {"times": times, "kv_bytes": kv, **memory}
+
+    def kv_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.batch.layers)
+
+    def close(self) -> None:
+        for r in list(self.rows):
+            self.batch.remove(r)
 
 
-def run_mlx_lm(model, prompts, args) -> dict:
+class MlxLm:
+    """mlx-lm: ``BatchGenerator`` (continuous batching, its growing ``BatchKVCache``)."""
+
+    def __init__(self, model, prompts, args):
+        from mlx_lm.generate import BatchGenerator
+
+        self.B = len(prompts)
+        self.gen = BatchGenerator(
+            model,
+            max_tokens=args.tokens + 4,
+            completion_batch_size=self.B,
+            prefill_batch_size=self.B,
+            prefill_step_size=512,
+            max_kv_size=args.mlx_lm_max_kv,
+        )
+        self.gen.insert(prompts)
+        while not self.gen.next_generated():  # prefill (not timed) until the first tokens
+            pass
+        self.step()
+
+    def step(self) -> None:
+        responses = self.gen.next_generated()
+        assert len(responses) == self.B, f"{len(responses)} of {self.B} sessions stepped"
+
+    def kv_bytes(self) -> int:
+        return tree_bytes(self.gen._generation_batch.prompt_cache)
+
+    def close(self) -> None:
+        self.gen.close()
+
+
+ENGINES = {"mlx-stream": Ours, "mlx-lm": MlxLm}
+
+
+def run_both(model, prompts, args) -> dict[str, dict]:
+    """Both engines prefilled, then stepped alternately: step t of one, step t of the
+    other, so a load swing on this shared machine falls on both alike."""
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
 
-    B = len(prompts)
-    gen = BatchGenerator(
-        model,
-        max_tokens=args.tokens + 2,
-        completion_batch_size=B,
-        prefill_batch_size=B,
-        prefill_step_size=512,
-        max_kv_size=args.mlx_lm_max_kv,
-    )
-    gen.insert(prompts)
-    produced = 0
-    while produced == 0:  # prefill (not timed) until the first tokens come
-        produced = len(gen.next_generated())
-    times = []
-    for _ in range(args.tokens):
-        tic = time.perf_counter()
-        responses = gen.next_generated()
-        times.append(time.perf_counter() - tic)
-        assert len(responses) == B, f"{len(responses)} of {B} sessions stepped"
-    kv = tree_bytes(gen._generation_batch.prompt_cache)
-    memory = common.memory_mb()
-    gen.close()
-    del gen
+    engines = {name: cls(model, prompts, args) for name, cls in ENGINES.items()}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    order = list(engines)
+    for t in range(args.tokens):
+        for name in order if t % 2 == 0 else order[::-1]:
+            tic = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - tic)
+    memory = common.memory_mb()  # both engines' sessions are alive: the process's total
+    out = {name: {"times": times[name], "kv_bytes": e.kv_bytes(), **memory}
+           for name, e in engines.items()}  # fmt: skip
+    for e in engines.values():
+        e.close()
+    del engines
     mx.clear_cache()
-    return {"times": times, "kv_bytes": kv, **memory}
-
-
-RUNNERS = {"mlx-stream": run_ours, "mlx-lm": run_mlx_lm}
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -114,7 +136,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--mlx-lm-max-kv", type=int, default=None, help="mlx-lm's BatchRotatingKVCache size"
     )
@@ -136,8 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = []
     for B in batches:
         prompts = prompts_for(tokenizer, B, args.context)
-        for engine in common.interleave(ENGINES, args.repeats):
-            result = RUNNERS[engine](model, prompts, args)
+        results = run_both(model, prompts, args)
+        for engine, result in results.items():
             times = result.pop("times")
             record = common.base_record(
                 "batch", args.model, weights, engine=engine, sessions=B,

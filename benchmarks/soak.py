@@ -8,14 +8,23 @@ active memory, its buffer pool, the process's resident memory, the cache's RoPE 
 Lines are appended to ``--out`` as they come, so a run cut short keeps what it measured;
 the plot is redrawn every ``--plot-every`` samples and at the end.
 
-    OPENBLAS_NUM_THREADS=1 nice python benchmarks/soak.py --tokens 1000000 --window 1024
+A million tokens take hours on a CPU. With ``--checkpoint FILE`` the run saves
+``stream-run``'s checkpoint at every sample and on Ctrl-C or SIGTERM, and the same
+command run again resumes it (the engine checks the model, settings and the text
+consumed against the checkpoint), so a soak can run in legs: each leg is a new process
+and its lines (``leg`` 1, 2, ...) continue the run's lines in ``--out``.
+
+    OPENBLAS_NUM_THREADS=1 nice python benchmarks/soak.py --tokens 1000000 --window 1024 \
+        --checkpoint soak.safetensors --out results/soak.jsonl --plot results/soak.png
     python benchmarks/soak.py --quick                          # 4k tokens, window 64
     python benchmarks/soak.py --replot results/soak.jsonl --plot results/soak.png  # + summary
 """
 
 from __future__ import annotations
 
+import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -53,14 +62,23 @@ def rss_mb() -> float | None:
 class Sampler:
     """The stream_perplexity callback: one JSON line every ``every`` tokens."""
 
-    def __init__(self, caches: list, every: int, out: Path | None, plot: Path | None,
-                 plot_every: int, base: dict):  # fmt: skip
-        self.caches, self.every, self.out = caches, every, out
+    def __init__(self, every: int, out: Path | None, plot: Path | None, plot_every: int,
+                 base: dict, earlier: list[dict] = ()):  # fmt: skip
+        self.caches: list = []  # set by stream_perplexity's on_cache
+        self.every, self.out = every, out
         self.plot, self.plot_every, self.base = plot, plot_every, base
         self.last_position, self.last_nll_sum = 1, 0.0
         self.pool_max = 0  # the pool's largest size seen since the last sample
-        self.records: list[dict] = []
+        self.records: list[dict] = list(earlier)  # the run's lines from earlier legs
         self.tic = time.perf_counter()
+        if self.records:  # a resumed leg continues the last line of the earlier ones
+            last = self.records[-1]
+            self.last_position = last["tokens"]
+            self.last_nll_sum = math.log(last["running_ppl"]) * (last["tokens"] - 1)
+            self.tic -= last["seconds"]
+
+    def use(self, caches: list) -> None:
+        self.caches = caches
 
     def __call__(self, position: int, perplexity: float, last: bool = False) -> None:
         import mlx.core as mx
@@ -69,7 +87,7 @@ class Sampler:
         # after one): the pool's peak between samples is what shows it bounded.
         self.pool_max = max(self.pool_max, mx.get_cache_memory())
         crossed = position // self.every != self.last_position // self.every
-        if not crossed and not (last and position > self.last_position):
+        if position <= self.last_position or not (crossed or last):
             return
 
         # Scored tokens are position - 1; the running mean NLL gives the segment's sum.
@@ -170,6 +188,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--plot", type=Path, help="PNG of the samples")
     parser.add_argument("--plot-every", type=int, default=16, help="redraw every N samples")
     parser.add_argument("--replot", type=Path, nargs="+", help="only plot saved JSON lines")
+    parser.add_argument(
+        "--checkpoint", type=Path, help="save here at every sample; resume from it if it exists"
+    )
     args = parser.parse_args(argv)
     if args.replot:
         usable = lambda r: r.get("bench") == "soak" and not r.get("summary")  # noqa: E731
@@ -180,20 +201,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.tokens, args.window = min(args.tokens, 4096), 64
         args.sample = min(args.sample, 512)
-    from mlx_stream.cache import make_sink_cache
+    from mlx_stream.decode import StopOnInterrupt
     from mlx_stream.evaluate import stream_perplexity
 
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
-    caches = make_sink_cache(model, args.sinks, args.window)
-    base = common.base_record(
-        "soak", args.model, weights, sinks=args.sinks, window=args.window, chunk=args.chunk,
-        sample=args.sample, target_tokens=args.tokens,
-    )  # fmt: skip
-    sampler = Sampler(caches, args.sample, args.out, args.plot, args.plot_every, base)
-    result = stream_perplexity(
-        model, book_stream(tokenizer), sinks=args.sinks, window=args.window, chunk=args.chunk,
-        prompt_cache=caches, callback=sampler, segment=args.sample, limit_tokens=args.tokens,
-    )  # fmt: skip
+    settings = dict(sinks=args.sinks, window=args.window, chunk=args.chunk,
+                    sample=args.sample, target_tokens=args.tokens)  # fmt: skip
+    run, earlier = time.strftime("%Y%m%dT%H%M%S"), []
+    if args.checkpoint is not None and args.checkpoint.exists():
+        run, earlier = resume_lines(parser, args.checkpoint, args.out)
+    base = common.base_record("soak", args.model, weights, **settings, run=run,
+                              leg=1 + len({r.get("leg") for r in earlier}))  # fmt: skip
+    sampler = Sampler(args.sample, args.out, args.plot, args.plot_every, base, earlier)
+    identity = {"bench": "soak", "model": base["model"], "weights": weights, "run": run,
+                **settings}  # fmt: skip
+    with StopOnInterrupt((signal.SIGINT, signal.SIGTERM)) as stop:
+        result = stream_perplexity(
+            model, book_stream(tokenizer), sinks=args.sinks, window=args.window,
+            chunk=args.chunk, callback=sampler, on_cache=sampler.use, segment=args.sample,
+            limit_tokens=args.tokens, checkpoint=args.checkpoint,
+            checkpoint_every=args.sample, resume=args.checkpoint is not None,
+            identity=identity, should_stop=lambda: stop.interrupted,
+        )  # fmt: skip
+    if result.checkpoint_error:
+        print(f"soak: {result.checkpoint_error}", file=sys.stderr)
+    if result.interrupted:
+        print(f"soak: stopped at {result.position} tokens; the same command continues it"
+              if args.checkpoint and not result.checkpoint_error
+              else f"soak: stopped at {result.position} tokens", file=sys.stderr)  # fmt: skip
+        return sampler.records
     sampler(result.position, result.perplexity, last=True)  # the tail after the last sample
     if args.plot is not None and sampler.records:
         draw(sampler.records, args.plot)
@@ -201,10 +237,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
         common.emit(summarize(sampler.records), args.out)
     print(
         f"soak: {result.position} tokens, perplexity {result.perplexity:.3f}, "
-        f"{result.tokens_per_second:.0f} tok/s, {result.seconds:.0f} s",
+        f"{result.tokens_per_second:.0f} tok/s this leg, {result.seconds:.0f} s",
         file=sys.stderr,
     )
     return sampler.records + ([summarize(sampler.records)] if sampler.records else [])
+
+
+def resume_lines(parser, checkpoint: Path, out: Path | None) -> tuple[str, list[dict]]:
+    """The run a checkpoint belongs to and its lines in ``out`` up to the checkpoint;
+    lines past it (a leg killed between a sample and its checkpoint) are dropped from
+    ``out``, so the resumed leg writes them again."""
+    from mlx_stream.checkpoint import read_metadata
+    from mlx_stream.errors import UserError
+
+    try:
+        meta = read_metadata(checkpoint)
+    except UserError as e:
+        parser.error(str(e))
+    run, position = meta["identity"].get("run"), meta["state"].get("position", 0)
+    if run is None:
+        parser.error(f"{checkpoint}: not a soak checkpoint (stream-run's?)")
+    if out is None or not out.exists():
+        parser.error(f"{checkpoint}: resuming needs the earlier legs' lines (--out)")
+    mine = lambda r: r.get("run") == run and not r.get("summary")  # noqa: E731
+    lines = out.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if not (mine(r := json.loads(line)) and r["tokens"] > position)]
+    if len(keep) != len(lines):
+        out.write_text("".join(keep))
+    earlier = [r for r in map(json.loads, keep) if mine(r)]
+    if not earlier:
+        parser.error(f"{checkpoint}: {out} holds no line of run {run}")
+    return run, earlier
 
 
 if __name__ == "__main__":

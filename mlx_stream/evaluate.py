@@ -184,6 +184,7 @@ def stream_perplexity(
     reclaim: ReclaimSchedule | None = None,
     identity: dict | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_cache: Callable[[list], None] | None = None,
 ) -> PerplexityResult:
     """Feed ``tokens`` as one stream and score every token under the cache policy.
 
@@ -218,6 +219,8 @@ def stream_perplexity(
         should_stop (Callable[[], bool], optional): Checked between model calls; when
             it returns True the run stops there, saves its checkpoint and returns
             with ``interrupted`` set (e.g. after Ctrl-C).
+        on_cache (Callable[[list], None], optional): Called once, before the first
+            model call, with the cache the run uses (the checkpoint's when resuming).
 
     Returns:
         PerplexityResult: Totals so far (a resumed run includes the earlier part).
@@ -251,6 +254,8 @@ def stream_perplexity(
             )
     elif prompt_cache is None:
         prompt_cache = make_checked_sink_cache(model, sinks, window, positions=positions)
+    if on_cache is not None:
+        on_cache(prompt_cache)
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     saves = ReclaimSchedule(every=checkpoint_every)  # the same crossing rule
     stream = itertools.islice(

@@ -223,6 +223,18 @@ def _round_trip():
     return yaml
 
 
+def _indentation(text: str, guess: Callable) -> dict[str, int]:
+    """The file's own indentation, so an edit writes it back as it was: the mapping
+    step is the smallest indent of a nested key; the sequences' from ruamel's guess."""
+    keys = [len(line) - len(line.lstrip(" ")) for line in text.splitlines()
+            if line.startswith(" ") and line.strip()[:1] not in ("#", "-")]  # fmt: skip
+    mapping = min((k for k in keys if k > 0), default=2)
+    _, sequence, offset = guess(text)
+    if sequence is None:  # no sequence yet: indented under their key, like models.yaml
+        return dict(mapping=mapping, sequence=mapping + 2, offset=mapping)
+    return dict(mapping=mapping, sequence=sequence, offset=offset or 0)
+
+
 def edit_yaml(path: Path, edit: Callable[[Any], None]) -> None:
     """Apply ``edit`` to a registry file's document and write it back atomically,
     keeping the user's comments, order and layout (ruamel.yaml's round trip).
@@ -231,11 +243,15 @@ def edit_yaml(path: Path, edit: Callable[[Any], None]) -> None:
     """
     from ruamel.yaml import YAMLError
     from ruamel.yaml.comments import CommentedMap
+    from ruamel.yaml.util import load_yaml_guess_indent
 
     yaml = _round_trip()
     try:
         text = path.read_text(encoding="utf-8") if path.is_file() else ""
-        data = yaml.load(text) if text.strip() else None
+        data = None
+        if text.strip():
+            yaml.indent(**_indentation(text, load_yaml_guess_indent))
+            data = yaml.load(text)
     except (OSError, UnicodeDecodeError, YAMLError) as e:
         raise UserError(f"{path}: cannot edit ({' '.join(str(e).split())[:200]})") from None
     if data is None:

@@ -180,6 +180,22 @@ def test_edits_keep_the_users_comments_and_layout():
     assert path.read_text() == USER_FILE
 
 
+@pytest.mark.parametrize("indent", [2, 4])
+@pytest.mark.parametrize("sequence", ["indented", "flush"])
+def test_edits_keep_the_users_indentation(indent, sequence):
+    """An edit writes the file back in its own indentation, whatever it is."""
+    pad, dash = " " * indent, " " * indent if sequence == "indented" else ""
+    text = (
+        f"models:\n{pad}mine:\n{pad * 2}sources:\n{pad * 2}{dash}- path: /tmp/mine.gguf\n"
+        f"{pad}other:\n{pad * 2}window: 256\n"
+    )
+    path = write_user(text)
+    registry.add_user_entry("extra", {"sources": [{"path": "/tmp/x.gguf"}]})
+    assert path.read_text().startswith(text)
+    assert registry.remove_user_entry("extra")
+    assert path.read_text() == text
+
+
 def test_removing_the_users_default_leaves_a_working_registry():
     path = write_user(USER_FILE)
     assert registry.remove_user_entry("mine")

@@ -32,3 +32,40 @@ def test_soak_quick(monkeypatch, tmp_path, tiny_model_dir):
     png.unlink()
     again = soak.main(["--replot", str(out), "--plot", str(png)])
     assert again == samples and png.stat().st_size > 0
+
+
+def test_soak_in_legs_equals_one_run(monkeypatch, tmp_path, tiny_model_dir):
+    """A soak stopped by SIGTERM and run again with the same command resumes from its
+    checkpoint: its lines continue the first leg's and equal one uninterrupted run's."""
+    import os
+    import signal
+
+    soak = load_script("soak", monkeypatch)
+    args = ["--quick", "--model", str(tiny_model_dir), "--tokens", "1500", "--sample", "256"]
+    whole = tmp_path / "whole.jsonl"
+    soak.main([*args, "--out", str(whole)])
+    expected = [json.loads(line) for line in whole.read_text().splitlines()][:-1]
+
+    out, ckpt = tmp_path / "legs.jsonl", tmp_path / "soak.safetensors"
+    legs = [*args, "--out", str(out), "--checkpoint", str(ckpt)]
+    sample = soak.Sampler.__call__
+
+    def stop_after_600(self, position, perplexity, last=False):
+        sample(self, position, perplexity, last)
+        if position > 600:
+            os.kill(os.getpid(), signal.SIGTERM)  # a polite kill mid-run
+
+    monkeypatch.setattr(soak.Sampler, "__call__", stop_after_600)
+    first = soak.main(legs)
+    assert [r["tokens"] for r in first] == [257, 513] and ckpt.exists()
+    monkeypatch.setattr(soak.Sampler, "__call__", sample)
+    soak.main(legs)
+    *lines, summary = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["leg"] for r in lines] == [1, 1, 2, 2, 2, 2]
+    assert len({r["run"] for r in lines}) == 1
+    assert [r["tokens"] for r in lines] == [r["tokens"] for r in expected]
+    assert [r["offset"] for r in lines] == [r["offset"] for r in expected]
+    for got, want in zip(lines, expected, strict=True):
+        assert got["segment_ppl"] == pytest.approx(want["segment_ppl"], rel=1e-4)
+        assert got["running_ppl"] == pytest.approx(want["running_ppl"], rel=1e-4)
+    assert summary["summary"] and summary["tokens"] == 1500 and summary["samples"] == 6
