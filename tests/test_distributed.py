@@ -282,6 +282,44 @@ def test_a_killed_rank_ends_the_others_within_seconds(folders, tmp_path, model, 
     assert err.strip().splitlines() == ["Error: RuntimeError: [ring] connection to a peer was lost"]  # fmt: skip
 
 
+WATCHED = """
+import socket, sys, time
+from mlx_stream import distributed
+peer = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+root = type("Root", (), {"is_root": True})()
+distributed._watch_peers(root, [peer])
+print("watching", flush=True)
+time.sleep(60)  # a collective that never returns: the main thread sits still
+"""
+
+
+def test_a_rank_stuck_after_its_peer_left_ends_itself_with_one_line():
+    """MLX's ring can wait forever on a peer that left: the watch on the connection
+    ends the rank within seconds of the peer closing its side."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WATCHED, str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            other, _ = server.accept()
+            assert proc.stdout.readline() == "watching\n"
+            time.sleep(distributed.PEER_GRACE)
+            assert proc.poll() is None  # the peer is there: nothing happens
+            other.close()
+            start = time.monotonic()
+            code = proc.wait(timeout=30)
+            waited = time.monotonic() - start
+            err = proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert code == 1 and waited < distributed.PEER_GRACE + 3
+    assert err.splitlines() == ["Error: RuntimeError: [ring] connection to a peer was lost"]
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_every_rank_with_one_line(folders, tmp_path):
     """Ctrl-C reaches every rank of the terminal's process group, mid-reply: all stop
