@@ -21,6 +21,7 @@ overhead of sharding, not a speed-up. What sharding buys is the per-rank memory.
 
     python benchmarks/distributed.py --by-hand --context 128 --tokens 8   # the recorded run
     python benchmarks/distributed.py --ranks 1,3 --tokens 32             # under mlx.launch
+    python benchmarks/distributed.py --by-hand --ranks 1,2 --strategy pipeline -m DIR
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def worker(args) -> None:
 
     from mlx_stream import distributed, loader
 
-    cluster = distributed.start("auto") if distributed.launched() else None
+    cluster = distributed.start(args.strategy) if distributed.launched() else None
     model, tokenizer, info = loader.load(
         args.model, dtype=args.dtype, return_info=True, prepare=distributed.preparer(cluster)
     )
@@ -183,7 +184,7 @@ def _records(ranks: int, stdout: str, stderr: str) -> list[dict]:
     return records
 
 
-def divides(model: str, ranks: int) -> str | None:
+def divides(model: str, ranks: int, strategy: str = "auto") -> str | None:
     """Why ``model`` cannot be sharded over ``ranks`` (None: it can)."""
     if ranks == 1:
         return None
@@ -195,7 +196,7 @@ def divides(model: str, ranks: int) -> str | None:
     folder, _ = loader.resolve(model)
     lazy, _ = load_model(folder, lazy=True, strict=False)
     try:
-        distributed.choose(lazy, ranks)
+        distributed.choose(lazy, ranks, strategy)
     except UserError as e:
         return str(e)
     return None
@@ -231,6 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument(
+        "--strategy", default="auto", choices=("auto", "tensor", "pipeline"),
+        help="how to shard: auto (tensor parallel where it fits, else pipeline)",
+    )  # fmt: skip
+    parser.add_argument(
         "--by-hand",
         action="store_true",
         help="start the ranks without mlx.launch (its I/O threads poll busily, which "
@@ -245,10 +250,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     passed = ["--model", args.model, "--dtype", args.dtype, "--context", str(args.context),
               "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-              "--sinks", str(args.sinks), "--window", str(args.window)]  # fmt: skip
+              "--sinks", str(args.sinks), "--window", str(args.window),
+              "--strategy", args.strategy]  # fmt: skip
     records = []
     for ranks in (int(n) for n in args.ranks.split(",")):
-        reason = divides(args.model, ranks)
+        reason = divides(args.model, ranks, args.strategy)
         if reason is not None:
             print(f"skipping {ranks} ranks: {reason}", file=sys.stderr, flush=True)
             continue
