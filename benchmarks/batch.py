@@ -11,9 +11,10 @@ lockstep:
   ``BatchKVCache``; ``--mlx-lm-max-kv`` gives it a ``BatchRotatingKVCache`` instead).
 
 Only decode steps are timed (prefill is not). Both engines hold their B sessions at
-once and step alternately (one step of each in turn), so machine noise falls on both
-alike. One JSON line per (engine, B): aggregate tok/s (B x steps / time), the
-per-session p50/p90 of the step time (each session gets one token per step), KV bytes
+once and decode in alternating blocks of ``--block`` steps, so machine noise falls on
+both alike. One JSON line per (engine, B): aggregate tok/s (B x steps / time), the
+per-session p50/p90 of the step time (a block's time over its steps; each session gets
+one token per step), KV bytes
 per session (exact, from the caches) and the process's active memory (both engines'). A summary line holds the targets: mlx-stream at the largest B over itself
 at B=1 (target >= 3) and over mlx-lm at the largest B (target >= 1).
 
@@ -107,18 +108,24 @@ ENGINES = {"mlx-stream": Ours, "mlx-lm": MlxLm}
 
 
 def run_both(model, prompts, args) -> dict[str, dict]:
-    """Both engines prefilled, then stepped alternately: step t of one, step t of the
-    other, so a load swing on this shared machine falls on both alike."""
+    """Both engines prefilled, then stepped in alternating blocks of ``--block`` steps
+    (one engine's block, then the other's), so a load swing on this shared machine falls
+    on both alike. Within a block each engine pipelines its steps as it does in use; a
+    block ends when its last step's work is done, so none spills into the other's."""
     import mlx.core as mx
 
     engines = {name: cls(model, prompts, args) for name, cls in ENGINES.items()}
+    mx.synchronize()
     times: dict[str, list[float]] = {name: [] for name in engines}
     order = list(engines)
-    for t in range(args.tokens):
-        for name in order if t % 2 == 0 else order[::-1]:
+    for b in range(-(-args.tokens // args.block)):
+        steps = min(args.block, args.tokens - b * args.block)
+        for name in order if b % 2 == 0 else order[::-1]:
             tic = time.perf_counter()
-            engines[name].step()
-            times[name].append(time.perf_counter() - tic)
+            for _ in range(steps):
+                engines[name].step()
+            mx.synchronize()
+            times[name] += [(time.perf_counter() - tic) / steps] * steps
     memory = common.memory_mb()  # both engines' sessions are alive: the process's total
     out = {name: {"times": times[name], "kv_bytes": e.kv_bytes(), **memory}
            for name, e in engines.items()}  # fmt: skip
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batches", default="1,2,4,8", help="sessions decoded together")
     parser.add_argument("--context", type=int, default=1100, help="tokens fed per session")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--block", type=int, default=8, help="steps per timed block")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument(
