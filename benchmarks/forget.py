@@ -24,7 +24,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
     main_guard,
 )
 
-from mlx_stream.divergence import Policy, divergence, sample_points
+from mlx_stream.divergence import POSITIONS, Policy, divergence, sample_points
 from mlx_stream.recall import PLACEMENTS, check_prompts, recall
 
 KV = {"float": (None, None), "8": (8, None), "4": (4, None), "4k8": (4, 8)}
@@ -117,6 +117,9 @@ def render(records: list[dict]) -> str:
         out += ["| book | tokens scored | window | sinks | positions | KV | KL | top-1 | KL evicted | "
                 "top-1 evicted | ppl | full ppl | first divergence | mismatch after |",
                 "|" + "---|" * 14]  # fmt: skip
+        kv_order = ["float", "8", "4k8", "4"]
+        div.sort(key=lambda r: (r["book"], r["tokens"], r["window"], r["sinks"],
+                                POSITIONS.index(r["positions"]), kv_order.index(r["kv"])))  # fmt: skip
         for r in div:
             first = r["first_divergence_median"]
             out.append(
