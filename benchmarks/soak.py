@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.checkpoint is not None and args.checkpoint.exists():
         run, earlier = resume_lines(parser, args.checkpoint, args.out)
     base = common.base_record("soak", args.model, weights, **settings, run=run,
-                              leg=1 + len({r.get("leg") for r in earlier}))  # fmt: skip
+                              leg=1 + max((r["leg"] for r in earlier), default=0))  # fmt: skip
     sampler = Sampler(args.sample, args.out, args.plot, args.plot_every, base, earlier)
     identity = {"bench": "soak", "model": base["model"], "weights": weights, "run": run,
                 **settings}  # fmt: skip
@@ -260,11 +260,11 @@ def resume_lines(parser, checkpoint: Path, out: Path | None) -> tuple[str, list[
     if out is None or not out.exists():
         parser.error(f"{checkpoint}: resuming needs the earlier legs' lines (--out)")
     mine = lambda r: r.get("run") == run and not r.get("summary")  # noqa: E731
-    lines = out.read_text().splitlines(keepends=True)
-    keep = [line for line in lines if not (mine(r := json.loads(line)) and r["tokens"] > position)]
+    lines = [(line, json.loads(line)) for line in out.read_text().splitlines(keepends=True)]
+    keep = [(line, r) for line, r in lines if not (mine(r) and r["tokens"] > position)]
     if len(keep) != len(lines):
-        out.write_text("".join(keep))
-    earlier = [r for r in map(json.loads, keep) if mine(r)]
+        out.write_text("".join(line for line, _ in keep))
+    earlier = [r for _, r in keep if mine(r)]
     if not earlier:
         parser.error(f"{checkpoint}: {out} holds no line of run {run}")
     return run, earlier

@@ -223,13 +223,13 @@ def _round_trip():
     return yaml
 
 
-def _indentation(text: str, guess: Callable) -> dict[str, int]:
+def _indentation(text: str, sequence: int | None, offset: int | None) -> dict[str, int]:
     """The file's own indentation, so an edit writes it back as it was: the mapping
-    step is the smallest indent of a nested key; the sequences' from ruamel's guess."""
+    step is the smallest indent of a nested key; ``sequence`` and ``offset`` are
+    ruamel's guess for the sequences."""
     keys = [len(line) - len(line.lstrip(" ")) for line in text.splitlines()
             if line.startswith(" ") and line.strip()[:1] not in ("#", "-")]  # fmt: skip
     mapping = min((k for k in keys if k > 0), default=2)
-    _, sequence, offset = guess(text)
     if sequence is None:  # no sequence yet: indented under their key, like models.yaml
         return dict(mapping=mapping, sequence=mapping + 2, offset=mapping)
     return dict(mapping=mapping, sequence=sequence, offset=offset or 0)
@@ -249,9 +249,9 @@ def edit_yaml(path: Path, edit: Callable[[Any], None]) -> None:
     try:
         text = path.read_text(encoding="utf-8") if path.is_file() else ""
         data = None
-        if text.strip():
-            yaml.indent(**_indentation(text, load_yaml_guess_indent))
-            data = yaml.load(text)
+        if text.strip():  # one parse, with our settings, that also guesses the indents
+            data, sequence, offset = load_yaml_guess_indent(text, yaml=yaml)
+            yaml.indent(**_indentation(text, sequence, offset))
     except (OSError, UnicodeDecodeError, YAMLError) as e:
         raise UserError(f"{path}: cannot edit ({' '.join(str(e).split())[:200]})") from None
     if data is None:
