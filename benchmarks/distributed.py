@@ -121,20 +121,19 @@ def worker(args) -> None:
 def by_hand(ranks: int, command: list[str]) -> tuple[str, str]:
     """Start ``command`` on ``ranks`` loopback ranks as mlx.launch would (a hostfile and
     ``MLX_RANK``) but without its I/O threads, which poll busily; rank 0's output."""
-    port = 20000 + os.getpid() % 20000
+    from mlx_stream.distributed import loopback_envs
+
     with tempfile.TemporaryDirectory() as tmp:
-        hostfile = Path(tmp) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]))
         procs = [
             subprocess.Popen(
                 command,
-                env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)),
+                env=env,
                 stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                 stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                 text=True,
                 start_new_session=True,
             )
-            for r in range(ranks)
+            for r, env in enumerate(loopback_envs(ranks, Path(tmp)))
         ]
         try:
             out, err = procs[0].communicate(timeout=WORKER_TIMEOUT)
@@ -155,9 +154,9 @@ def launch(ranks: int, argv: list[str], hand: bool = False) -> list[dict]:
         stdout, stderr = by_hand(ranks, command)
         return _records(ranks, stdout, stderr)
     if ranks > 1:
-        launcher = Path(sys.executable).parent / "mlx.launch"
-        command = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
-                   "--python", sys.executable, str(SCRIPT), "--worker", *argv]  # fmt: skip
+        from mlx_stream.distributed import loopback_launch
+
+        command = loopback_launch(ranks, [str(SCRIPT), "--worker", *argv])
     # stdin stays open and empty: at end of input mlx.launch spins on it
     with subprocess.Popen(
         command,
@@ -260,6 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         for record in launch(ranks, passed, args.by_hand):
             records.append(common.emit(record, args.out))
+    if not records:
+        raise SystemExit(f"no rank count in --ranks {args.ranks} can shard {args.model}")
     records.append(common.emit(summarize(records), args.out))
     return records
 

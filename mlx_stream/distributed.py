@@ -32,6 +32,7 @@ import atexit
 import io
 import json
 import os
+import random
 import signal
 import socket
 import stat
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -59,6 +61,38 @@ LAUNCH_EXAMPLE = "mlx.launch --backend ring --hosts 127.0.0.1 -n 2 --python $(wh
 def launched() -> bool:
     """Whether this process was started by ``mlx.launch`` (or ``mpirun``)."""
     return any(os.environ.get(name) for name in LAUNCH_ENV)
+
+
+def free_port_base(ranks: int) -> int:
+    """A loopback port with ``ranks`` free ports from it (ring rank r listens on base + r)."""
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(20000, 60000)
+        try:
+            for port in range(base, base + ranks):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeFailure("no free loopback ports for the ranks")
+
+
+def loopback_launch(ranks: int, program: list[str], python: str = sys.executable) -> list[str]:
+    """The ``mlx.launch`` command that runs ``python PROGRAM`` on ``ranks`` ring ranks on
+    this machine (the launcher installed beside ``python``)."""
+    launcher = Path(python).parent / "mlx.launch"
+    return [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
+            "--starting-port", str(free_port_base(ranks)), "--python", python, *program]  # fmt: skip
+
+
+def loopback_envs(ranks: int, folder: Path) -> list[dict[str, str]]:
+    """The environment of each of ``ranks`` ring ranks on this machine, as ``mlx.launch``
+    sets it (a hostfile written in ``folder``, ``MLX_RANK``), to start the ranks by hand."""
+    base = free_port_base(ranks)
+    hostfile = Path(folder) / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(ranks)]))
+    return [dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)) for r in range(ranks)]
 
 
 def is_peer_lost(error: BaseException) -> bool:

@@ -31,7 +31,6 @@ from tests.conftest import DATA, assert_one_line_error
 runner = CliRunner()
 VENV_BIN = Path(sys.executable).parent
 MLX_STREAM = VENV_BIN / "mlx-stream"
-MLX_LAUNCH = VENV_BIN / "mlx.launch"
 LAUNCH_TIMEOUT = 120
 REAL_MODEL_TIMEOUT = 300  # three float32 copies' shards on two shared cores
 SMALL = ["--window", "16", "--sinks", "2"]
@@ -40,28 +39,11 @@ SMALL = ["--window", "16", "--sinks", "2"]
 # ----------------------------------------------------------------------- helpers
 
 
-def free_port_base(n: int) -> int:
-    """A port with ``n`` free ports from it (the ring listens on base + rank)."""
-    rng = random.Random()
-    for _ in range(50):
-        base = rng.randrange(20000, 60000)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
 def launch(
     n: int, *args: str, input: str | None = None, timeout: float = LAUNCH_TIMEOUT
 ) -> subprocess.CompletedProcess:
     """``mlx-stream ARGS`` on ``n`` loopback ranks under ``mlx.launch`` (killed on timeout)."""
-    command = [str(MLX_LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(n)]
-    command += ["--starting-port", str(free_port_base(n)), "--python", sys.executable]
-    command += [str(MLX_STREAM), *args]
+    command = distributed.loopback_launch(n, [str(MLX_STREAM), *args])
     proc = subprocess.Popen(
         command,
         stdin=subprocess.PIPE,
@@ -88,12 +70,8 @@ def launch(
 def start_ranks(n: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
     """``mlx-stream ARGS`` on ``n`` loopback ranks started by hand (what mlx.launch
     does: a hostfile and ``MLX_RANK``), without the launcher's stdin forwarding loop."""
-    base = free_port_base(n)
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
     procs = []
-    for rank in range(n):
-        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+    for env in distributed.loopback_envs(n, tmp_path):
         procs.append(
             subprocess.Popen(
                 [str(MLX_STREAM), *args],
