@@ -291,11 +291,16 @@ class _RankStderr(io.TextIOBase):
         return len(text)
 
     def report(self, wait: float = FOLLOWER_ERROR_DELAY) -> None:
-        """Print the held errors after ``wait`` seconds, unless stopped before."""
+        """Print the held errors after ``wait`` seconds, unless stopped before (by
+        mlx.launch; the connection watch lets a rank on its way out finish)."""
         if self.held:
+            _REPORTING.set()
             time.sleep(wait)
             self.stream.write("".join(self.held))
             self.stream.flush()
+
+
+_REPORTING = threading.Event()  # a follower's own error is on its way out
 
 
 def _quiet_followers(cluster: Cluster) -> None:
@@ -399,6 +404,8 @@ def _watch_peers(cluster: Cluster, sockets: list[socket.socket]) -> None:
             now = where()
             if now != last:
                 last, since = now, time.monotonic()
+        if _REPORTING.is_set():
+            return  # this rank's own error, not the lost peer, ends it
         if cluster.is_root:
             sys.stdout.flush()
             sys.stderr.write(f"Error: RuntimeError: [ring] {PEER_LOST}\n")

@@ -67,14 +67,17 @@ def launch(
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def start_ranks(n: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
-    """``mlx-stream ARGS`` on ``n`` loopback ranks started by hand (what mlx.launch
-    does: a hostfile and ``MLX_RANK``), without the launcher's stdin forwarding loop."""
+def start_ranks(
+    n: int, args: list[str], tmp_path: Path, program: list[str] | None = None
+) -> list[subprocess.Popen]:
+    """``mlx-stream ARGS`` (or ``PROGRAM ARGS``) on ``n`` loopback ranks started by hand
+    (what mlx.launch does: a hostfile and ``MLX_RANK``), without the launcher's stdin
+    forwarding loop."""
     procs = []
     for env in distributed.loopback_envs(n, tmp_path):
         procs.append(
             subprocess.Popen(
-                [str(MLX_STREAM), *args],
+                [*(program or [str(MLX_STREAM)]), *args],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -231,6 +234,56 @@ def test_refusal_under_launch_is_one_line(folders, text):
         "over 3 ranks; pipeline: mlx-lm has none for it"
     ]
     assert "Traceback" not in result.stdout + result.stderr
+
+
+# mlx-stream with one qwen2 layer reading its cache's offset besides the rope (as a
+# learned absolute position would): the cache's model check must refuse it.
+ABSOLUTE_LAYER = """
+import sys
+from mlx_lm.models import qwen2
+
+LAYER = int(sys.argv.pop(1))
+
+class AbsoluteBlock(qwen2.TransformerBlock):
+    def __call__(self, x, mask=None, cache=None):
+        return super().__call__(x, mask, cache) + 1e-2 * (cache.offset if cache else 0)
+
+init = qwen2.Qwen2Model.__init__
+
+def patched(self, args):
+    init(self, args)
+    self.layers[LAYER].__class__ = AbsoluteBlock
+
+qwen2.Qwen2Model.__init__ = patched
+from cli.main import main
+main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer", [0, 2], ids=["rank-1-refuses", "rank-0-refuses"])
+def test_pipeline_ranks_agree_when_one_ranks_layers_fail_the_check(folders, text, tmp_path, layer):
+    """Each rank checks only its own layers (rank 1 holds layers 0-1, rank 0 layers
+    2-3); a bad layer changes the next layer's cache, so one rank finds it. Both ranks
+    must refuse with the same line before the first token: a rank that went on alone
+    would wait for its peer until the connection watch ended it."""
+    script = tmp_path / "absolute_layer.py"
+    script.write_text(ABSOLUTE_LAYER)
+    program = [sys.executable, str(script), str(layer)]
+    args = ["stream-run", str(text), "-m", str(folders["qwen2"]), *SMALL, "--json"]
+    one = subprocess.run([*program, *args], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 2, one.stderr
+    [refusal] = one.stderr.strip().splitlines()
+    assert refusal.startswith(f"Error: qwen2: layer {layer + 1}: its cached tensors change")
+    assert refusal.endswith("; run it with --positions absolute")
+    procs = start_ranks(2, [*args, "--distributed", "pipeline"], tmp_path, program)
+    try:
+        outs = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
+    finally:
+        stop_ranks(procs)
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert [err.decode().strip() for _, err in outs] == [refusal, f"rank 1: {refusal}"]
+    assert [out for out, _ in outs] == [b"", b""]
 
 
 @pytest.mark.slow
