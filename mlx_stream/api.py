@@ -50,10 +50,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server cannot honor, with the values that ask for nothing. A
+# request that sets one otherwise is refused (400 naming it), never answered as if it
+# had not been set; fields that change no output (user, metadata, ...) are ignored.
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "audio": (None,),
+}
+
+
 class Sampling(BaseModel):
     """The fields chat and plain completions share (OpenAI's names and ranges)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -64,6 +83,14 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot do, or ``None``."""
+        for name, neutral in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in neutral:
+                return name
+        return None
 
 
 class ChatRequest(Sampling):
@@ -136,6 +163,21 @@ class _TooLarge(Exception):
     pass
 
 
+class JsonBody:
+    """Read every POST body as JSON, whatever its Content-Type says: ``curl -d`` sends
+    form-encoded by default, and a JSON body read as a form is a confusing 400 (the
+    OpenAI API takes JSON only, as mlx-lm's and llama.cpp's servers do)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        return await self.app(scope, receive, send)
+
+
 # -------------------------------------------------------------------------- app
 
 
@@ -155,6 +197,7 @@ class _Job:
 def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The FastAPI app serving ``engine`` under OpenAI's routes."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
+    app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
     names = {engine.model_id, "default"}
 
@@ -195,6 +238,12 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         }
 
     async def run(body: Sampling, make: dict[str, Any], kind: str, http: Request):
+        bad = check_model(body.model)
+        if bad is not None:
+            return bad
+        field = body.unsupported()
+        if field is not None:
+            return error(400, f"{field}: not supported by this server (leave it out)", field)
         job = _Job(asyncio.get_running_loop())
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         request = EngineRequest(
@@ -240,9 +289,6 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         http: Request,
         x_session_id: Annotated[str | None, Header()] = None,
     ):
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         make = {
             "messages": messages,
@@ -253,9 +299,6 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
         return await run(body, {"prompt": body.prompt, "max_tokens": body.max_tokens}, "text", http)
 
     return app

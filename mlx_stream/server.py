@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import queue
@@ -55,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_stream.errors import UserError
+from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.session import (
     ChatSession,
     Checkpoint,
@@ -375,6 +376,8 @@ class Engine:
         except Busy as exc:
             self.refusals += 1
             item.emit(("error", 429, str(exc), exc.retry_after))
+        except RuntimeFailure as exc:  # the server's fault (a session it could not save)
+            item.emit(("error", 500, str(exc), None))
         except UserError as exc:
             item.emit(("error", 400, str(exc), None))
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
@@ -520,7 +523,9 @@ class Engine:
 
     def _evict(self, entry: Entry) -> None:
         """Save a resident session to disk and free its memory."""
-        path = self.state_dir / entry.id
+        # The id may come from the client (X-Session-ID): the file is named by its hash,
+        # so no id reads as a path out of the state folder.
+        path = self.state_dir / ("session-" + hashlib.sha256(entry.id.encode()).hexdigest()[:32])
         entry.session.save(path)
         entry.path, entry.session, entry.checkpoint = path, None, None
         self.evictions += 1

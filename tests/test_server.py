@@ -317,6 +317,55 @@ def test_bad_fields_are_400_naming_the_field(server, body, field):
     assert field in one_message(r)
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "path, extra, field",
+    [
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
+        ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
+        ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ],
+)  # fmt: skip
+def test_fields_the_server_cannot_honor_are_refused_not_ignored(server, path, extra, field):
+    """A reply that ignored them would be silently other than what was asked."""
+    base = {"messages": HI} if path.endswith("chat/completions") else {"prompt": "the sea"}
+    r = post(server, json.dumps({**base, "max_tokens": 2, **extra}), path)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert one_message(r).startswith(f"{field}: not supported")
+
+
+def test_fields_that_ask_for_nothing_are_accepted(server):
+    neutral = {"logprobs": False, "tools": [], "response_format": {"type": "text"},
+               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+               "user": "someone", "metadata": {"a": "b"}, "parallel_tool_calls": True}  # fmt: skip
+    r = post(server, json.dumps({"messages": HI, "max_tokens": 2, **neutral}))
+    assert r.status_code == 200, r.text
+
+
+def test_a_json_body_sent_as_a_form_is_read_as_json(server):
+    """``curl -d`` labels its body application/x-www-form-urlencoded."""
+    body = json.dumps({"messages": HI, "max_tokens": 2}).encode()
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"content-type": kind} if kind else {}
+        req = urllib.request.Request(
+            server.url + "/v1/chat/completions", data=body, method="POST", headers=headers
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"]
+
+
 def test_a_huge_body_is_413_before_it_is_read(server):
     """A 5 MB body is refused from its Content-Length, after 64 KB of it were sent."""
     size = 5 << 20

@@ -178,6 +178,47 @@ def test_engine_evicts_idle_sessions_to_disk_and_brings_them_back(engine):
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_evicted_sessions_stay_in_the_state_folder_whatever_their_id(engine, tmp_path):
+    """A session id comes from the client (X-Session-ID): ids that read as paths
+    (absolute, ``..``) are evicted into the state folder and dropped from there, never
+    written or deleted anywhere else."""
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    victim = outside / "keep.json"
+    victim.write_text("{}")
+    e = engine(sessions=1)
+    ids = [str(outside / "keep"), f"../{outside.name}/keep", "a/b", "hello"]
+    for i, session_id in enumerate(ids):
+        text, usage = ask(e, [{"role": "user", "content": f"the sea {i}"}], session_id=session_id)
+        assert text is not None, usage
+    assert e.evictions >= 3
+    assert victim.read_text() == "{}" and sorted(p.name for p in outside.iterdir()) == ["keep.json"]
+    assert {p.parent for p in tmp_path.rglob("*") if p.is_file()} <= {tmp_path}
+    for session_id in ids[:3]:
+        assert e.entries[session_id].path.parent == tmp_path
+        e._drop(e.entries[session_id])
+    assert victim.read_text() == "{}"
+
+
+def test_a_session_that_cannot_be_saved_stays_and_only_the_newcomer_fails(engine, tmp_path):
+    """Eviction cannot write (the state folder is gone): the request that needed the
+    room gets a 500 naming the cause; the session it would have evicted stays in
+    memory and its next turn is served from its cache."""
+    e = engine(sessions=1)
+    history = [{"role": "user", "content": "hello"}]
+    first, _ = ask(e, history, session_id="kept")
+    tmp_path.rmdir()
+    text, refusal = ask(e, [{"role": "user", "content": "the sea"}], session_id="new")
+    assert text is None and refusal[1] == 500 and "cannot save" in refusal[2], refusal
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "ship"}]
+    text, usage = ask(e, history, session_id="kept")
+    assert text is not None and usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert e.evictions == 0
+    tmp_path.mkdir()  # the fault is gone: the newcomer's retry is served
+    text, _ = ask(e, [{"role": "user", "content": "the sea"}], session_id="new")
+    assert text is not None and e.evictions == 1
+
+
 def test_engine_refuses_when_every_session_is_busy(engine):
     from mlx_stream.server import Request
 
