@@ -541,7 +541,10 @@ def make_sink_cache(
     verdict = check_model(model, caches)
     if positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
         if verdict.refusal:
-            raise Unsupported(verdict.refusal + "; run it with --positions absolute")
+            raise Unsupported(
+                verdict.refusal + "; stream-run and eval can run it with --positions absolute"
+                " (chat and serve need cache positions)"
+            )
         limit = position_limit(model)
         ring = Ring(sinks, window, slack, stride, positions)
         highest = ring.max_offset + ring.room(ring.max_offset) - 1
