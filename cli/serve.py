@@ -3,6 +3,7 @@ memory (the engine is :mod:`mlx_stream.server`, the routes :mod:`mlx_stream.api`
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated
@@ -122,7 +123,9 @@ def serve(
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     budget = parse_bytes(memory_budget)
     if state_dir is not None and not state_dir.is_dir():
-        fail(f"--state-dir {state_dir}: no such directory")
+        fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
+    if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
+        fail(f"--state-dir {state_dir}: not writable")
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)

@@ -402,6 +402,8 @@ def test_invalid_utf8_escapes_in_a_message_are_answered(server):
         (["--memory-budget", "1KB"], ["--memory-budget", "one session"]),
         (["--port", "70000"], ["--port"]),
         (["--max-sessions", "0"], ["--max-sessions"]),
+        (["--state-dir", __file__], ["--state-dir", "not a directory"]),
+        (["--state-dir", "/no/such/folder"], ["--state-dir", "no such directory"]),
     ],
 )
 def test_bad_serve_options_are_one_line_exit_2(tiny_model_dir, args, words):
