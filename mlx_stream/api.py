@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlx_stream.logprobs import MAX_TOP
 from mlx_stream.server import Engine
 from mlx_stream.server import Request as EngineRequest
 
@@ -54,8 +55,6 @@ class StreamOptions(BaseModel):
 # request that sets one otherwise is refused (400 naming it), never answered as if it
 # had not been set; fields that change no output (user, metadata, ...) are ignored.
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
@@ -96,10 +95,20 @@ class Sampling(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
+
+    def alternatives(self) -> int | None:
+        """``Request.logprobs``: None (not asked) or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(Sampling):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 # ----------------------------------------------------------------------- errors
@@ -248,7 +257,7 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         request = EngineRequest(
             emit=job.emit, stop=stop or None, temp=body.temperature, top_p=body.top_p,
-            seed=body.seed, **make,
+            seed=body.seed, logprobs=body.alternatives(), **make,
         )  # fmt: skip
         engine.submit(request)
         first = await job.events.get()
@@ -260,7 +269,7 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         headers = {"X-Session-ID": session_id} if session_id else None
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        shape = _Shape(kind, ident, created, engine.model_id)
+        shape = _Shape(kind, ident, created, engine.model_id, request.logprobs is not None)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -269,11 +278,13 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
                 headers=headers,
             )
         try:
-            texts, end = [], None
+            texts, logprobs, end = [], [], None
             while end is None:
                 event = await job.events.get()
                 if event[0] == "text":
                     texts.append(event[1])
+                    if event[2] is not None:
+                        logprobs.append(event[1:])
                 elif event[0] == "end":
                     end = event
                 else:
@@ -281,7 +292,8 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         except asyncio.CancelledError:
             request.cancelled.set()
             raise
-        return JSONResponse(shape.whole("".join(texts), end[2], end[1]), headers=headers)
+        whole = shape.whole("".join(texts), end[2], end[1], logprobs)
+        return JSONResponse(whole, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -289,6 +301,8 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         http: Request,
         x_session_id: Annotated[str | None, Header()] = None,
     ):
+        if body.top_logprobs and not body.logprobs:
+            return error(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         make = {
             "messages": messages,
@@ -305,10 +319,33 @@ def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
 
 
 class _Shape:
-    """OpenAI's response and chunk shapes for chat (``kind="chat"``) or text."""
+    """OpenAI's response and chunk shapes for chat (``kind="chat"``) or text; with
+    ``logprobs``, each choice carries its tokens' entries (chat: ``{"content": [...]}``,
+    text: the legacy ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``)."""
 
-    def __init__(self, kind: str, ident: str, created: int, model: str):
+    def __init__(self, kind: str, ident: str, created: int, model: str, logprobs: bool = False):
         self.kind, self.ident, self.created, self.model = kind, ident, created, model
+        self.logprobs, self.offset = logprobs, 0
+
+    def _logprobs(self, pairs: list[tuple[str, dict]]) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice from (text emitted with the token, its entry)."""
+        if not self.logprobs:
+            return None
+        entries = [e for _, e in pairs]
+        if self.kind == "chat":
+            return {"content": entries}
+        offsets = []  # where each token's text begins in the completion's text
+        for text, _ in pairs:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -316,22 +353,33 @@ class _Shape:
             obj += ".chunk"
         return {"id": self.ident, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, usage: dict) -> dict[str, Any]:
+    def whole(
+        self, text: str, finish: str, usage: dict, logprobs: list[tuple[str, dict]]
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            if self.logprobs:
+                choice["logprobs"] = self._logprobs(logprobs)
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs)}
         choice["finish_reason"] = finish
         return {**self._head(False), "choices": [choice], "usage": usage}
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, finish: str | None, first: bool = False, logprob: Any = None
+    ) -> dict[str, Any]:
+        entries = [(text or "", logprob)] if logprob is not None else []
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta}
+            if self.logprobs and entries:
+                choice["logprobs"] = self._logprobs(entries)
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None}
+            if entries:
+                choice["logprobs"] = self._logprobs(entries)
         choice["finish_reason"] = finish
         return {**self._head(True), "choices": [choice]}
 
@@ -350,7 +398,7 @@ async def _sse(job: _Job, cancelled: threading.Event, shape: _Shape, include_usa
         while True:
             event = await job.events.get()
             if event[0] == "text":
-                yield _event(shape.chunk(event[1], None))
+                yield _event(shape.chunk(event[1], None, logprob=event[2]))
             elif event[0] == "end":
                 _, usage, finish = event
                 yield _event(shape.chunk(None, finish))

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.logprobs import TokenLogprobs
 from mlx_stream.session import (
     ChatSession,
     Checkpoint,
@@ -90,9 +91,11 @@ class Request:
     """One generation request, built by the HTTP side.
 
     ``messages`` (chat) or ``prompt`` (plain completion). Events reach ``emit`` from the
-    worker thread: ``("start", info)``, ``("text", str)`` per segment, then ``("end",
-    usage, finish_reason)`` or ``("error", status, message, retry_after)``. Setting
-    ``cancelled`` stops the request at its next token.
+    worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
+    token's entry from :class:`~mlx_stream.logprobs.TokenLogprobs` when ``logprobs``
+    is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
+    status, message, retry_after)``. Setting ``cancelled`` stops the request at its
+    next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
     """
 
     emit: Callable[[tuple], None]
@@ -104,10 +107,12 @@ class Request:
     top_p: float | None = None
     stop: list[str] | None = None
     seed: int | None = None
+    logprobs: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed")
+WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
+        "logprobs")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
@@ -191,6 +196,8 @@ class Engine:
         cluster: Any = None,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self._logprobs = TokenLogprobs(tokenizer)
+        self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.cluster, self._ids = cluster, None
         if cluster is not None:
             self._ids = random.Random(cluster.share_int(random.getrandbits(62)))
@@ -426,9 +433,13 @@ class Engine:
                 job.running = False
                 self._finish(job)
                 return
-            if response.text:
-                job.request.emit(("text", response.text))
             ending = response.finish_reason is not None
+            logprob = None
+            top = job.request.logprobs
+            if top is not None and not (ending and response.token in self._eos):
+                logprob = self._logprobs.entry(response.token, response.logprobs, top)
+            if response.text or logprob is not None:
+                job.request.emit(("text", response.text, logprob))
         job.running = False
 
     def _cancelled(self, job: _Job, first: bool) -> bool:

@@ -323,15 +323,12 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     "path, extra, field",
     [
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
         ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
         ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
-        ("/v1/completions", {"logprobs": 2}, "logprobs"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
@@ -347,11 +344,90 @@ def test_fields_the_server_cannot_honor_are_refused_not_ignored(server, path, ex
 
 
 def test_fields_that_ask_for_nothing_are_accepted(server):
-    neutral = {"logprobs": False, "tools": [], "response_format": {"type": "text"},
+    neutral = {"logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"},
                "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
                "user": "someone", "metadata": {"a": "b"}, "parallel_tool_calls": True}  # fmt: skip
     r = post(server, json.dumps({"messages": HI, "max_tokens": 2, **neutral}))
     assert r.status_code == 200, r.text
+
+
+def reference_logprobs(model_dir, prompt: str, steps: int) -> list:
+    """Greedy decoding of ``prompt`` with mlx-lm's own KVCache: per step the chosen
+    token and the full log-softmax row (what the server's logprobs must report)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_stream.loader import load
+
+    model, tokenizer = load(str(model_dir))
+    cache = make_prompt_cache(model)
+    x, out = mx.array([tokenizer.encode(prompt)]), []
+    for _ in range(steps):
+        logits = model(x, cache=cache)[0, -1].astype(mx.float32)
+        row = logits - mx.logsumexp(logits)
+        token = int(mx.argmax(row).item())
+        out.append((token, row))
+        x = mx.array([[token]])
+    return out
+
+
+def test_completion_logprobs_equal_mlx_lm_log_softmax(server, tiny_model_dir):
+    """The chosen token's logprob and the top 3 (ids, order, values) at every step of a
+    greedy completion equal the log-softmax of mlx-lm's own cache run."""
+    prompt = "the sea and the ship of the captain"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    r = post(server, json.dumps(body), "/v1/completions")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    got = choice["logprobs"]
+    steps = len(got["tokens"])
+    assert steps >= 1 and len(got["token_logprobs"]) == len(got["top_logprobs"]) == steps
+    from mlx_stream.loader import load
+    from mlx_stream.logprobs import TokenLogprobs
+
+    names = TokenLogprobs(load(str(tiny_model_dir))[1])
+    name = lambda i: names.token_bytes(i).decode("utf-8", "replace")  # noqa: E731
+    for i, (token, row) in enumerate(reference_logprobs(tiny_model_dir, prompt, steps)):
+        assert got["tokens"][i] == name(token)
+        assert got["token_logprobs"][i] == pytest.approx(row[token].item(), abs=1e-4)
+        want = sorted(range(row.size), key=lambda j: -row[j].item())[:3]
+        top = got["top_logprobs"][i]
+        assert list(top) == [name(j) for j in want]
+        assert list(top.values()) == pytest.approx([row[j].item() for j in want], abs=1e-4)
+        assert got["token_logprobs"][i] == max(top.values())  # greedy: the most likely
+    for token, offset in zip(got["tokens"], got["text_offset"]):  # where it is in the text
+        assert choice["text"][offset:].lstrip().startswith(token.strip())
+
+
+def test_chat_logprobs_streamed_and_not_agree_and_name_each_token(server):
+    messages = conversation("the sea")
+    kw = {"max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = chat(server, messages, extra_headers={"X-Session-ID": "lp-whole"}, **kw)
+    content = whole.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.logprob <= 0 and e.logprob == e.top_logprobs[0].logprob for e in content)
+    assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in content)
+    chunks = list(chat(server, messages, stream=True, extra_headers={"X-Session-ID": "lp-s"}, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = chat(server, messages, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == whole.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "path, extra, field",
+    [
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_requests_are_400(server, path, extra, field):
+    base = {"messages": HI} if path.endswith("chat/completions") else {"prompt": "the sea"}
+    r = post(server, json.dumps({**base, "max_tokens": 2, **extra}), path)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_a_json_body_sent_as_a_form_is_read_as_json(server):
