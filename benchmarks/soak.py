@@ -47,6 +47,83 @@ def book_stream(tokenizer, books=BOOKS) -> Iterator[int]:
             first = False
 
 
+def book_lengths(tokenizer, books=BOOKS) -> list[tuple[str, int, int]]:
+    """Each book's tokens in :func:`book_stream`: ``(book, first pass, later passes)``
+    (only the first book of the first pass carries the tokenizer's special tokens)."""
+    from mlx_stream.evaluate import iter_tokens
+
+    out = []
+    for i, book in enumerate(books):
+        path = common.data_dir() / f"{book}.txt"
+        later = sum(1 for _ in iter_tokens(path, tokenizer, add_special_tokens=False))
+        first = sum(1 for _ in iter_tokens(path, tokenizer)) if i == 0 else later
+        out.append((book, first, later))
+    return out
+
+
+def saved_lengths(records: list[dict]) -> list | None:
+    """:func:`book_lengths` for the model of saved lines, if it is pulled here."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_stream.errors import UserError
+    from mlx_stream.loader import resolve
+
+    try:
+        folder, _ = resolve(records[0]["model"], pull=False)
+    except (UserError, KeyError, IndexError):
+        return None
+    return book_lengths(load_tokenizer(folder))
+
+
+def by_book(records: list[dict], lengths: list[tuple[str, int, int]]) -> dict[str, dict]:
+    """Each book's segment perplexity on each pass through the books, from the samples
+    whose segment lies within one book: ``median_by_pass`` and ``same_text_ratio``, the
+    median over later-pass segments of their perplexity over the first pass's on the
+    same text (the first-pass segments it overlaps, weighted by overlap, in log space).
+    The same text read again a pass later must score the same: drift would raise it."""
+    import statistics
+
+    spans, start, end = [], 0, max((r["tokens"] for r in records), default=0)
+    for n in range(1 << 20):
+        for book, first, later in lengths:
+            size = first if n == 0 else later
+            spans.append((book, n, start, start + size))
+            start += size
+        if start >= end:
+            break
+    extra = {book: first - later for book, first, later in lengths}
+    # (book, pass) -> [(start in the book, end in the book, log perplexity)]
+    found: dict[tuple[str, int], list[tuple[int, int, float]]] = {}
+    for r in records:
+        lo, hi = r["tokens"] - r["segment_tokens"], r["tokens"]
+        for book, n, a, b in spans:
+            if a <= lo and hi <= b:
+                shift = extra[book] if n == 0 else 0  # the first pass's special tokens
+                item = (lo - a - shift, hi - a - shift, math.log(r["segment_ppl"]))
+                found.setdefault((book, n), []).append(item)
+    out: dict[str, dict] = {}
+    for book in extra:
+        passes = sorted(n for b, n in found if b == book)
+        if not passes:
+            continue
+        ratios = []
+        for n in passes[1:]:
+            for lo, hi, nll in found[book, n]:
+                weights = [(min(hi, b) - max(lo, a), x) for a, b, x in found.get((book, 0), [])]
+                weights = [(w, x) for w, x in weights if w > 0]
+                if sum(w for w, _ in weights) >= (hi - lo) * 0.9:  # first pass covers it
+                    expected = sum(w * x for w, x in weights) / sum(w for w, _ in weights)
+                    ratios.append(math.exp(nll - expected))
+        out[book] = {
+            "median_by_pass": [
+                round(math.exp(statistics.median(x for *_, x in found[book, n])), 3) for n in passes
+            ],
+            "same_text_ratio": round(statistics.median(ratios), 4) if ratios else None,
+            "same_text_segments": len(ratios),
+        }
+    return out
+
+
 def rss_mb() -> float | None:
     """Resident memory of this process in MB (Linux ``/proc``; ``None`` elsewhere)."""
     try:
@@ -152,10 +229,11 @@ def draw(records: list[dict], path: Path) -> None:
     common.save_figure(fig, path)
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[dict], lengths: list | None = None) -> dict:
     """The soak in one line: memory at the start, the end and its maximum, the pool's
-    maximum, the largest offset against its bound, and segment perplexity early vs late
-    (medians of the first and last quarter of the samples)."""
+    maximum, the largest offset against its bound, segment perplexity early vs late
+    (medians of the first and last quarter of the samples) and, given the books'
+    ``lengths``, per book and pass (:func:`by_book`)."""
     import statistics
 
     # The first sample is taken while the window is still filling; memory is flat after.
@@ -175,6 +253,7 @@ def summarize(records: list[dict]) -> dict:
         "offset_max": max(r["offset"] for r in records), "max_offset": records[-1]["max_offset"],
         "segment_ppl_early": round(early, 3), "segment_ppl_late": round(late, 3),
         "late_over_early": round(late / early, 3),
+        **({"segment_ppl_by_book": by_book(records, lengths)} if lengths else {}),
     }  # fmt: skip
 
 
@@ -196,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         usable = lambda r: r.get("bench") == "soak" and not r.get("summary")  # noqa: E731
         records = common.saved_records(parser, args.replot, usable)
         draw(records, args.plot or args.replot[0].with_suffix(".png"))
-        common.emit(summarize(records), args.out)  # --out: append it (a run that was cut)
+        common.emit(summarize(records, saved_lengths(records)), args.out)  # --out: append
         return records
     if args.quick:
         args.tokens, args.window = min(args.tokens, 4096), 64
@@ -233,14 +312,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sampler(result.position, result.perplexity, last=True)  # the tail after the last sample
     if args.plot is not None and sampler.records:
         draw(sampler.records, args.plot)
-    if sampler.records:
-        common.emit(summarize(sampler.records), args.out)
+    summary = summarize(sampler.records, book_lengths(tokenizer)) if sampler.records else None
+    if summary is not None:
+        common.emit(summary, args.out)
     print(
         f"soak: {result.position} tokens, perplexity {result.perplexity:.3f}, "
         f"{result.tokens_per_second:.0f} tok/s this leg, {result.seconds:.0f} s",
         file=sys.stderr,
     )
-    return sampler.records + ([summarize(sampler.records)] if sampler.records else [])
+    return sampler.records + ([summary] if summary is not None else [])
 
 
 def resume_lines(parser, checkpoint: Path, out: Path | None) -> tuple[str, list[dict]]:

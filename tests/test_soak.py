@@ -69,3 +69,23 @@ def test_soak_in_legs_equals_one_run(monkeypatch, tmp_path, tiny_model_dir):
         assert got["segment_ppl"] == pytest.approx(want["segment_ppl"], rel=1e-4)
         assert got["running_ppl"] == pytest.approx(want["running_ppl"], rel=1e-4)
     assert summary["summary"] and summary["tokens"] == 1500 and summary["samples"] == 6
+
+
+@pytest.mark.parametrize("later", [10.0, 12.0])
+def test_by_book_compares_the_same_text_a_pass_later(monkeypatch, later):
+    """Book a (1,000 tokens) then b (500), read twice in 100-token segments: a's second
+    pass is scored against its first on the same text, whatever the misalignment."""
+    soak = load_script("soak", monkeypatch)
+    lengths = [("a", 1000, 1000), ("b", 500, 500)]
+    ppl = lambda lo: 20.0 if 1000 <= lo % 1500 < 1500 else (10.0 if lo < 1500 else later)  # noqa: E731
+    records = [{"tokens": t + 100, "segment_tokens": 100, "segment_ppl": ppl(t)}
+               for t in range(0, 2500, 100)]  # fmt: skip
+    out = soak.by_book(records, lengths)
+    assert out["a"]["median_by_pass"] == [10.0, later]
+    assert out["a"]["same_text_ratio"] == pytest.approx(later / 10.0)
+    assert out["a"]["same_text_segments"] == 10
+    assert out["b"]["median_by_pass"] == [20.0]  # its second pass (2500-3000) is not read
+    assert out["b"]["same_text_ratio"] is None
+    # 100-token segments straddling the book boundary (1450-1550) belong to no book
+    shifted = [dict(r, tokens=r["tokens"] + 50) for r in records]
+    assert soak.by_book(shifted, lengths)["a"]["same_text_segments"] == 9
