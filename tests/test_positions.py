@@ -75,6 +75,31 @@ def test_a_layer_no_move_fits_is_refused_in_one_line():
     assert make_sink_cache(model, sinks=4, window=16, positions="absolute")
 
 
+def read_offset(layer, scale: float) -> None:
+    """Make ``layer`` add ``scale`` x its cache offset to its output. As the last layer
+    its caches do not change with position (nothing after it caches): only the logits."""
+    base = type(layer)
+
+    class OffsetReader(base):
+        def __call__(self, x, mask=None, cache=None):
+            return base.__call__(self, x, mask, cache) + scale * (cache.offset if cache else 0)
+
+    layer.__class__ = OffsetReader
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-2])
+def test_logits_that_read_the_offset_are_refused_even_weakly(scale):
+    """The offset a cache hands the model cycles over about a window and a rebase
+    (1,027-2,051 at window 1024): a dependence too weak to show over a few positions
+    must still be refused (a 1e-2 scale changes the logits 0.2% over 37 positions,
+    under the check's tolerance, and by several percent over a thousand)."""
+    model = tiny.make_model("llama", num_hidden_layers=2)
+    read_offset(model.layers[-1], scale)
+    with pytest.raises(Unsupported, match=r"^llama: its logits depend on absolute positions"):
+        make_sink_cache(model, sinks=4, window=16)
+    assert make_sink_cache(model, sinks=4, window=16, positions="absolute")
+
+
 def test_models_check_prints_the_verdict_per_layer_type(tiny_model_dir):
     from cli.main import app
 
