@@ -51,6 +51,16 @@ Batching = Annotated[
         help="Decode all sessions together, one batched model call per step.",
     ),
 ]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="MLX_STREAM_API_KEY",
+        show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (OpenAI clients send their "
+        "api_key so). Default: none (anyone who can reach the port may use it).",
+    ),
+]
 StateDir = Annotated[
     Path | None,
     typer.Option("--state-dir", help="Where evicted sessions are saved. Default: a temp folder."),
@@ -100,6 +110,7 @@ def serve(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     batch: Batching = True,
+    api_key: ApiKey = None,
     distributed: opt.Distributed = "auto",
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
@@ -122,6 +133,8 @@ def serve(
         fail(f"--port must be at most 65535 (got {port})")
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     budget = parse_bytes(memory_budget)
+    if api_key is not None and not api_key.strip():
+        fail("--api-key must not be empty")
     if state_dir is not None and not state_dir.is_dir():
         fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
     if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
@@ -175,7 +188,11 @@ def serve(
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine), host=host, port=port, log_level="warning", access_log=False
+            create_app(engine, api_key=api_key),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
         )
         uvicorn.Server(config).run()
     finally:

@@ -10,6 +10,7 @@ server-sent events. A streaming client that disconnects cancels its request.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -118,6 +119,7 @@ def error(status: int, message: str, param: str | None = None, headers=None) -> 
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = {
         400: "invalid_request_error",
+        401: "authentication_error",
         404: "not_found_error",
         413: "invalid_request_error",
         429: "rate_limit_error",
@@ -172,6 +174,23 @@ class _TooLarge(Exception):
     pass
 
 
+class BearerKey:
+    """401 for a ``/v1`` request without ``Authorization: Bearer KEY`` (compared in
+    constant time); ``/health`` stays open for probes."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                response = error(401, "a valid API key is required (Authorization: Bearer KEY)")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class JsonBody:
     """Read every POST body as JSON, whatever its Content-Type says: ``curl -d`` sends
     form-encoded by default, and a JSON body read as a form is a confusing 400 (the
@@ -203,11 +222,16 @@ class _Job:
             pass
 
 
-def create_app(engine: Engine, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
-    """The FastAPI app serving ``engine`` under OpenAI's routes."""
+def create_app(
+    engine: Engine, max_body: int = DEFAULT_MAX_BODY, api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_key``, the
+    ``/v1`` routes answer only requests that carry ``Authorization: Bearer API_KEY``."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
+    if api_key is not None:
+        app.add_middleware(BearerKey, key=api_key)
     names = {engine.model_id, "default"}
 
     @app.exception_handler(RequestValidationError)

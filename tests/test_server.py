@@ -442,6 +442,30 @@ def test_a_json_body_sent_as_a_form_is_read_as_json(server):
             assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"]
 
 
+def test_an_api_key_guards_the_v1_routes_and_not_health(tiny_model_dir):
+    s = Server(tiny_model_dir, "--window", "64", "--max-tokens", "4", "--api-key", "s3cret")
+    try:
+        body = json.dumps({"messages": HI}).encode()
+        for auth in (None, "Bearer nope", "s3cret", "Basic s3cret"):
+            headers = {"content-type": "application/json"}
+            if auth:
+                headers["authorization"] = auth
+            req = urllib.request.Request(
+                s.url + "/v1/chat/completions", data=body, method="POST", headers=headers
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == 401
+            assert "API key" in json.loads(refused.value.read())["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            s.client.models.list()  # api_key="none"
+        keyed = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert keyed.chat.completions.create(model="tiny-llama", messages=HI).choices
+        assert http("GET", s.url + "/health").status_code == 200
+    finally:
+        s.stop()
+
+
 def test_a_huge_body_is_413_before_it_is_read(server):
     """A 5 MB body is refused from its Content-Length, after 64 KB of it were sent."""
     size = 5 << 20
@@ -480,6 +504,7 @@ def test_invalid_utf8_escapes_in_a_message_are_answered(server):
         (["--max-sessions", "0"], ["--max-sessions"]),
         (["--state-dir", __file__], ["--state-dir", "not a directory"]),
         (["--state-dir", "/no/such/folder"], ["--state-dir", "no such directory"]),
+        (["--api-key", " "], ["--api-key", "empty"]),
     ],
 )
 def test_bad_serve_options_are_one_line_exit_2(tiny_model_dir, args, words):
