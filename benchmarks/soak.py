@@ -22,6 +22,7 @@ and its lines (``leg`` 1, 2, ...) continue the run's lines in ``--out``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import signal
@@ -52,12 +53,14 @@ def book_lengths(tokenizer, books=BOOKS) -> list[tuple[str, int, int]]:
     (only the first book of the first pass carries the tokenizer's special tokens)."""
     from mlx_stream.evaluate import iter_tokens
 
+    # iter_tokens gives only its first block the special tokens: count them once
+    # instead of tokenizing the first book twice.
+    specials = len(tokenizer.encode("a")) - len(tokenizer.encode("a", add_special_tokens=False))
     out = []
     for i, book in enumerate(books):
         path = common.data_dir() / f"{book}.txt"
         later = sum(1 for _ in iter_tokens(path, tokenizer, add_special_tokens=False))
-        first = sum(1 for _ in iter_tokens(path, tokenizer)) if i == 0 else later
-        out.append((book, first, later))
+        out.append((book, later + (specials if i == 0 else 0), later))
     return out
 
 
@@ -84,7 +87,7 @@ def by_book(records: list[dict], lengths: list[tuple[str, int, int]]) -> dict[st
     import statistics
 
     spans, start, end = [], 0, max((r["tokens"] for r in records), default=0)
-    for n in range(1 << 20):
+    for n in itertools.count():
         for book, first, later in lengths:
             size = first if n == 0 else later
             spans.append((book, n, start, start + size))

@@ -401,9 +401,8 @@ class _Shape:
             if self.logprobs and entries:
                 choice["logprobs"] = self._logprobs(entries)
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None}
-            if entries:
-                choice["logprobs"] = self._logprobs(entries)
+            logprobs = self._logprobs(entries) if entries else None
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs}
         choice["finish_reason"] = finish
         return {**self._head(True), "choices": [choice]}
 
