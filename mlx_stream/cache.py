@@ -39,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream import kvstore
+from mlx_stream import kvquant, kvstore
 from mlx_stream.errors import Unsupported
 from mlx_stream.positions import Move, check_model, model_type, position_limit
 from mlx_stream.ring import Ring
@@ -71,8 +71,12 @@ class SinkCache(mlx_cache._BaseCache):
             ``"absolute"`` (mlx-lm's behaviour: positions grow with the stream).
             Default: ``"cache"``.
         kv_bits (int, optional): Store keys and values quantized to 4 or 8 bits with
-            ``mx.quantize`` (attention then runs mlx-lm's quantized path). Sinks are
-            re-derived from a full-precision copy whenever they move. Default: ``None``.
+            ``mx.quantize``. 8-bit keys and values are grouped per token (attention then
+            runs mlx-lm's quantized path); 4-bit keys are grouped per channel along the
+            tokens with a float residual of the newest tokens (``mlx_stream.kvquant``:
+            ``slack`` is rounded up to fit its groups) and attention runs on dequantized
+            floats. Sinks are re-derived from a full-precision copy whenever they move.
+            Default: ``None``.
         kv_group_size (int): Quantization group size (32, 64 or 128; divides the
             head dimension). Default: ``64``.
         key_bits (int, optional): Bits for the keys when they differ from ``kv_bits``
@@ -103,6 +107,8 @@ class SinkCache(mlx_cache._BaseCache):
     ):
         key_bits = kv_bits if key_bits is None else key_bits
         validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
+        self.channel_keys = kvquant.per_channel(key_bits)  # kvquant.ChannelKeys storage
+        slack = kvquant.ring_slack(window, slack, key_bits)
         self.ring = Ring(sinks, window, slack, stride, positions)
         self.move = move if move is not None else (Move(0, rope) if rope is not None else None)
         self.additive_mask = additive_mask
@@ -116,9 +122,10 @@ class SinkCache(mlx_cache._BaseCache):
         # plain decoding never trims and keeps its memory flat.
         self._rolls_back = False
         self._last_fetched = 0  # slots the last update_and_fetch returned
+        self._recent_slots = None  # per-channel keys: value slot of each residual column
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
-        if kv_bits is not None and key_bits == kv_bits:
+        if kv_bits is not None and key_bits == kv_bits and not self.channel_keys:
             # Only a cache that returns quantized tuples has ``bits``: mlx-lm routes
             # attention to its quantized kernel on hasattr(cache, "bits").
             self.bits, self.group_size = kv_bits, kv_group_size
@@ -163,8 +170,39 @@ class SinkCache(mlx_cache._BaseCache):
 
     def max_call_tokens(self) -> int:
         """Most tokens the next model call may feed: no overwritten token a row still
-        needs, and no stride boundary where the sink/rebase layout changes."""
+        needs, and no stride boundary where the sink/rebase layout changes (and, for
+        per-channel keys, no more floats than the residual holds)."""
+        if self.channel_keys:
+            limit = kvquant.call_limit(self.tokens_seen, self.sinks)
+            return min(self.ring.max_call_tokens(), limit)
         return self.ring.max_call_tokens()
+
+    def _check_call(self, N: int) -> None:
+        """Refuse, before anything is written, a call this cache cannot serve exactly."""
+        self.ring.check_call(N)
+        n = self.tokens_seen
+        if self.channel_keys and N > kvquant.call_limit(n, self.sinks):
+            raise Unsupported(
+                f"a call of {N} tokens at token {n} needs more float keys than 4-bit keys "
+                f"keep (at most {kvquant.call_limit(n, self.sinks)} here); feed at most "
+                "max_call_tokens() tokens"
+            )
+
+    def _residual_slots(self, n: int, N: int) -> mx.array:
+        """The value slot of the token each residual column holds for a call at ``n``."""
+        tokens = kvquant.recent_tokens(n, N, self.sinks)
+        return mx.array([self.ring.slot(int(t)) if t >= 0 else 0 for t in tokens], mx.int32)
+
+    def _channel_mask(self, N: int, window_size: int | None) -> np.ndarray:
+        """The boolean mask over every slot and the float residual (per-channel keys)."""
+        ring, n = self.ring, self.tokens_seen
+        seen = ring.visible(N, window_size)
+        visible = np.zeros((N, ring.slots_total), dtype=bool)
+        visible[:, : seen.shape[1]] = seen
+        slots = ring.slots.copy()
+        for slot, i, length in ring.runs(n, N):
+            slots[slot : slot + length] = np.arange(n + i, n + i + length)
+        return kvquant.mask(visible, slots, n, self.sinks, self.window, window_size)
 
     # ----- moving positions ---------------------------------------------------------
 
@@ -173,7 +211,8 @@ class SinkCache(mlx_cache._BaseCache):
         return self.positions == "cache" and (self.move is None or self.move.moves)
 
     def _bits(self, slot: int) -> int | None:
-        return (self.key_bits, self.value_bits)[slot]
+        """Bits of the slot-wise storage of ``slot`` (per-channel keys keep sinks float)."""
+        return None if slot == 0 and self.channel_keys else (self.key_bits, self.value_bits)[slot]
 
     def _buffers(self) -> list:
         return [self.keys, self.values]
@@ -215,7 +254,10 @@ class SinkCache(mlx_cache._BaseCache):
             if base != old[0]:
                 keep = self._rolls_back  # the moved tensors, for an exact trim back
                 self._undo = (n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
-                kvstore.put(buf, S, C, self._moved(buf, S, C, old[0] - base, bits))
+                if isinstance(buf, kvquant.ChannelKeys):
+                    buf.shift_ring(lambda x, d=old[0] - base: self._shift(x, d))
+                else:
+                    kvstore.put(buf, S, C, self._moved(buf, S, C, old[0] - base, bits))
             if S > 0 and sink_start - base != old[1] - old[0]:
                 # Re-derived from the full-precision first-written copy: moves never
                 # accumulate rounding or quantization error, and undo exactly.
@@ -258,7 +300,13 @@ class SinkCache(mlx_cache._BaseCache):
                 "that does"
             )
         g, L = self.kv_group_size, self.ring.slots_total
-        self.keys = kvstore.zeros(B, H, L, D, keys.dtype, self.key_bits, g)
+        if self.channel_keys:
+            R = self.capacity - self.sinks
+            self.keys = kvquant.ChannelKeys.zeros(
+                B, H, L, R, D, keys.dtype, self.sinks, self.key_bits
+            )
+        else:
+            self.keys = kvstore.zeros(B, H, L, D, keys.dtype, self.key_bits, g)
         self.values = kvstore.zeros(
             B, values.shape[1], L, values.shape[-1], values.dtype, self.value_bits, g
         )
@@ -273,19 +321,25 @@ class SinkCache(mlx_cache._BaseCache):
         N = keys.shape[2]
         ring, g = self.ring, self.kv_group_size
         n = ring.tokens_seen
-        ring.check_call(N)
+        self._check_call(N)
         if self.keys is None:
             self._allocate(keys, values)
         self._apply_layout(n, N)
         L = ring.fetched(N)
-        packed_keys = kvstore.pack(keys, self.key_bits, g)
+        channel = self.channel_keys
+        packed_keys = None if channel else kvstore.pack(keys, self.key_bits, g)
         packed_values = kvstore.pack(values, self.value_bits, g)
         slot = self.move.slot if self.move is not None and self.move.moves else 0
         for s, i, length in ring.runs(n, N):
-            kvstore.put(self.keys, s, s + length, packed_keys, i)
+            if not channel:
+                kvstore.put(self.keys, s, s + length, packed_keys, i)
             kvstore.put(self.values, s, s + length, packed_values, i)
             if s < self.sinks and self.sink_copy is not None:
                 kvstore.put(self.sink_copy, s, s + length, (keys, values)[slot], i)
+        if channel:
+            self.keys.write(keys, n)
+            self._recent_slots = self._residual_slots(n, N)
+            L = ring.slots_total
         ring.write(N)
         if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
             self._undo = None  # no rollback can reach back across that rebase any more
@@ -295,6 +349,14 @@ class SinkCache(mlx_cache._BaseCache):
     def _fetch(self, L: int):
         """The first ``L`` slots of keys and values, as attention takes them."""
         g = self.kv_group_size
+        if self.channel_keys:
+            # Per-channel keys: float keys for every slot and the residual columns; the
+            # residual columns' values are the same tokens' values, gathered.
+            values = kvstore.unpack(self.values, self.value_bits, g)
+            if self._recent_slots is None:  # loaded, not yet called
+                self._recent_slots = self._residual_slots(self.tokens_seen, 0)
+            recent = mx.take(values, self._recent_slots, axis=2)
+            return self.keys.fetch(), mx.concatenate([values, recent], axis=2)
         keys, values = kvstore.get(self.keys, 0, L), kvstore.get(self.values, 0, L)
         if self.quantized and not hasattr(self, "bits"):
             # Mixed key/value bits: attention runs on dequantized floats.
@@ -316,12 +378,15 @@ class SinkCache(mlx_cache._BaseCache):
         (``additive_mask=False``), else the same mask in additive form (0 or -inf, the
         cache's dtype)."""
         ring = self.ring
-        ring.check_call(N)  # refuse before any layer of the model is touched
-        if ring.in_order(N):
+        self._check_call(N)  # refuse before any layer of the model is touched
+        if self.channel_keys:
+            visible = self._channel_mask(N, window_size)
+        elif ring.in_order(N):
             return mlx_cache.create_attention_mask(
                 N, offset=ring.tokens_seen, return_array=return_array, window_size=window_size
             )
-        visible = ring.visible(N, window_size)
+        else:
+            visible = ring.visible(N, window_size)
         if return_array or not self.additive_mask or self.values is None:
             return mx.array(visible)  # the model combines masks (&): boolean form
         # Additive form for a model that only hands the mask to attention: MLX's CPU
@@ -342,6 +407,12 @@ class SinkCache(mlx_cache._BaseCache):
         rebase moved are kept only once a cache rolls back)."""
         ring = self.ring
         n = ring.check_trim(n)
+        if self.channel_keys and not kvquant.trim_limit(ring.tokens_seen, self.sinks, n):
+            raise Unsupported(
+                f"cannot trim {n} tokens exactly: 4-bit keys keep the floats of the last "
+                f"{kvquant.RECENT} tokens only, and this rollback reopens a group older "
+                "than that"
+            )
         keep = ring.tokens_seen - n
         self._rolls_back = self._rolls_back or n > 0
         if n and self._moving and self.keys is not None:
@@ -380,13 +451,22 @@ class SinkCache(mlx_cache._BaseCache):
     def state(self):
         if self.keys is None:
             return []
-        arrays = [self.keys, self.values]
+        keys = self.keys.state if isinstance(self.keys, kvquant.ChannelKeys) else self.keys
+        arrays = [keys, self.values]
         return arrays + ([self.sink_copy] if self.sink_copy is not None else [])
 
     @state.setter
     def state(self, v):
         v = list(v)
-        keys = tuple(v[0]) if self.key_bits else v[0]
+        if self.channel_keys and not isinstance(v[0], dict):
+            raise Unsupported(
+                "this cache was saved with per-token 4-bit keys, which mlx-stream no longer "
+                "reads (4-bit keys are now per channel): start the session again"
+            )
+        if self.channel_keys:
+            keys = kvquant.ChannelKeys.from_state(v[0], self.sinks, self.key_bits)
+        else:
+            keys = tuple(v[0]) if self.key_bits else v[0]
         values = tuple(v[1]) if self.value_bits else v[1]
         self.keys, self.values = (self._pad(x) for x in (keys, values))
         self.sink_copy = v[2] if len(v) > 2 else None
@@ -546,7 +626,8 @@ def make_sink_cache(
                 " (chat and serve need cache positions)"
             )
         limit = position_limit(model)
-        ring = Ring(sinks, window, slack, stride, positions)
+        ring_slack = kvquant.ring_slack(window, slack, kv_bits if key_bits is None else key_bits)
+        ring = Ring(sinks, window, ring_slack, stride, positions)
         highest = ring.max_offset + ring.room(ring.max_offset) - 1
         if limit is not None and highest >= limit[0]:
             raise Unsupported(

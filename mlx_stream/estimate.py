@@ -81,14 +81,24 @@ def cache_bytes(
     Returns:
         int: Bytes.
     """
+    from mlx_stream import kvquant
     from mlx_stream.ring import MAX_SPARE_SINK_SETS
 
     key_bits = kv_bits if key_bits is None else key_bits
+    slack = kvquant.ring_slack(window, slack, key_bits)
     # Ring.slots_total, without building a Ring (it allocates a table per slot): the
     # ring, plus spare sets of sink slots when sinks move.
     spare = min(MAX_SPARE_SINK_SETS, math.ceil((slack + 1) / stride))
     slots = sinks + window + slack + (spare * sinks if sinks > 0 and positions == "cache" else 0)
-    per_layer = _buffer_bytes(layout, slots, layout.key_dim, key_bits, kv_group_size)
+    if kvquant.per_channel(key_bits):
+        # kvquant.ChannelKeys: float sink slots, per-channel groups of GROUP tokens over
+        # the ring (one scale and bias per channel and group), a float residual.
+        ring, d = window + slack, layout.dtype_bytes
+        floats = (slots - ring + kvquant.RECENT) * layout.key_dim * d
+        quantized = layout.key_dim * (ring * key_bits // 8 + 2 * (ring // kvquant.GROUP) * d)
+        per_layer = layout.kv_heads * (floats + quantized)
+    else:
+        per_layer = _buffer_bytes(layout, slots, layout.key_dim, key_bits, kv_group_size)
     per_layer += _buffer_bytes(layout, slots, layout.value_dim, kv_bits, kv_group_size)
     if sinks > 0 and positions == "cache":
         per_layer += layout.kv_heads * sinks * layout.key_dim * layout.dtype_bytes

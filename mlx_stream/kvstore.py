@@ -2,12 +2,16 @@
 mlx's quantized triple ``(packed, scales, biases)`` with the same slot axis.
 
 ``bits=None`` means float. Every function takes and returns the storage form, so the
-cache never branches on ``isinstance(tuple)`` itself.
+cache never branches on ``isinstance(tuple)`` itself. Per-channel 4-bit keys
+(``mlx_stream.kvquant.ChannelKeys``) answer ``get``/``put`` for their float sink slots,
+``length`` and ``copy`` here too.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from mlx_stream.kvquant import ChannelKeys
 
 
 def pack(x: mx.array, bits: int | None, group_size: int):
@@ -30,6 +34,8 @@ def zeros(B: int, H: int, slots: int, D: int, dtype, bits: int | None, group_siz
 
 def length(buf) -> int:
     """Number of slots of ``buf``."""
+    if isinstance(buf, ChannelKeys):
+        return buf.slots
     return (buf[0] if isinstance(buf, tuple) else buf).shape[-2]
 
 
@@ -40,6 +46,8 @@ def dtype_of(buf):
 
 def get(buf, start: int, stop: int):
     """Slots ``start:stop`` of ``buf`` (the buffer itself when that is all of it)."""
+    if isinstance(buf, ChannelKeys):
+        return buf.get(start, stop)
     if start == 0 and stop == length(buf):
         return buf  # the whole buffer: no slice op in the decode graph
     if isinstance(buf, tuple):
@@ -49,6 +57,8 @@ def get(buf, start: int, stop: int):
 
 def put(buf, start: int, stop: int, src, src_start: int = 0) -> None:
     """Write ``src[src_start : src_start + stop - start]`` into slots ``start:stop``."""
+    if isinstance(buf, ChannelKeys):
+        return buf.put(start, stop, src, src_start)
     n = stop - start
     pairs = zip(buf, src) if isinstance(buf, tuple) else ((buf, src),)
     for b, x in pairs:
@@ -60,6 +70,8 @@ def copy(buf):
     """An independent copy of ``buf`` (later in-place writes to ``buf`` do not show)."""
     if buf is None:
         return None
+    if isinstance(buf, ChannelKeys):
+        return buf.copy()
     if isinstance(buf, tuple):
         return tuple(mx.array(b) for b in buf)
     return mx.array(buf)

@@ -36,20 +36,26 @@ def test_logits_close_to_float_cache_before_eviction(model, bits):
     ref = feed(model, make_sink_cache(model, sinks=S, window=W, slack=16), TOKENS[: S + W], 8)
     error = mx.abs(ours - ref).max().item() / mx.abs(ref).max().item()
     assert error < TOLERANCE[bits]
-    assert hasattr(quantized(model, bits)[0], "bits")
+    # 8-bit returns quantized tuples (mlx-lm's quantized kernel); 4-bit per-channel keys
+    # return floats, which must not route attention to that kernel.
+    assert hasattr(quantized(model, bits)[0], "bits") == (bits == 8)
     assert not hasattr(make_sink_cache(model)[0], "bits")
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_cache_is_smaller_and_fixed(model, bits):
-    ours, floats = quantized(model, bits), make_sink_cache(model, sinks=S, window=W, slack=16)
+@pytest.mark.parametrize(("bits", "window", "share"), [(8, W, 0.5), (4, 224, 0.35)])
+def test_quantized_cache_is_smaller_and_fixed(model, bits, window, share):
+    # 4-bit keys add a float residual of 64 tokens (kvquant.RECENT): a window of 224
+    # (224 + slack 32 fills the per-channel groups exactly) keeps it a small share.
+    sizes = {"sinks": S, "window": window, "slack": 32}
+    ours, floats = quantized(model, bits, **sizes), make_sink_cache(model, **sizes)
     feed(model, ours, TOKENS[:100], 16)
     feed(model, floats, TOKENS[:100], 16)
     size = ours[0].nbytes
     feed(model, ours, TOKENS[100:], 16)
     assert ours[0].nbytes == size
+    assert ours[0].capacity == floats[0].capacity
     # Sinks keep a full-precision copy; the window shrinks with the bits.
-    assert size < floats[0].nbytes * (bits + 8) / 32
+    assert size < floats[0].nbytes * share
 
 
 def test_batching_does_not_change_logits(model):
@@ -71,13 +77,14 @@ def test_rollback_after_wrap_is_exact(model):
 
 def test_sinks_do_not_drift_over_100_moves(model):
     cache = make_sink_cache(model, sinks=S, window=W, slack=8, stride=1, kv_bits=4, kv_group_size=G)
-    floats = make_sink_cache(model, sinks=S, window=W, slack=8, stride=1)
+    # The same layout (4-bit keys round the slack up to whole key groups).
+    floats = make_sink_cache(model, sinks=S, window=W, slack=cache[0].slack, stride=1)
     feed(model, cache, TOKENS[: S + W + 2], 1)
     feed(model, floats, TOKENS[: S + W + 2], 1)
 
     def sink_error():
         c, f = cache[0], floats[0]
-        sinks = kvstore.unpack(kvstore.get(c.keys, 0, S), c.key_bits, G)
+        sinks = kvstore.unpack(kvstore.get(c.keys, 0, S), c._bits(0), G)
         return mx.abs(sinks - f.keys[..., :S, :]).max().item()
 
     first = sink_error()
@@ -139,8 +146,9 @@ def test_eight_bit_keys_four_bit_values(tmp_path, model):
     four = feed(model, quantized(model, 4), TOKENS[:150], 16)
     eight = quantized(model, 8)
     feed(model, eight, TOKENS[:150], 16)
-    # Keys carry most of the error: 8-bit keys beat 4-bit keys at the same value bits.
-    assert mx.abs(ours - floats).max().item() < mx.abs(four - floats).max().item()
+    # Per-channel 4-bit keys come close to 8-bit keys at the same value bits (per-token
+    # 4-bit keys did not: that is why they were replaced).
+    assert mx.abs(four - floats).mean().item() < 1.25 * mx.abs(ours - floats).mean().item()
     assert mixed[0].nbytes < eight[0].nbytes
     expected = copy.deepcopy(mixed)
     model(mx.array([TOKENS[150:160]]), cache=mixed)

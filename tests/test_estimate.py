@@ -21,6 +21,8 @@ CASES = [
     ("llama", {}),
     ("llama", {"positions": "absolute"}),
     ("llama", {"kv_bits": 4, "kv_group_size": 32}),
+    # 4-bit keys are per channel (kvquant): window 40 + slack 16 rounds up to 64 slots.
+    ("llama", {"kv_bits": 4, "kv_group_size": 32, "positions": "absolute"}),
     ("llama", {"kv_bits": 8, "kv_group_size": 32}),
     ("llama", {"kv_bits": 4, "key_bits": 8, "kv_group_size": 32}),
     ("qwen2", {}),

@@ -1,0 +1,245 @@
+"""Per-channel 4-bit keys for the sink + window ring (KIVI's scheme, fitted to a ring).
+
+Why: key channels have outliers, and ``mx.quantize`` groups along the head dimension, so
+one large channel sets the step of all the others in its group. KIVI (Liu et al., ICML
+2024) groups keys along tokens, one scale and bias per channel and group, and keeps the
+newest tokens in float until their group fills. Measured on the default model (attention
+output error against float keys, 1,024 tokens of Botchan, mean over the 30 layers):
+per-token 4-bit 0.223 (group 64) and 0.155 (group 32), a Hadamard rotation of the head
+dimension before per-token 4-bit 0.127-0.142, per-channel smoothing scales 0.29,
+per-channel groups of 32 tokens 0.086 (8-bit per token: 0.013).
+
+Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits):
+
+- Groups: ring token ``t >= sinks`` belongs to group ``(t - sinks) // GROUP``. The ring
+  has ``window + slack`` slots, rounded up to a multiple of ``GROUP`` (``ring_slack``), so
+  group ``k`` always lands on the ring slots ``sinks + (k * GROUP) % ring``..``+GROUP``:
+  a group starts at a ring slot that is a multiple of ``GROUP`` past the sinks.
+- Float residual: ``RECENT = 2 * GROUP`` float slots (``recent``), token ``t`` in slot
+  ``(t - sinks) % RECENT``. A group is quantized (from these floats, transposed, with
+  ``mx.quantize`` along the tokens) into the ring when its last token is written. A row
+  ``q`` reads token ``t`` from the ring once ``t``'s group is complete at ``q``, else from
+  its float slot: the mask picks, per row, which of the two columns a token is seen
+  through, so a chunk or a speculative verify block sees exactly what token-by-token
+  decoding sees. The residual must hold every float a call's rows need and those a
+  rollback brings back: ``limit``/``trim_limit`` bound a call and a trim by what fits
+  (at least ``GROUP + 1`` tokens each).
+- Sinks (and the spare sink copies of a call crossing a sink move) are kept in float:
+  ``sinks`` tokens, re-derived from the sink copy when they move, so they are never
+  re-quantized. A rebase moves the whole ring by re-rotation: dequantize, rotate,
+  quantize again (one more rounding per rebase a token lives through, at most two
+  over a window), and the float residual is rotated as floats.
+- Bytes: every array here is in the cache's ``state`` (``estimate.cache_bytes`` counts
+  them exactly).
+
+Attention reads dequantized float keys (mlx-lm's quantized kernel groups keys along the
+head dimension only): see benchmarks/README.md "Quantized" for what each route costs.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+#: Tokens per per-channel key group (mx.quantize's smallest group size).
+GROUP = 32
+#: Float slots of the residual: the group being filled and the one before it.
+RECENT = 2 * GROUP
+#: Key bits stored per channel (8-bit keys stay per token: they lose nothing measurable).
+CHANNEL_BITS = (4,)
+
+
+def per_channel(key_bits: int | None) -> bool:
+    """Whether keys of ``key_bits`` are stored per channel (``ChannelKeys``)."""
+    return key_bits in CHANNEL_BITS
+
+
+def ring_slack(window: int, slack: int, key_bits: int | None) -> int:
+    """``slack`` rounded up so that ``window + slack`` is a multiple of ``GROUP`` when the
+    keys are per channel (each group then has fixed ring slots); else ``slack``."""
+    if not per_channel(key_bits):
+        return slack
+    return slack + (-(window + slack)) % GROUP
+
+
+def group_start(t: int, sinks: int) -> int:
+    """First token of the group holding ring token ``t`` (``sinks`` for ``t < sinks``)."""
+    return sinks if t < sinks else sinks + (t - sinks) // GROUP * GROUP
+
+
+def call_limit(n: int, sinks: int) -> int:
+    """Most tokens a call at token ``n`` may write: the floats of ``[group_start(n),
+    n + N)`` must all fit in the residual."""
+    return RECENT - (max(n, sinks) - group_start(n, sinks)) + max(0, sinks - n)
+
+
+def trim_limit(tokens_seen: int, sinks: int, n: int) -> bool:
+    """Whether ``trim(n)`` keeps the floats of the group it reopens."""
+    keep = tokens_seen - n
+    start = group_start(keep, sinks)
+    return n == 0 or keep <= start or tokens_seen - start <= RECENT
+
+
+class ChannelKeys:
+    """Key storage of one SinkCache layer: float sinks, per-channel 4-bit ring groups,
+    and a float residual of the newest tokens.
+
+    Args:
+        edge (mx.array): ``(B, H, slots_total - ring, D)`` float: the sink slots, then
+            the spare sink slots.
+        ring (tuple): ``mx.quantize`` of ``(B, H, D, ring)`` keys along the tokens.
+        recent (mx.array): ``(B, H, RECENT, D)`` float residual.
+        sinks (int): Number of sink slots.
+        bits (int): Bits of the ring.
+    """
+
+    def __init__(self, edge: mx.array, ring: tuple, recent: mx.array, sinks: int, bits: int = 4):
+        self.edge, self.ring, self.recent = edge, tuple(ring), recent
+        self.sinks, self.bits = sinks, bits
+
+    @classmethod
+    def zeros(
+        cls, B: int, H: int, slots_total: int, ring: int, D: int, dtype, sinks: int, bits: int
+    ):
+        edge = mx.zeros((B, H, slots_total - ring, D), dtype)
+        packed = mx.quantize(mx.zeros((B, H, D, ring), dtype), group_size=GROUP, bits=bits)
+        return cls(edge, packed, mx.zeros((B, H, RECENT, D), dtype), sinks, bits)
+
+    # ----- shapes and state ------------------------------------------------------------
+
+    @property
+    def ring_slots(self) -> int:
+        return self.ring[1].shape[-1] * GROUP
+
+    @property
+    def slots(self) -> int:
+        """Slots of the cache layout (sinks, ring, spare sinks): the values' slot count."""
+        return self.edge.shape[-2] + self.ring_slots
+
+    @property
+    def dtype(self):
+        return self.edge.dtype
+
+    @property
+    def state(self) -> dict:
+        return {"edge": self.edge, "ring": list(self.ring), "recent": self.recent}
+
+    @classmethod
+    def from_state(cls, state: dict, sinks: int, bits: int) -> ChannelKeys:
+        return cls(state["edge"], tuple(state["ring"]), state["recent"], sinks, bits)
+
+    def copy(self) -> ChannelKeys:
+        """An independent copy (later in-place writes do not show in it)."""
+        ring = tuple(mx.array(a) for a in self.ring)
+        return ChannelKeys(mx.array(self.edge), ring, mx.array(self.recent), self.sinks, self.bits)
+
+    # ----- slot access for sinks and spare sinks (float) -------------------------------
+
+    def _edge(self, start: int, stop: int) -> tuple[int, int]:
+        S, R = self.sinks, self.ring_slots
+        if stop <= S:
+            return start, stop
+        if start >= S + R:
+            return start - R, stop - R
+        raise ValueError(f"slots {start}:{stop} are ring slots; move them with shift_ring")
+
+    def get(self, start: int, stop: int) -> mx.array:
+        a, b = self._edge(start, stop)
+        return self.edge[..., a:b, :]
+
+    def put(self, start: int, stop: int, src: mx.array, src_start: int = 0) -> None:
+        a, b = self._edge(start, stop)
+        n = b - a
+        self.edge[..., a:b, :] = (
+            src if src.shape[-2] == n and src_start == 0 else src[..., src_start : src_start + n, :]
+        )
+
+    # ----- writes ------------------------------------------------------------------------
+
+    def write(self, keys: mx.array, n: int) -> None:
+        """Store float ``keys`` (B, H, N, D) of tokens ``n..n+N-1``: sinks in float, ring
+        tokens in the residual, and every group completed by them quantized into the ring."""
+        S, N = self.sinks, keys.shape[-2]
+        if n < S:
+            k = min(N, S - n)
+            self.edge[..., n : n + k, :] = keys[..., :k, :] if k < N else keys
+        lo = max(n, S)
+        i = lo - n
+        while lo < n + N:  # contiguous runs of the residual ring
+            r = (lo - S) % RECENT
+            length = min(n + N - lo, RECENT - r)
+            whole = i == 0 and length == N
+            self.recent[..., r : r + length, :] = keys if whole else keys[..., i : i + length, :]
+            lo, i = lo + length, i + length
+        # Groups whose last token is in this call: quantize them from the residual.
+        first = max(0, (max(n, S) - S) // GROUP)
+        last_done = (n + N - S) // GROUP  # groups 0..last_done-1 are complete after the call
+        for k in range(first, last_done):
+            end = S + (k + 1) * GROUP - 1
+            if end < n:
+                continue
+            r = (k * GROUP) % RECENT
+            floats = self.recent[..., r : r + GROUP, :].swapaxes(-1, -2)
+            packed = mx.quantize(floats, group_size=GROUP, bits=self.bits)
+            c = (k * GROUP) % self.ring_slots
+            words = GROUP * self.bits // 32
+            self.ring[0][..., c // GROUP * words : (c // GROUP + 1) * words] = packed[0]
+            self.ring[1][..., c // GROUP : c // GROUP + 1] = packed[1]
+            self.ring[2][..., c // GROUP : c // GROUP + 1] = packed[2]
+
+    def shift_ring(self, shift) -> None:
+        """Apply ``shift`` ((B, H, L, D) -> same) to every ring key and the residual: the
+        ring is dequantized, moved and quantized again."""
+        x = mx.dequantize(*self.ring, group_size=GROUP, bits=self.bits).swapaxes(-1, -2)
+        moved = shift(x.astype(self.dtype)).swapaxes(-1, -2)
+        self.ring = tuple(mx.quantize(moved, group_size=GROUP, bits=self.bits))
+        self.recent = shift(self.recent)
+
+    # ----- reads ---------------------------------------------------------------------------
+
+    def fetch(self) -> mx.array:
+        """Float keys for every column: sinks, ring, spare sinks, then the residual."""
+        S = self.sinks
+        ring = mx.dequantize(*self.ring, group_size=GROUP, bits=self.bits).swapaxes(-1, -2)
+        parts = [self.edge[..., :S, :], ring.astype(self.dtype), self.edge[..., S:, :], self.recent]
+        return mx.concatenate([p for p in parts if p.shape[-2]], axis=2)
+
+
+def recent_tokens(n: int, N: int, sinks: int) -> np.ndarray:
+    """Token held by each residual slot for the rows of an ``N``-token call at ``n``
+    (``-1``: none a row may need): the tokens ``[group_start(n), n + N)``."""
+    tokens = np.full(RECENT, -1, dtype=np.int64)
+    lo = group_start(n, sinks)
+    t = np.arange(lo, n + N)
+    t = t[t >= sinks]
+    tokens[(t - sinks) % RECENT] = t
+    return tokens
+
+
+def mask(visible: np.ndarray, slots: np.ndarray, n: int, sinks: int, window: int,
+         window_size: int | None) -> np.ndarray:  # fmt: skip
+    """The boolean mask ``(N, slots_total + RECENT)`` of an ``N``-token call at ``n``.
+
+    Args:
+        visible (np.ndarray): The ring's mask over the value slots (``Ring.visible``,
+            padded to every slot).
+        slots (np.ndarray): Token held by each ring slot after the call (``-1``: none),
+            for the first ``len(slots)`` columns.
+        n (int): First token of the call.
+        sinks, window (int): The cache's sizes.
+        window_size (int, optional): A model's own sliding window.
+    """
+    N = visible.shape[0]
+    q = np.arange(n, n + N)[:, None]
+    row_group = np.where(q >= sinks, (q - sinks) // GROUP, -1)
+    t = np.full(visible.shape[1], -1, dtype=np.int64)
+    t[: len(slots)] = slots
+    t[:sinks] = -1  # sink slots are float: nothing to swap
+    t = t[None, :]
+    open_group = (t >= sinks) & ((t - sinks) // GROUP == row_group)
+    seen = visible & ~open_group
+    tok = recent_tokens(n, N, sinks)[None, :]
+    extra = (tok >= sinks) & (tok <= q) & ((tok - sinks) // GROUP == row_group) & (tok > q - window)
+    if window_size is not None:
+        extra &= tok > q - window_size
+    return np.concatenate([seen, extra], axis=1)
