@@ -1,0 +1,175 @@
+"""Per-channel 4-bit keys (mlx_stream.kvquant): outliers cost little, a chunk and a
+speculative verify block see exactly what token-by-token decoding sees, rollback and
+checkpoints restore the quantized state bit for bit, and refusals come before a write."""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import cache as mlx_cache
+
+from mlx_stream import kvquant
+from mlx_stream.cache import load_cache, make_sink_cache, save_cache
+from mlx_stream.decode import DecodeState, generate_step
+from mlx_stream.errors import Unsupported
+from tests import tiny
+from tests.test_cache import feed
+
+S, W, G = 4, 40, 32
+TOKENS = tiny.random_tokens(12 * W, seed=11)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.make_model("llama", num_attention_heads=2, num_key_value_heads=1, scale=1.0)
+
+
+def four_bit(model, **kwargs):
+    kwargs = {"sinks": S, "window": W, "slack": 16, "stride": 16, **kwargs}
+    return make_sink_cache(model, kv_bits=4, kv_group_size=G, **kwargs)
+
+
+def arrays(cache) -> list:
+    return [a for c in cache for _, a in tree_flatten(c.state)]
+
+
+def same_state(a, b) -> bool:
+    xs, ys = arrays(a), arrays(b)
+    return len(xs) == len(ys) and all(mx.array_equal(x, y).item() for x, y in zip(xs, ys))
+
+
+def test_outlier_channels_cost_little_per_channel():
+    # Keys with two outlier channels (x40 and an offset): per-token groups along the head
+    # dimension (mx.quantize) give every channel the outliers' step; per-channel groups
+    # along the tokens do not.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 2 * G, 64)).astype(np.float32)
+    x[..., 5] = 40 * x[..., 5] + 30
+    x[..., 37] *= 25
+    keys = mx.array(x)
+    store = kvquant.ChannelKeys.zeros(1, 2, 2 * G + S, 2 * G, 64, mx.float32, S, 4)
+    store.write(mx.zeros((1, 2, S, 64)), 0)
+    store.write(keys, S)  # two whole groups: both quantized into the ring
+    ring = store.fetch()[..., S : S + 2 * G, :]
+    per_token = mx.dequantize(*mx.quantize(keys, group_size=G, bits=4), group_size=G, bits=4)
+    small = [c for c in range(64) if c not in (5, 37)]
+    ours = mx.abs(ring - keys)[..., small].mean().item()
+    theirs = mx.abs(per_token - keys)[..., small].mean().item()
+    assert ours < theirs / 5
+    # The residual holds the floats exactly until their group is full.
+    partial = kvquant.ChannelKeys.zeros(1, 2, 2 * G + S, 2 * G, 64, mx.float32, S, 4)
+    partial.write(keys[..., : G - 1, :], S)
+    assert mx.array_equal(partial.fetch()[..., -kvquant.RECENT :, :][..., : G - 1, :], keys[..., : G - 1, :])
+
+
+def test_slack_rounds_up_to_whole_groups(model):
+    cache = four_bit(model)[0]
+    assert (cache.window + cache.slack) % kvquant.GROUP == 0
+    assert cache.slack == 24  # 40 + 16 -> 64
+    assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 16
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 33])
+def test_chunks_see_what_token_by_token_sees(model, chunk):
+    # Chunks cross group boundaries: rows before a group fills must read its floats,
+    # rows after it the quantized group, exactly as one token at a time does.
+    one = feed(model, four_bit(model), TOKENS, 1)
+    many = feed(model, four_bit(model), TOKENS, chunk)
+    scale = mx.abs(one).max().item()
+    # Float tolerance: a BLAS may round 1-row and many-row matmuls differently, and a
+    # key that lands on the other side of a 4-bit step moves a logit by ~1e-4.
+    assert mx.abs(one - many).max().item() <= 1e-3 * scale
+    assert mx.array_equal(one.argmax(axis=-1), many.argmax(axis=-1))
+    # ... and that choice matters: reading the quantized keys of an open group would
+    # cost what quantization costs against float keys.
+    floats = feed(model, make_sink_cache(model, sinks=S, window=W, slack=24, stride=16), TOKENS, 1)
+    assert mx.abs(one - floats).max().item() > 20e-3 * scale
+
+
+def test_speculative_greedy_equals_plain_greedy(model):
+    prompt, n = TOKENS[:20], 6 * W
+    plain = [t for t, _, _ in generate_step(prompt, model, four_bit(model), max_tokens=n)]
+    # A different one-layer draft: rejections (and rollbacks) happen.
+    draft = tiny.make_model(
+        "llama", seed=7, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        scale=1.0,
+    )  # fmt: skip
+    state = DecodeState()
+    spec_cache = four_bit(model) + four_bit(draft)
+    out = generate_step(
+        prompt, model, spec_cache, max_tokens=n, draft_model=draft, num_draft_tokens=3,
+        state=state,
+    )  # fmt: skip
+    assert [t for t, _, _ in out] == plain
+    assert state.drafted > state.accepted > 0  # rollbacks happened, across group fills
+
+
+def test_rollback_across_a_filled_group_is_bit_exact(model):
+    cache = four_bit(model)
+    feed(model, cache, TOKENS[:150], 16)
+    # Token 150 is 146 past the sinks: the next 10 tokens fill a group (4 + 5 * 32 = 164
+    # ends at 163), and a rebase or sink move may fall inside too.
+    start = cache[0].tokens_seen
+    end = kvquant.group_start(start, S) + kvquant.GROUP
+    n = end - start + 3
+    for c in cache:  # as after a first rollback: a rebase's moved tensors are kept
+        c._rolls_back = True
+    expected = copy.deepcopy(cache)
+    block = mx.array([TOKENS[start : start + n]])
+    first = model(block, cache=cache)
+    after = copy.deepcopy(cache)
+    assert not same_state(cache, expected)
+    assert mlx_cache.trim_prompt_cache(cache, n) == n
+    assert cache[0].tokens_seen == expected[0].tokens_seen
+    # The rolled-back cache answers as the one never fed; fed again, it is bit for bit
+    # the cache that was fed once.
+    nxt = mx.array([TOKENS[start + 5 : start + 13]])
+    probe, reference = copy.deepcopy(cache), copy.deepcopy(expected)
+    assert mx.array_equal(model(nxt, cache=probe), model(nxt, cache=reference))
+    assert mx.array_equal(model(block, cache=cache), first)
+    assert same_state(cache, after)
+
+
+def test_rollback_past_the_residual_is_refused(model):
+    cache = four_bit(model, slack=120)
+    feed(model, cache, TOKENS[:300], 16)
+    before = cache[0].tokens_seen
+    deepest = max(m for m in range(1, 122) if kvquant.trim_limit(before, S, m))
+    with pytest.raises(Unsupported, match="4-bit keys keep the floats"):
+        cache[0].trim(deepest + 1)
+    assert cache[0].tokens_seen == before
+    assert cache[0].trim(deepest) == deepest
+
+
+def test_a_call_past_the_residual_is_refused_before_writing(model):
+    cache = four_bit(model, slack=120, stride=1024)
+    feed(model, cache, TOKENS[:50], 16)
+    limit = cache[0].max_call_tokens()
+    assert limit == kvquant.call_limit(50, S) < cache[0].ring.max_call_tokens()
+    state = copy.deepcopy(cache)
+    with pytest.raises(Unsupported, match="feed at most"):
+        model(mx.array([TOKENS[50 : 51 + limit]]), cache=cache)
+    assert same_state(cache, state)
+    model(mx.array([TOKENS[50 : 50 + limit]]), cache=cache)  # the limit itself is served
+
+
+def test_checkpoint_round_trips_bit_for_bit(tmp_path, model):
+    cache = four_bit(model)
+    feed(model, cache, TOKENS[:157], 16)  # mid-group: the residual holds live floats
+    save_cache(tmp_path / "k4.safetensors", cache)
+    loaded, _ = load_cache(tmp_path / "k4.safetensors", model)
+    assert isinstance(loaded[0].keys, kvquant.ChannelKeys)
+    assert same_state(loaded, cache)
+    assert loaded[0].meta_state == cache[0].meta_state
+    nxt = mx.array([TOKENS[157:170]])
+    assert mx.array_equal(model(nxt, cache=loaded), model(nxt, cache=cache))
+
+
+def test_a_per_token_four_bit_checkpoint_is_refused(model):
+    cache = four_bit(model)
+    feed(model, cache, TOKENS[:40], 16)
+    old = [tuple(mx.quantize(mx.zeros((1, 1, 8, 32)), group_size=32, bits=4))] * 2
+    with pytest.raises(Unsupported, match="per-token 4-bit keys"):
+        cache[0].state = old
