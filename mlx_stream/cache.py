@@ -48,6 +48,7 @@ POSITIONS = ("cache", "absolute")
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 64
+DEFAULT_SLACK = 0
 
 
 class SinkCache(mlx_cache._BaseCache):
@@ -60,9 +61,12 @@ class SinkCache(mlx_cache._BaseCache):
     Args:
         sinks (int): Number of first tokens kept forever. Default: ``4``.
         window (int): Number of most recent tokens each query sees. Default: ``1024``.
-        slack (int): Extra slots: the largest multi-token call (prefill chunk,
-            speculative verify block) and the deepest rollback are ``slack + 1``
-            tokens. Default: ``64``.
+        slack (int): Extra ring slots for rollback: ``trim(n)`` is exact for ``n <=
+            slack + 1`` (a speculative verify block needs ``num_draft_tokens + 1``).
+            A multi-token call attends over the buffer as it was before it plus its
+            own tokens, so it needs no slack; a single-token step attends over
+            ``sinks + window + slack`` slots (with ``slack=0`` all of them visible:
+            no mask, as mlx-lm's rotating cache). Default: ``0``.
         stride (int): Sinks move and the buffer rebases only at multiples of this
             token index. Default: ``64``.
         rope (nn.Module, optional): Shorthand for ``move=Move(0, rope)``: the layer's
@@ -95,7 +99,7 @@ class SinkCache(mlx_cache._BaseCache):
         self,
         sinks: int = DEFAULT_SINKS,
         window: int = DEFAULT_WINDOW,
-        slack: int = DEFAULT_STRIDE,
+        slack: int = DEFAULT_SLACK,
         stride: int = DEFAULT_STRIDE,
         rope: nn.Module | None = None,
         positions: str = "cache",
@@ -109,7 +113,9 @@ class SinkCache(mlx_cache._BaseCache):
         validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
         self.channel_keys = kvquant.per_channel(key_bits)  # kvquant.ChannelKeys storage
         slack = kvquant.ring_slack(window, slack, key_bits)
-        self.ring = Ring(sinks, window, slack, stride, positions)
+        # Per-channel keys write a call into the ring before attending (their mask
+        # picks float or quantized columns per row): the older in-place layout.
+        self.ring = Ring(sinks, window, slack, stride, positions, in_place=self.channel_keys)
         self.move = move if move is not None else (Move(0, rope) if rope is not None else None)
         self.additive_mask = additive_mask
         self.keys = None
@@ -123,6 +129,9 @@ class SinkCache(mlx_cache._BaseCache):
         self._rolls_back = False
         self._last_fetched = 0  # slots the last update_and_fetch returned
         self._recent_slots = None  # per-channel keys: value slot of each residual column
+        self._shared = False  # another layer reads keys_and_values (kv-shared layers)
+        self._returned = None  # what a concatenating call returned, kept when shared
+        self._concatenated = False  # whether the last call concatenated
         self.kv_group_size = kv_group_size
         self.key_bits, self.value_bits = key_bits, kv_bits
         if kv_bits is not None and key_bits == kv_bits and not self.channel_keys:
@@ -175,6 +184,9 @@ class SinkCache(mlx_cache._BaseCache):
         if self.channel_keys:
             limit = kvquant.call_limit(self.tokens_seen, self.sinks)
             return min(self.ring.max_call_tokens(), limit)
+        n, fill = self.tokens_seen, self.sinks + self.window
+        if n < fill:  # the first eviction starts a call of its own: the calls before it
+            return min(self.ring.max_call_tokens(), fill - n)  # are in order (see below)
         return self.ring.max_call_tokens()
 
     def _check_call(self, N: int) -> None:
@@ -239,7 +251,7 @@ class SinkCache(mlx_cache._BaseCache):
         (and write the spare sinks of the later layouts a crossing call spans)."""
         ring, S, C = self.ring, self.sinks, self.capacity
         if not self._moving:
-            if not ring.in_order(N):
+            if not ring.in_order(N) and ring.in_place:
                 for k in range(1, len(ring.sink_layouts(N))):  # unmoved sink copies
                     lo = C + (k - 1) * S
                     for b in self._buffers():
@@ -265,14 +277,41 @@ class SinkCache(mlx_cache._BaseCache):
                 kvstore.put(buf, 0, S, kvstore.pack(moved, bits, g))
             self._layout_applied = (base, sink_start)
             self._layout_stride = n // self.stride
-        if ring.in_order(N):
-            return
+        if ring.in_order(N) or not ring.in_place:
+            return  # a concatenating call gets its spare sinks as columns (_spare_sinks)
         for k, start in enumerate(ring.sink_layouts(N)[1:], 1):
             lo = C + (k - 1) * S
             for b in self._buffers():
                 kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
             moved = self._shift(self.sink_copy, start - base)
             kvstore.put(buf, lo, lo + S, kvstore.pack(moved, bits, g))
+
+    def _spare_sinks(self, n: int, N: int) -> list[list]:
+        """Storage-form [keys, values] of the sinks of each later layout the next call
+        spans (a concatenating call appends them as columns after the buffer)."""
+        ring, S, g = self.ring, self.sinks, self.kv_group_size
+        starts = ring.sink_layouts(N)
+        if len(starts) < 2:
+            return []
+        base = ring.layout(n)[0]
+        out = []
+        for start in starts[1:]:
+            pair = [kvstore.get(b, 0, S) for b in self._buffers()]
+            if self._moving:
+                slot = self.move.slot if self.move is not None else 0
+                moved = self._shift(self.sink_copy, start - base)
+                pair[slot] = kvstore.pack(moved, self._bits(slot), g)
+            out.append(pair)
+        return out
+
+    def _attended(self, keys, values):
+        """Storage-form keys and values as attention takes them (mixed bits: floats)."""
+        if self.quantized and not hasattr(self, "bits"):
+            g = self.kv_group_size
+            return kvstore.unpack(keys, self.key_bits, g), kvstore.unpack(
+                values, self.value_bits, g
+            )
+        return keys, values
 
     # ----- storage ----------------------------------------------------------------
 
@@ -329,6 +368,16 @@ class SinkCache(mlx_cache._BaseCache):
         channel = self.channel_keys
         packed_keys = None if channel else kvstore.pack(keys, self.key_bits, g)
         packed_values = kvstore.pack(values, self.value_bits, g)
+        concat = None
+        if ring.concatenates(N):
+            # The buffer as it was (taken before the writes below), the later layouts'
+            # sinks, then the call's own tokens: no row needs a slot this call overwrites.
+            spares = self._spare_sinks(n, N)
+            pairs = ((self.keys, packed_keys), (self.values, packed_values))
+            concat = [
+                kvstore.concat([buf, *(pair[i] for pair in spares), new])
+                for i, (buf, new) in enumerate(pairs)
+            ]
         slot = self.move.slot if self.move is not None and self.move.moves else 0
         for s, i, length in ring.runs(n, N):
             if not channel:
@@ -344,6 +393,12 @@ class SinkCache(mlx_cache._BaseCache):
         if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
             self._undo = None  # no rollback can reach back across that rebase any more
         self._last_fetched = L
+        self._concatenated = concat is not None
+        if concat is not None:
+            out = self._attended(*concat)
+            self._returned = out if self._shared else None
+            return out
+        self._returned = None
         return self._fetch(L)
 
     def _fetch(self, L: int):
@@ -367,6 +422,16 @@ class SinkCache(mlx_cache._BaseCache):
 
     def keys_and_values(self):
         """The keys and values the last ``update_and_fetch`` returned."""
+        # Kept from the next concatenating call on: only models whose layers share a
+        # cache ask, and a buffer-sized copy per layer is not kept for the others.
+        self._shared = True
+        if self._returned is not None:
+            return self._returned
+        if self._concatenated:  # a foreign loop's first call went past the window
+            raise Unsupported(
+                "a layer sharing this cache read it after a call that went past the window "
+                "before any in-order call; feed at most max_call_tokens() tokens per call"
+            )
         if self.keys is None:
             return None, None
         return self._fetch(self._last_fetched or self.ring.fetched(0))
@@ -387,6 +452,8 @@ class SinkCache(mlx_cache._BaseCache):
             )
         else:
             visible = ring.visible(N, window_size)
+            if N == 1 and window_size is None and visible.all():
+                return None  # every slot is seen (slack 0): no mask, as mlx-lm's own
         if return_array or not self.additive_mask or self.values is None:
             return mx.array(visible)  # the model combines masks (&): boolean form
         # Additive form for a model that only hands the mask to attention: MLX's CPU
@@ -544,8 +611,8 @@ def validate_sizes(
         raise Unsupported(f"window must be at least 1 (got {window})")
     if sinks < 0:
         raise Unsupported(f"sinks must be 0 or more (got {sinks})")
-    if slack < 1:
-        raise Unsupported(f"slack must be at least 1 (got {slack})")
+    if slack < 0:
+        raise Unsupported(f"slack must be 0 or more (got {slack})")
     if stride < 1:
         raise Unsupported(f"stride must be at least 1 (got {stride})")
     if positions not in POSITIONS:
@@ -597,8 +664,8 @@ def make_sink_cache(
         model (nn.Module): An mlx-lm model.
         sinks (int): Attention sinks kept forever. Default: ``4``.
         window (int): Recent tokens each query sees. Default: ``1024``.
-        slack (int, optional): Extra slots for multi-token calls and rollback.
-            Default: ``stride``.
+        slack (int, optional): Extra ring slots for rollback (``trim(n)`` exact for
+            ``n <= slack + 1``). Default: ``0``.
         stride (int): Token stride of sink moves and rebases. Default: ``64``.
         positions (str): ``"cache"`` or ``"absolute"``. Default: ``"cache"``.
         kv_bits (int, optional): Quantize the cache to 4 or 8 bits. Default: ``None``.
@@ -612,7 +679,7 @@ def make_sink_cache(
     Raises:
         Unsupported: Impossible sizes, or a model this cache would serve inexactly.
     """
-    slack = stride if slack is None else slack
+    slack = DEFAULT_SLACK if slack is None else slack
     validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
     caches = mlx_cache.make_prompt_cache(model)
     for i, c in enumerate(caches):
@@ -627,7 +694,8 @@ def make_sink_cache(
             )
         limit = position_limit(model)
         ring_slack = kvquant.ring_slack(window, slack, kv_bits if key_bits is None else key_bits)
-        ring = Ring(sinks, window, ring_slack, stride, positions)
+        in_place = kvquant.per_channel(kv_bits if key_bits is None else key_bits)
+        ring = Ring(sinks, window, ring_slack, stride, positions, in_place=in_place)
         highest = ring.max_offset + ring.room(ring.max_offset) - 1
         if limit is not None and highest >= limit[0]:
             raise Unsupported(

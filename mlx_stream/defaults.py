@@ -9,7 +9,7 @@ from __future__ import annotations
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 64
-DEFAULT_SLACK = 64  # covers a prefill chunk of DEFAULT_CHUNK tokens
+DEFAULT_SLACK = 0  # slack serves rollback only: a multi-token call needs none
 POSITIONS = ("cache", "absolute")
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -26,6 +26,7 @@ RECLAIM_MODES = ("crossing", "exact", "none")
 
 
 def slack_for(num_draft_tokens: int = 0) -> int:
-    """Slack a SinkCache needs: a prefill chunk of ``DEFAULT_SLACK`` tokens, and a
-    speculative verify block of ``num_draft_tokens + 1`` tokens with its rollback."""
-    return max(num_draft_tokens + 1, DEFAULT_SLACK)
+    """Slack a SinkCache needs: the rollback of a speculative verify block of
+    ``num_draft_tokens + 1`` tokens (``trim(n)`` is exact for ``n <= slack + 1``); none
+    without drafts (a chat turn trims one token at most)."""
+    return num_draft_tokens + 1 if num_draft_tokens > 0 else DEFAULT_SLACK

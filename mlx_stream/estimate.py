@@ -1,7 +1,8 @@
 """Will it fit? Exact memory of the rolling cache (and the weights) before allocating.
 
 A SinkCache layer holds one key and one value buffer of ``sinks + window + slack``
-slots plus spare sink slots (``(1, kv_heads, slots, head_dim)``, ``Ring.slots_total``), plus a full-precision copy of the sink keys
+slots (``(1, kv_heads, slots, head_dim)``, ``Ring.slots_total``; spare sink slots too
+where calls write in place: per-channel 4-bit keys), plus a full-precision copy of the sink keys
 when positions are moved; quantized buffers hold packed ``uint32`` words and a scale and
 a bias per group. That arithmetic gives the cache's bytes exactly (the tests compare it
 with ``nbytes`` of built caches), so an impossible ``--window`` is refused with the bytes
@@ -15,7 +16,6 @@ model is loaded, from its ``config.json``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import struct
@@ -82,14 +82,15 @@ def cache_bytes(
         int: Bytes.
     """
     from mlx_stream import kvquant
-    from mlx_stream.ring import MAX_SPARE_SINK_SETS
+    from mlx_stream.ring import spare_sets
 
     key_bits = kv_bits if key_bits is None else key_bits
     slack = kvquant.ring_slack(window, slack, key_bits)
     # Ring.slots_total, without building a Ring (it allocates a table per slot): the
     # ring, plus spare sets of sink slots when sinks move.
-    spare = min(MAX_SPARE_SINK_SETS, math.ceil((slack + 1) / stride))
-    slots = sinks + window + slack + (spare * sinks if sinks > 0 and positions == "cache" else 0)
+    in_place = kvquant.per_channel(key_bits)
+    spare = spare_sets(sinks, slack, stride, positions, in_place) if in_place else 0
+    slots = sinks + window + slack + spare * sinks
     if kvquant.per_channel(key_bits):
         # kvquant.ChannelKeys: float sink slots, per-channel groups of GROUP tokens over
         # the ring (one scale and bias per channel and group), a float residual.

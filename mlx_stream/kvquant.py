@@ -55,10 +55,12 @@ def per_channel(key_bits: int | None) -> bool:
 
 
 def ring_slack(window: int, slack: int, key_bits: int | None) -> int:
-    """``slack`` rounded up so that ``window + slack`` is a multiple of ``GROUP`` when the
-    keys are per channel (each group then has fixed ring slots); else ``slack``."""
+    """The slack of a cache asked for ``slack``: with per-channel keys, calls are
+    written into the ring before attention, so it covers a call of ``RECENT`` tokens,
+    and ``window + slack`` is a multiple of ``GROUP`` (each group has fixed ring slots)."""
     if not per_channel(key_bits):
         return slack
+    slack = max(slack, RECENT)
     return slack + (-(window + slack)) % GROUP
 
 

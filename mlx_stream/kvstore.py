@@ -66,6 +66,13 @@ def put(buf, start: int, stop: int, src, src_start: int = 0) -> None:
         b[..., start:stop, :] = x if whole else x[..., src_start : src_start + n, :]
 
 
+def concat(parts: list):
+    """Storage-form buffers joined along the slot axis."""
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate([p[i] for p in parts], axis=-2) for i in range(len(parts[0])))
+    return mx.concatenate(parts, axis=-2)
+
+
 def copy(buf):
     """An independent copy of ``buf`` (later in-place writes to ``buf`` do not show)."""
     if buf is None:

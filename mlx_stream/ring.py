@@ -12,8 +12,19 @@ token of ``n``'s stride. Both change only at multiples of ``stride``.
 
 A call whose rows span two or more layouts (a foreign loop's chunk crossing a stride
 multiple) stays exact: each further layout's sinks are written to a spare copy of the
-sink slots after the ring, and the mask shows each row the copy of its own layout. The
-layout here is a pure function of token indices, so a batched cache can share it.
+sink slots, and the mask shows each row the copy of its own layout. The layout here is a
+pure function of token indices, so a batched cache can share it.
+
+Multi-token calls (``in_place=False``, the default): a call of ``N > 1`` tokens past the
+first eviction attends over the buffer as it was before the call, then the spare sink
+copies of its later layouts, then its own ``N`` tokens (``fetched``/``visible`` describe
+those columns; the cache concatenates them, as mlx-lm's rotating cache does for a
+chunk), and writes its tokens into the ring afterwards. So a call never needs slots it
+overwrites, ``slack`` only serves rollback (``trim(n)`` is exact for ``n <= slack + 1``),
+and a single-token step attends over the ``sinks + window + slack`` slots it fills: with
+``slack=0`` all of them are visible and the step needs no mask. ``in_place=True`` (the
+per-channel 4-bit keys of ``mlx_stream.kvquant``) writes every call into the ring first,
+keeps spare sink slots after it and needs ``slack + 1`` slots for the largest call.
 """
 
 from __future__ import annotations
@@ -28,6 +39,16 @@ from mlx_stream.errors import Unsupported
 MAX_SPARE_SINK_SETS = 4
 
 
+def spare_sets(sinks: int, slack: int, stride: int, positions: str, in_place: bool) -> int:
+    """Spare sink copies a call may need: as many as the sink layouts a call can span
+    beyond its first (in place: as many as ``slack + 1`` tokens can span)."""
+    if sinks == 0 or positions != "cache":
+        return 0
+    if not in_place:
+        return MAX_SPARE_SINK_SETS
+    return min(MAX_SPARE_SINK_SETS, math.ceil((slack + 1) / stride))
+
+
 class Ring:
     """Slot bookkeeping and positions of one sink + window buffer.
 
@@ -39,15 +60,18 @@ class Ring:
         positions (str): ``"cache"`` (bounded positions) or ``"absolute"``.
     """
 
-    def __init__(self, sinks: int, window: int, slack: int, stride: int, positions: str):
+    def __init__(
+        self, sinks: int, window: int, slack: int, stride: int, positions: str,
+        in_place: bool = False,
+    ):  # fmt: skip
         self.sinks, self.window, self.slack, self.stride = sinks, window, slack, stride
-        self.positions = positions
+        self.positions, self.in_place = positions, in_place
         self.capacity = sinks + window + slack
         # Rebase often enough to bound positions, rarely enough to cost < 1 token/token.
         self.rebase_every = stride * math.ceil(self.capacity / stride)
-        spare = min(MAX_SPARE_SINK_SETS, math.ceil((slack + 1) / stride))
-        self.spare_sets = spare if sinks > 0 and positions == "cache" else 0
-        self.slots_total = self.capacity + self.spare_sets * sinks
+        self.spare_sets = spare_sets(sinks, slack, stride, positions, in_place)
+        # Spare sink copies live in slots after the ring only when calls write in place.
+        self.slots_total = self.capacity + (self.spare_sets * sinks if in_place else 0)
         self.slots = np.full(self.capacity, -1, dtype=np.int64)
         self.filled = 0  # ring slots ever written (high-water mark)
         self.tokens_seen = 0
@@ -108,9 +132,24 @@ class Ring:
         return runs
 
     def room(self, n: int) -> int:
-        """Most tokens a call at ``n`` may write without overwriting one a row needs."""
+        """Most tokens a call at ``n`` may write without overwriting one a row needs
+        (calls not in place see the buffer as it was: only the sink layouts bound them)."""
+        if not self.in_place:
+            return self.largest_call()
         ring = self.capacity - self.sinks
         return ring + max(self.sinks, n - self.window + 1) - n
+
+    def largest_call(self) -> int:
+        """An upper bound of any call this buffer serves (the spare sink sets bound the
+        layouts a call spans; each layout lasts ``stride`` tokens)."""
+        if self.in_place:
+            return self.slack + 1
+        return (self.spare_sets + 1) * self.stride
+
+    def concatenates(self, N: int) -> bool:
+        """Whether the next ``N``-token call attends over the buffer as it was before it,
+        followed by its own tokens (not in place, past the first eviction)."""
+        return not self.in_place and N > 1 and not self.in_order(N)
 
     def max_call_tokens(self) -> int:
         """Most tokens the next call may feed without overwriting a token a row still
@@ -128,7 +167,7 @@ class Ring:
     def check_call(self, N: int) -> None:
         """Refuse, before anything is written, a call this buffer cannot serve exactly."""
         n = self.tokens_seen
-        if N > self.room(n):
+        if self.in_place and N > self.room(n):
             raise Unsupported(
                 f"a call of {N} tokens at token {n} would overwrite tokens still in the "
                 f"window (at most {self.room(n)} here); raise slack (now {self.slack}) "
@@ -149,12 +188,16 @@ class Ring:
         """How many leading slots the next ``N``-token call attends over."""
         if self.in_order(N):
             return self.tokens_seen + N
+        if self.concatenates(N):
+            return self.capacity + (len(self.sink_layouts(N)) - 1) * self.sinks + N
         if len(self.sink_layouts(N)) > 1:
             return self.slots_total
         return max(self.filled, min(self.capacity, self.tokens_seen + N))
 
     def visible(self, N: int, window_size: int | None = None) -> np.ndarray:
         """The boolean mask ``(N, fetched(N))`` of the next ``N``-token call."""
+        if self.concatenates(N):
+            return self._visible_before(N, window_size)
         n = self.tokens_seen
         slots = self.slots.copy()
         for slot, i, length in self.runs(n, N):
@@ -180,6 +223,28 @@ class Ring:
             sink_tokens = np.tile(np.arange(S), self.spare_sets)[None, :]
             spare &= sink_tokens > q - window_size
         return np.concatenate([seen, spare], axis=1)
+
+    def _visible_before(self, N: int, window_size: int | None) -> np.ndarray:
+        """The mask of a concatenating call: the buffer as it was, the spare sink sets
+        of its later layouts, then its own tokens."""
+        n, S = self.tokens_seen, self.sinks
+        q = np.arange(n, n + N)[:, None]
+        t = np.concatenate([self.slots, np.arange(n, n + N)])[None, :]
+        seen = (t >= 0) & (t <= q) & ((t < S) | (t > q - self.window))
+        if window_size is not None:
+            seen &= t > q - window_size
+        starts = self.sink_layouts(N)
+        row_start = np.array([self.layout(r)[1] for r in range(n, n + N)])
+        which = np.searchsorted(starts, row_start)
+        spare = np.zeros((N, (len(starts) - 1) * S), dtype=bool)
+        for k in range(1, len(starts)):
+            spare[which == k, (k - 1) * S : k * S] = True
+        if window_size is not None and S:
+            spare &= np.tile(np.arange(S), len(starts) - 1)[None, :] > q - window_size
+        # A row of a later layout sees its own moved copy of the sinks, not the first.
+        seen[which > 0] &= t[0] >= S
+        C = self.capacity
+        return np.concatenate([seen[:, :C], spare, seen[:, C:]], axis=1)
 
     def write(self, N: int) -> None:
         """Record that the next ``N`` tokens were written."""

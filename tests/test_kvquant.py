@@ -61,13 +61,15 @@ def test_outlier_channels_cost_little_per_channel():
     # The residual holds the floats exactly until their group is full.
     partial = kvquant.ChannelKeys.zeros(1, 2, 2 * G + S, 2 * G, 64, mx.float32, S, 4)
     partial.write(keys[..., : G - 1, :], S)
-    assert mx.array_equal(partial.fetch()[..., -kvquant.RECENT :, :][..., : G - 1, :], keys[..., : G - 1, :])
+    assert mx.array_equal(
+        partial.fetch()[..., -kvquant.RECENT :, :][..., : G - 1, :], keys[..., : G - 1, :]
+    )
 
 
 def test_slack_rounds_up_to_whole_groups(model):
     cache = four_bit(model)[0]
     assert (cache.window + cache.slack) % kvquant.GROUP == 0
-    assert cache.slack == 24  # 40 + 16 -> 64
+    assert cache.slack == 88  # at least 64 (calls are written in place), 40 + 64 -> 128
     assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 16
 
 
@@ -79,13 +81,48 @@ def test_chunks_see_what_token_by_token_sees(model, chunk):
     many = feed(model, four_bit(model), TOKENS, chunk)
     scale = mx.abs(one).max().item()
     # Float tolerance: a BLAS may round 1-row and many-row matmuls differently, and a
-    # key that lands on the other side of a 4-bit step moves a logit by ~1e-4.
-    assert mx.abs(one - many).max().item() <= 1e-3 * scale
+    # key that lands on the other side of a 4-bit step moves later logits by up to
+    # ~1e-3 of the largest (test_cache_semantics_do_not_depend_on_the_chunk, same keys).
+    assert mx.abs(one - many).max().item() <= 5e-3 * scale
     assert mx.array_equal(one.argmax(axis=-1), many.argmax(axis=-1))
     # ... and that choice matters: reading the quantized keys of an open group would
     # cost what quantization costs against float keys.
     floats = feed(model, make_sink_cache(model, sinks=S, window=W, slack=24, stride=16), TOKENS, 1)
     assert mx.abs(one - floats).max().item() > 20e-3 * scale
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_cache_semantics_do_not_depend_on_the_chunk(bits):
+    # The same keys, values and queries fed one token at a time or in chunks crossing
+    # group ends, sink moves and rebases: every row's attention output is the same (the
+    # model's own matmuls, which a BLAS may round by batch, are left out).
+    import mlx.nn as nn
+
+    from mlx_stream.cache import SinkCache
+
+    T, D = 400, 32
+    keys, values, queries = (mx.random.normal((1, 1, T, D), key=mx.random.key(i)) for i in range(3))
+    rope = nn.RoPE(D)
+
+    def run(chunk):
+        cache = SinkCache(S, W, 8, 16, rope=rope, kv_bits=bits, kv_group_size=G)
+        out, n = [], 0
+        while n < T:
+            N = min(chunk, cache.max_call_tokens(), T - n)
+            mask = cache.make_mask(N, return_array=True)
+            k, v = cache.update_and_fetch(keys[:, :, n : n + N], values[:, :, n : n + N])
+            if isinstance(k, tuple):  # 8-bit: what mlx-lm's quantized kernel would read
+                k, v = (mx.dequantize(*x, group_size=G, bits=bits) for x in (k, v))
+            if isinstance(mask, str) or mask is None:
+                mask = None if mask is None else "causal"
+            q = queries[:, :, n : n + N]
+            out.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask))
+            n += N
+        return mx.concatenate(out, axis=2)
+
+    one = run(1)
+    for chunk in (5, 16, 33):
+        assert mx.abs(run(chunk) - one).max().item() < 1e-5
 
 
 def test_speculative_greedy_equals_plain_greedy(model):

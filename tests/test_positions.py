@@ -15,12 +15,17 @@ from tests import tiny
 from tests.conftest import assert_one_line_error
 
 
-def test_ring_rows_see_sinks_and_their_window_without_a_model():
-    ring = Ring(sinks=2, window=4, slack=2, stride=1, positions="cache")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ring_rows_see_sinks_and_their_window_without_a_model(in_place):
+    ring = Ring(sinks=2, window=4, slack=2, stride=1, positions="cache", in_place=in_place)
     ring.write(20)
     seen = ring.visible(3)
-    assert seen.shape == (3, ring.slots_total)
+    # In place: the slots (spare sink copies after the ring). Otherwise the buffer as it
+    # was (8 slots), the two spare sink copies as columns, then the call's 3 tokens.
+    assert seen.shape == (3, ring.slots_total if in_place else 8 + 2 * 2 + 3)
     assert (seen.sum(axis=1) == 2 + 4).all()
+    if not in_place:
+        assert seen[:, -3:].tolist() == [[True, False, False], [True, True, False], [True] * 3]
     # A 3-row call crosses two sink moves: later rows see the sinks in a spare copy.
     assert seen[0, :2].all() and not seen[1, :2].any() and not seen[2, :2].any()
     assert seen[1, 8:10].all() and seen[2, 10:12].all()
@@ -124,15 +129,16 @@ def test_spare_sink_columns_are_ordered():
     ring = Ring(sinks=1, window=2, slack=3, stride=1, positions="cache")
     ring.write(10)
     seen = ring.visible(2)
-    assert np.flatnonzero(seen[1, ring.capacity :]).tolist() == [0]
+    spares = seen[1, ring.capacity : ring.fetched(2) - 2]  # before the call's own columns
+    assert np.flatnonzero(spares).tolist() == [0]
 
 
 def test_spare_sinks_respect_a_layer_window():
     ring = Ring(sinks=2, window=4, slack=4, stride=1, positions="cache")
     ring.write(20)
     seen = ring.visible(3, window_size=3)  # a sliding layer narrower than the window
-    assert seen.shape == (3, ring.slots_total)
-    assert not seen[:, :2].any() and not seen[:, ring.capacity :].any()
+    assert seen.shape == (3, ring.fetched(3))
+    assert not seen[:, :2].any() and not seen[:, ring.capacity : ring.fetched(3) - 3].any()
 
 
 def test_llama4_query_scaling_is_served_only_below_its_limit():
@@ -158,6 +164,7 @@ def test_keys_and_values_return_what_the_last_update_returned(tiny_llama):
 
     cache = make_sink_cache(tiny_llama, sinks=4, window=16, slack=8, stride=4)
     feed(tiny_llama, cache, TOKENS[:50], 1)
+    cache[0].keys_and_values()  # a sharing layer reads it at every call from the first
     k = mx.random.normal((1, 2, 3, 16), key=mx.random.key(2))
     fetched = cache[0].update_and_fetch(k, k)  # 3 tokens crossing a stride: spare sinks
     again = cache[0].keys_and_values()
@@ -172,3 +179,12 @@ def test_the_default_model_passes_the_self_check(real_model_path):
     assert result.exit_code == 0, result.stderr
     assert "SinkCache: keys, all dims, RoPE" in result.stdout
     assert "mask:   additive" in result.stdout and "verdict: exact" in result.stdout
+
+
+def test_a_shared_read_after_a_first_call_past_the_window_is_refused(tiny_llama):
+    cache = make_sink_cache(tiny_llama, sinks=4, window=16, stride=64)
+    assert cache[0].max_call_tokens() == 20  # our loops end the first call at the window
+    k = mx.random.normal((1, 2, 30, 16), key=mx.random.key(3))
+    cache[0].update_and_fetch(k, k)  # a foreign loop's first call past the window
+    with pytest.raises(Unsupported, match="feed at most max_call_tokens"):
+        cache[0].keys_and_values()
