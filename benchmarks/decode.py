@@ -26,6 +26,15 @@ flatness and the full cache's growth.
     python benchmarks/decode.py                         # 9.4 min on a quiet 2-core machine
     python benchmarks/decode.py --full-max 16384        # the full cache at 16k too (~17 min)
     python benchmarks/decode.py --contexts 1024,4096    # shorter
+
+``--windows W1,W2,...`` measures across windows instead: per window, ``sink`` (float),
+``sink-8`` (8-bit keys and values) and ``rotating`` are each fed ``window + sinks + 64``
+tokens of the book (past the first eviction), then decode ``--tokens`` greedy tokens in
+``--repeats`` interleaved rounds (sink, sink-8, rotating, sink, ...); one JSON line per
+(cache, window) with the median tok/s over rounds, and a summary line with, per window,
+the median over rounds of each round's ratio to the rotating run beside it.
+
+    python benchmarks/decode.py --windows 128,256,512,1024,4096 --repeats 5 --tokens 32
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import time
 import common
 
 CACHES = ("sink", "rotating", "full")
+# The --windows mode: float and 8-bit sink caches against mlx-lm's rotating cache.
+WINDOW_CACHES = ("sink", "sink-8", "rotating")
 # Only with --caches: mlx-stream's generate_step on mlx-lm's RotatingKVCache, which
 # splits the sink/rotating ratio into what the decode loop costs and what the cache costs.
 EXTRA = ("rotating-ours",)
@@ -48,6 +59,8 @@ def make_cache(name: str, model, sinks: int, window: int) -> list:
 
     if name == "sink":
         return make_sink_cache(model, sinks, window)
+    if name == "sink-8":
+        return make_sink_cache(model, sinks, window, kv_bits=8)
     if name.startswith("rotating"):
         return [RotatingKVCache(max_size=sinks + window, keep=sinks) for _ in model.layers]
     return make_prompt_cache(model)
@@ -66,7 +79,7 @@ def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: 
 
     from mlx_stream.decode import generate_step
 
-    if name in ("sink", "rotating-ours"):
+    if name in ("sink", "sink-8", "rotating-ours"):
         steps = generate_step(prompt, model, cache, max_tokens=tokens, prefill_step_size=step)
     else:
         steps = mlx_lm_step(
@@ -155,6 +168,59 @@ def summarize(records: list[dict], base: dict) -> dict:
     return summary
 
 
+def across_windows(args, model, tokenizer, weights) -> list[dict]:
+    """The --windows mode: decode tok/s per window, interleaved rounds, medians."""
+    import statistics
+
+    import mlx.core as mx
+
+    windows = [int(w) for w in args.windows.split(",")]
+    names = [n for n in args.caches.split(",") if n in WINDOW_CACHES] or list(WINDOW_CACHES)
+    book = common.book_tokens(tokenizer, max(windows) + args.sinks + 64 + args.repeats + 1)
+    for n in names:  # warm-up on throwaway caches: first-call compilation is not speed
+        decode(n, model, make_cache(n, model, args.sinks, 32), book[:8], 4, 8)
+    records, summary = [], {}
+    for window in windows:
+        base = common.base_record("decode-windows", args.model, weights, sinks=args.sinks,
+                                  window=window)  # fmt: skip
+        context = window + args.sinks + 64  # past the first eviction
+        caches = {n: make_cache(n, model, args.sinks, window) for n in names}
+        runs = {n: [] for n in names}
+        for rep in range(args.repeats):
+            prompt = book[:context] if rep == 0 else book[context + rep - 1 : context + rep]
+            for n in names:
+                mx.clear_cache()
+                run = decode(n, model, caches[n], prompt, args.tokens, args.prefill_step)
+                runs[n].append(len(run["intervals"]) / sum(run["intervals"]))
+        bare = bare_steps(model, caches, names, book[context], args.bare)
+        for n in names:
+            # Round 0 follows the prefill; the medians are over rounds 1.. when there are.
+            timed = runs[n][1:] if len(runs[n]) > 2 else runs[n]
+            record = dict(base, cache=n, tok_s=round(statistics.median(timed), 2),
+                          run_tok_s=[round(x, 2) for x in runs[n]],
+                          kv_mb=round(kv_bytes(caches[n]) / 1e6, 2),
+                          bare_p50_ms=bare.get(n))  # fmt: skip
+            records.append(common.emit(record, args.out))
+        for n in names:
+            if n == "rotating" or "rotating" not in runs:
+                continue
+            pairs = list(zip(runs[n], runs["rotating"]))
+            ratios = [a / b for a, b in (pairs[1:] if len(pairs) > 2 else pairs)]
+            summary[f"{n}_over_rotating_{window}".replace("-", "_")] = round(
+                statistics.median(ratios), 3
+            )
+            summary[f"{n}_over_rotating_{window}_range".replace("-", "_")] = [
+                round(min(ratios), 3), round(max(ratios), 3)
+            ]  # fmt: skip
+            if bare.get(n) and bare.get("rotating"):
+                key = f"{n}_over_rotating_bare_ms_{window}".replace("-", "_")
+                summary[key] = round(bare[n] / bare["rotating"], 3)
+        del caches
+    base = common.base_record("decode-windows", args.model, weights, sinks=args.sinks)
+    records.append(common.emit(dict(base, summary=True, windows=windows, **summary), args.out))
+    return records
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="1024,4096,8192,16384", help="comma-separated")
@@ -162,6 +228,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per context")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument(
+        "--windows", default=None,
+        help="comma-separated windows: decode across windows (float and 8-bit sink caches "
+        "against mlx-lm's rotating cache) instead of across contexts",
+    )  # fmt: skip
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument(
         "--caches", default=",".join(CACHES),
@@ -181,6 +252,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.bare = min(args.bare, 2)
     import mlx.core as mx
 
+    if args.windows:
+        if args.quick:
+            args.windows, args.tokens, args.repeats = "16,32", 4, 2
+        if args.caches == ",".join(CACHES):
+            args.caches = ",".join(WINDOW_CACHES)
+        model, tokenizer, weights = common.load_model(args.model, args.dtype)
+        return across_windows(args, model, tokenizer, weights)
     contexts = [int(c) for c in args.contexts.split(",")]
     names = args.caches.split(",")
     unknown = [n for n in names if n not in CACHES + EXTRA]

@@ -444,6 +444,8 @@ class SinkCache(mlx_cache._BaseCache):
         cache's dtype)."""
         ring = self.ring
         self._check_call(N)  # refuse before any layer of the model is touched
+        if N == 1 and window_size is None and self._all_seen():
+            return None  # every slot is seen (slack 0): no mask, as mlx-lm's own
         if self.channel_keys:
             visible = self._channel_mask(N, window_size)
         elif ring.in_order(N):
@@ -452,8 +454,6 @@ class SinkCache(mlx_cache._BaseCache):
             )
         else:
             visible = ring.visible(N, window_size)
-            if N == 1 and window_size is None and visible.all():
-                return None  # every slot is seen (slack 0): no mask, as mlx-lm's own
         if return_array or not self.additive_mask or self.values is None:
             return mx.array(visible)  # the model combines masks (&): boolean form
         # Additive form for a model that only hands the mask to attention: MLX's CPU
@@ -462,6 +462,15 @@ class SinkCache(mlx_cache._BaseCache):
         # at window 1024 here (benchmarks/attention.py).
         dtype = kvstore.dtype_of(self.values)
         return mx.array(np.where(visible, 0.0, -np.inf), dtype=dtype)
+
+    def _all_seen(self) -> bool:
+        """Whether the next single token sees every slot: no slack, past the first
+        eviction, no slot empty but the one it writes (cheaper than the mask itself)."""
+        ring = self.ring
+        if self.slack or self.channel_keys or ring.in_order(1) or ring.filled < self.capacity:
+            return False
+        empty = np.flatnonzero(ring.slots < 0)
+        return len(empty) == 0 or (len(empty) == 1 and empty[0] == ring.slot(ring.tokens_seen))
 
     def is_trimmable(self) -> bool:
         return True

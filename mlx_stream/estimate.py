@@ -95,7 +95,8 @@ def cache_bytes(
         # kvquant.ChannelKeys: float sink slots, per-channel groups of GROUP tokens over
         # the ring (one scale and bias per channel and group), a float residual.
         ring, d = window + slack, layout.dtype_bytes
-        floats = (slots - ring + kvquant.RECENT) * layout.key_dim * d
+        recent = 2 if d == 4 else d  # kvquant.residual_dtype: float16 for float32 keys
+        floats = (slots - ring) * layout.key_dim * d + kvquant.RECENT * layout.key_dim * recent
         quantized = layout.key_dim * (ring * key_bits // 8 + 2 * (ring // kvquant.GROUP) * d)
         per_layer = layout.kv_heads * (floats + quantized)
     else:

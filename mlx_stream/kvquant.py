@@ -16,7 +16,8 @@ Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits
   group ``k`` always lands on the ring slots ``sinks + (k * GROUP) % ring``..``+GROUP``:
   a group starts at a ring slot that is a multiple of ``GROUP`` past the sinks.
 - Float residual: ``RECENT = 2 * GROUP`` float slots (``recent``), token ``t`` in slot
-  ``(t - sinks) % RECENT``. A group is quantized (from these floats, transposed, with
+  ``(t - sinks) % RECENT``, in float16 when the keys are float32 (``residual_dtype``:
+  half the bytes, a rounding 1/100 of 4-bit's). A group is quantized (from these floats, transposed, with
   ``mx.quantize`` along the tokens) into the ring when its last token is written. A row
   ``q`` reads token ``t`` from the ring once ``t``'s group is complete at ``q``, else from
   its float slot: the mask picks, per row, which of the two columns a token is seen
@@ -45,6 +46,9 @@ import numpy as np
 GROUP = 32
 #: Float slots of the residual: the group being filled and the one before it.
 RECENT = 2 * GROUP
+#: Smallest slack: calls are written into the ring first, and one fills at most
+#: ``RECENT - GROUP + 1`` tokens of the residual (``call_limit``).
+MIN_SLACK = GROUP
 #: Key bits stored per channel (8-bit keys stay per token: they lose nothing measurable).
 CHANNEL_BITS = (4,)
 
@@ -56,12 +60,17 @@ def per_channel(key_bits: int | None) -> bool:
 
 def ring_slack(window: int, slack: int, key_bits: int | None) -> int:
     """The slack of a cache asked for ``slack``: with per-channel keys, calls are
-    written into the ring before attention, so it covers a call of ``RECENT`` tokens,
-    and ``window + slack`` is a multiple of ``GROUP`` (each group has fixed ring slots)."""
+    written into the ring before attention, so it covers a call of ``MIN_SLACK + 1``
+    tokens, and ``window + slack`` is a multiple of ``GROUP`` (fixed ring slots)."""
     if not per_channel(key_bits):
         return slack
-    slack = max(slack, RECENT)
+    slack = max(slack, MIN_SLACK)
     return slack + (-(window + slack)) % GROUP
+
+
+def residual_dtype(dtype):
+    """The residual's dtype for keys of ``dtype``: float16 for float32 keys."""
+    return mx.float16 if dtype == mx.float32 else dtype
 
 
 def group_start(t: int, sinks: int) -> int:
@@ -105,7 +114,8 @@ class ChannelKeys:
     ):
         edge = mx.zeros((B, H, slots_total - ring, D), dtype)
         packed = mx.quantize(mx.zeros((B, H, D, ring), dtype), group_size=GROUP, bits=bits)
-        return cls(edge, packed, mx.zeros((B, H, RECENT, D), dtype), sinks, bits)
+        recent = mx.zeros((B, H, RECENT, D), residual_dtype(dtype))
+        return cls(edge, packed, recent, sinks, bits)
 
     # ----- shapes and state ------------------------------------------------------------
 
@@ -171,7 +181,8 @@ class ChannelKeys:
             r = (lo - S) % RECENT
             length = min(n + N - lo, RECENT - r)
             whole = i == 0 and length == N
-            self.recent[..., r : r + length, :] = keys if whole else keys[..., i : i + length, :]
+            x = keys if whole else keys[..., i : i + length, :]
+            self.recent[..., r : r + length, :] = x.astype(self.recent.dtype)
             lo, i = lo + length, i + length
         # Groups whose last token is in this call: quantize them from the residual.
         first = max(0, (max(n, S) - S) // GROUP)
@@ -181,7 +192,7 @@ class ChannelKeys:
             if end < n:
                 continue
             r = (k * GROUP) % RECENT
-            floats = self.recent[..., r : r + GROUP, :].swapaxes(-1, -2)
+            floats = self.recent[..., r : r + GROUP, :].swapaxes(-1, -2).astype(self.dtype)
             packed = mx.quantize(floats, group_size=GROUP, bits=self.bits)
             c = (k * GROUP) % self.ring_slots
             words = GROUP * self.bits // 32
@@ -195,7 +206,7 @@ class ChannelKeys:
         x = mx.dequantize(*self.ring, group_size=GROUP, bits=self.bits).swapaxes(-1, -2)
         moved = shift(x.astype(self.dtype)).swapaxes(-1, -2)
         self.ring = tuple(mx.quantize(moved, group_size=GROUP, bits=self.bits))
-        self.recent = shift(self.recent)
+        self.recent = shift(self.recent.astype(self.dtype)).astype(self.recent.dtype)
 
     # ----- reads ---------------------------------------------------------------------------
 
@@ -203,7 +214,8 @@ class ChannelKeys:
         """Float keys for every column: sinks, ring, spare sinks, then the residual."""
         S = self.sinks
         ring = mx.dequantize(*self.ring, group_size=GROUP, bits=self.bits).swapaxes(-1, -2)
-        parts = [self.edge[..., :S, :], ring.astype(self.dtype), self.edge[..., S:, :], self.recent]
+        recent = self.recent.astype(self.dtype)
+        parts = [self.edge[..., :S, :], ring.astype(self.dtype), self.edge[..., S:, :], recent]
         return mx.concatenate([p for p in parts if p.shape[-2]], axis=2)
 
 

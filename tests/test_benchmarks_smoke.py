@@ -77,6 +77,20 @@ def test_attention(monkeypatch, tmp_path, tiny_model_dir):
     assert "| sink-bool | 100 |" in load_script("tables", monkeypatch).attention_tables(lines)
 
 
+def test_decode_across_windows(monkeypatch, tmp_path, tiny_model_dir):
+    # head_dim 16: the 8-bit cache's group size cannot divide it, float caches only here
+    lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--windows", "16,32",
+                "--caches", "sink,rotating")  # fmt: skip
+    *rows, summary = lines
+    assert [(r["cache"], r["window"]) for r in rows] == [
+        ("sink", 16), ("rotating", 16), ("sink", 32), ("rotating", 32)
+    ]  # fmt: skip
+    assert all(r["tok_s"] > 0 and len(r["run_tok_s"]) == 2 for r in rows)
+    for w in (16, 32):
+        lo, hi = summary[f"sink_over_rotating_{w}_range"]
+        assert 0 < lo <= summary[f"sink_over_rotating_{w}"] <= hi
+
+
 def test_decode_splits_loop_and_cache(monkeypatch, tmp_path, tiny_model_dir, capsys):
     lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--caches",
                 "sink,rotating,rotating-ours")  # fmt: skip

@@ -58,18 +58,17 @@ def test_outlier_channels_cost_little_per_channel():
     ours = mx.abs(ring - keys)[..., small].mean().item()
     theirs = mx.abs(per_token - keys)[..., small].mean().item()
     assert ours < theirs / 5
-    # The residual holds the floats exactly until their group is full.
+    # The residual holds the floats (float16 for float32 keys) until their group is full.
     partial = kvquant.ChannelKeys.zeros(1, 2, 2 * G + S, 2 * G, 64, mx.float32, S, 4)
     partial.write(keys[..., : G - 1, :], S)
-    assert mx.array_equal(
-        partial.fetch()[..., -kvquant.RECENT :, :][..., : G - 1, :], keys[..., : G - 1, :]
-    )
+    held = partial.fetch()[..., -kvquant.RECENT :, :][..., : G - 1, :]
+    assert mx.array_equal(held, keys[..., : G - 1, :].astype(mx.float16).astype(mx.float32))
 
 
 def test_slack_rounds_up_to_whole_groups(model):
     cache = four_bit(model)[0]
     assert (cache.window + cache.slack) % kvquant.GROUP == 0
-    assert cache.slack == 88  # at least 64 (calls are written in place), 40 + 64 -> 128
+    assert cache.slack == 56  # at least 32 (calls are written in place), 40 + 32 -> 96
     assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 16
 
 
