@@ -91,6 +91,20 @@ def test_decode_across_windows(monkeypatch, tmp_path, tiny_model_dir):
         assert 0 < lo <= summary[f"sink_over_rotating_{w}"] <= hi
 
 
+def test_quantized_attention_routes_agree(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("quantized_attention", monkeypatch, tmp_path, tiny_model_dir)
+    assert {r["contender"] for r in lines} == {"float", "qmm-8", "dequant-8", "dequant-k4",
+                                                "qmm-k4"}  # fmt: skip
+    assert all(r["us"] > 0 for r in lines)
+    # The quantized-kernel route on per-channel keys computes what dequantizing does.
+    import mlx.core as mx
+
+    fns = load_script("quantized_attention", monkeypatch).contenders(99, 9, 3, 64)
+    ref = fns["float"]()
+    assert mx.allclose(fns["qmm-k4"](), fns["dequant-k4"](), atol=1e-4).item()
+    assert mx.abs(fns["qmm-8"]() - ref).max().item() < 0.02
+
+
 def test_decode_splits_loop_and_cache(monkeypatch, tmp_path, tiny_model_dir, capsys):
     lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--caches",
                 "sink,rotating,rotating-ours")  # fmt: skip

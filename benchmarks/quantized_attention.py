@@ -1,0 +1,110 @@
+"""Quantized decode attention: which route is fastest, per window.
+
+One decode step's attention for one layer in the default model's shapes (9 query heads,
+3 key/value heads, head dimension 64; random keys, values and query), timed round-robin:
+
+- ``float``: ``mx.fast.scaled_dot_product_attention`` on float32 keys and values;
+- ``qmm-8`` / ``dequant-8``: 8-bit keys and values grouped per token (what
+  ``kv_bits=8`` stores): mlx-lm's ``quantized_scaled_dot_product_attention``
+  (``mx.quantized_matmul`` on the packed keys and values), against dequantizing both and
+  calling the fast float attention;
+- ``dequant-k4``: what ``kv_bits=4`` does: per-channel 4-bit keys (groups of 32 tokens,
+  ``mlx_stream.kvquant``) and per-token 4-bit values dequantized, then fast attention;
+- ``qmm-k4``: the same storage attended without dequantizing: scores by
+  ``mx.quantized_matmul(q, keys, transpose=False)`` on the keys stored transposed
+  (``(D, L)``, quantized along the tokens, as kvquant stores them), softmax, then
+  ``mx.quantized_matmul`` on the values. Not wired into the cache (mlx-lm's attention
+  calls ``quantized_matmul`` with ``transpose=True`` only): it says what the
+  quantized-kernel route would cost here.
+
+One JSON line per (contender, window): median microseconds per call and the ratio to
+``float``.
+
+    python benchmarks/quantized_attention.py                # < 2 min on a quiet machine
+"""
+
+from __future__ import annotations
+
+import time
+
+import common
+
+CONTENDERS = ("float", "qmm-8", "dequant-8", "dequant-k4", "qmm-k4")
+
+
+def contenders(L: int, H: int, KVH: int, D: int) -> dict:
+    """The contenders' zero-argument callables over fresh random tensors of ``L`` slots."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from mlx_stream import kvquant
+
+    g, G = 64, kvquant.GROUP
+    L = L // G * G  # whole per-channel groups
+    q = mx.random.normal((1, H, 1, D), key=mx.random.key(0))
+    k = mx.random.normal((1, KVH, L, D), key=mx.random.key(1))
+    v = mx.random.normal((1, KVH, L, D), key=mx.random.key(2))
+    k8, v8 = (mx.quantize(x, group_size=g, bits=8) for x in (k, v))
+    v4 = mx.quantize(v, group_size=g, bits=4)
+    kt4 = mx.quantize(k.swapaxes(-1, -2), group_size=G, bits=4)  # (1, KVH, D, L)
+    mx.eval(q, k, v, k8, v8, v4, kt4)
+    scale, rep = D**-0.5, H // KVH
+
+    def deq(x, bits, group=g):
+        return mx.dequantize(*x, group_size=group, bits=bits)
+
+    def qmm_k4():
+        qs = (q * scale).reshape(1, KVH, rep, D)
+        scores = mx.quantized_matmul(qs, *kt4, transpose=False, group_size=G, bits=4)
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        out = mx.quantized_matmul(probs, *v4, transpose=False, group_size=g, bits=4)
+        return out.reshape(1, H, 1, D)
+
+    sdpa = mx.fast.scaled_dot_product_attention
+    return {
+        "float": lambda: sdpa(q, k, v, scale=scale, mask=None),
+        # mlx-lm scales the queries in place (``queries *= scale``): a fresh copy each call
+        "qmm-8": lambda: quantized_scaled_dot_product_attention(
+            q * 1.0, k8, v8, scale=scale, mask=None, group_size=g, bits=8
+        ),
+        "dequant-8": lambda: sdpa(q, deq(k8, 8), deq(v8, 8), scale=scale, mask=None),
+        "dequant-k4": lambda: sdpa(
+            q, deq(kt4, 4, G).swapaxes(-1, -2), deq(v4, 4), scale=scale, mask=None
+        ),
+        "qmm-k4": qmm_k4,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--windows", default="128,256,512,1024,4096")
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=200, help="timed calls per contender")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.windows, args.rounds = "64", 3
+    import mlx.core as mx
+
+    records = []
+    for window in (int(w) for w in args.windows.split(",")):
+        fns = contenders(args.sinks + window + 31, 9, 3, 64)
+        for f in fns.values():  # warm-up
+            mx.eval(f())
+        times = {n: [] for n in fns}
+        for _ in range(args.rounds):
+            for n, f in fns.items():
+                tic = time.perf_counter()
+                mx.eval(f())
+                times[n].append(1e6 * (time.perf_counter() - tic))
+        base = common.percentile(times["float"], 50)
+        for n, t in times.items():
+            us = common.percentile(t, 50)
+            record = common.base_record("quantized-attention", args.model, "random",
+                                        window=window, contender=n, us=round(us, 1),
+                                        ratio_to_float=round(us / base, 3))  # fmt: skip
+            records.append(common.emit(record, args.out))
+    return records
+
+
+if __name__ == "__main__":
+    main()
