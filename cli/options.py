@@ -65,14 +65,15 @@ KvBits = Annotated[
     int | None,
     typer.Option(
         "--kv-bits",
-        help="Store the KV cache quantized to 4 or 8 bits (sinks keep a full-precision copy).",
+        help="Store the KV cache quantized to 4 or 8 bits (4-bit keys per channel, the newest "
+        "in float; sinks keep a full-precision copy).",
     ),
 ]
 KvKeyBits = Annotated[
     int | None,
     typer.Option(
         "--kv-key-bits",
-        help="Bits for the keys when they differ from --kv-bits (8 keeps 4-bit values accurate).",
+        help="Bits for the keys when they differ from --kv-bits (8: per-token 8-bit keys).",
     ),
 ]
 KvGroupSize = Annotated[

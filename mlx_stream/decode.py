@@ -481,7 +481,7 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     if prompt_cache is None:
-        slack = slack or slack_for(num_draft_tokens)
+        slack = slack or slack_for(num_draft_tokens if draft_model is not None else 0)
         prompt_cache = make_checked_sink_cache(model, sinks, window, slack=slack)
         if draft_model is not None:
             prompt_cache += make_checked_sink_cache(draft_model, sinks, window, slack=slack)

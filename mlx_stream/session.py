@@ -181,7 +181,8 @@ class ChatSession:
 
         s = self.settings
         kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
-        kv["slack"] = slack_for(s.num_draft_tokens)  # a verify block and its rollback
+        drafts = s.num_draft_tokens if self.draft_model is not None else 0
+        kv["slack"] = slack_for(drafts)  # a verify block and its rollback
         caches = make_checked_sink_cache(self.model, self.sinks, s.window, **kv)
         self.n_target = len(caches)
         if self.draft_model is not None:
