@@ -32,7 +32,9 @@ flatness and the full cache's growth.
 tokens of the book (past the first eviction), then decode ``--tokens`` greedy tokens in
 ``--repeats`` interleaved rounds (sink, sink-8, rotating, sink, ...); one JSON line per
 (cache, window) with the median tok/s over rounds, and a summary line with, per window,
-the median over rounds of each round's ratio to the rotating run beside it.
+the median over rounds of each round's ratio to the rotating run beside it, and the
+median over ``--bare`` rounds of bare one-token model calls of each call's time over the
+rotating cache's call beside it (the steadiest figure on a shared machine).
 
     python benchmarks/decode.py --windows 128,256,512,1024,4096 --repeats 5 --tokens 32
 """
@@ -93,12 +95,16 @@ def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: 
     }
 
 
-def bare_steps(model, caches: dict, names: list[str], token: int, count: int) -> dict:
+def bare_steps(
+    model, caches: dict, names: list[str], token: int, count: int, times: dict | None = None
+) -> dict:
     """Milliseconds per bare one-token model call on each cache, round-robin (no
-    generation loop, no sampling, no pipelining): the cost of the cache alone."""
+    generation loop, no sampling, no pipelining): the cost of the cache alone. Each
+    call's time is appended to ``times[name]`` when given (call ``i`` of every cache ran
+    side by side)."""
     import mlx.core as mx
 
-    times = {n: [] for n in names}
+    times = {n: [] for n in names} if times is None else times
     y = mx.array([[token]])
     for _ in range(count):
         for n in names:
@@ -192,7 +198,8 @@ def across_windows(args, model, tokenizer, weights) -> list[dict]:
                 mx.clear_cache()
                 run = decode(n, model, caches[n], prompt, args.tokens, args.prefill_step)
                 runs[n].append(len(run["intervals"]) / sum(run["intervals"]))
-        bare = bare_steps(model, caches, names, book[context], args.bare)
+        calls = {n: [] for n in names}
+        bare = bare_steps(model, caches, names, book[context], args.bare, calls)
         for n in names:
             # Round 0 follows the prefill; the medians are over rounds 1.. when there are.
             timed = runs[n][1:] if len(runs[n]) > 2 else runs[n]
@@ -213,8 +220,11 @@ def across_windows(args, model, tokenizer, weights) -> list[dict]:
                 round(min(ratios), 3), round(max(ratios), 3)
             ]  # fmt: skip
             if bare.get(n) and bare.get("rotating"):
+                # Median of the ratios of neighbouring calls: a load that comes and goes
+                # falls on both calls of a pair.
+                paired = [a / b for a, b in zip(calls[n], calls["rotating"])]
                 key = f"{n}_over_rotating_bare_ms_{window}".replace("-", "_")
-                summary[key] = round(bare[n] / bare["rotating"], 3)
+                summary[key] = round(statistics.median(paired), 3)
         del caches
     base = common.base_record("decode-windows", args.model, weights, sinks=args.sinks)
     records.append(common.emit(dict(base, summary=True, windows=windows, **summary), args.out))
