@@ -10,10 +10,12 @@ Contenders, timed round-robin:
 
 - ``rotating``: mlx-lm's ``RotatingKVCache(max_size=sinks+window, keep=sinks)``:
   ``sinks + window`` keys, no mask;
-- ``sink``: mlx-stream's SinkCache as an mlx-lm model gets it: ``sinks + window +
-  slack`` keys (the slack keeps speculative rollback exact) and the additive mask;
-- ``sink-bool``: the same cache with the boolean mask that models asking for an array
-  get (``return_array=True``), which every model got before the additive form.
+- ``sink``: mlx-stream's SinkCache as an mlx-lm model gets it, default slack 0:
+  ``sinks + window`` keys and no mask (every slot a step attends to is visible);
+- ``sink-bool``: a SinkCache with 64 slack slots (what speculative rollback of 63 tokens
+  needs, and every SinkCache had before slack served rollback only): ``sinks + window
+  + 64`` keys and the boolean mask that hides the slack, as a model asking for an array
+  (``return_array=True``) gets it.
 
 One JSON line per contender: median milliseconds per token over all layers and the
 ratio to ``rotating``.
@@ -48,7 +50,7 @@ def make_caches(model, sinks: int, window: int) -> dict[str, list]:
     return {
         "rotating": [RotatingKVCache(max_size=sinks + window, keep=sinks) for _ in model.layers],
         "sink": make_sink_cache(model, sinks, window),
-        "sink-bool": make_sink_cache(model, sinks, window),
+        "sink-bool": make_sink_cache(model, sinks, window, slack=64),
     }
 
 

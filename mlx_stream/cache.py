@@ -260,8 +260,8 @@ class SinkCache(mlx_cache._BaseCache):
         slot = self.move.slot if self.move is not None else 0
         bits, g = self._bits(slot), self.kv_group_size
         buf = self._buffers()[slot]
-        base, sink_start = ring.layout(n)
         if n // self.stride != self._layout_stride:  # it only changes at stride multiples
+            base, sink_start = ring.layout(n)
             old = self._layout_applied
             if base != old[0]:
                 keep = self._rolls_back  # the moved tensors, for an exact trim back
@@ -279,6 +279,7 @@ class SinkCache(mlx_cache._BaseCache):
             self._layout_stride = n // self.stride
         if ring.in_order(N) or not ring.in_place:
             return  # a concatenating call gets its spare sinks as columns (_spare_sinks)
+        base = ring.layout(n)[0]
         for k, start in enumerate(ring.sink_layouts(N)[1:], 1):
             lo = C + (k - 1) * S
             for b in self._buffers():

@@ -173,7 +173,7 @@ class Ring:
                 f"window (at most {self.room(n)} here); raise slack (now {self.slack}) "
                 "or feed smaller chunks"
             )
-        if not self.in_order(N) and len(self.sink_layouts(N)) - 1 > self.spare_sets:
+        if N > 1 and not self.in_order(N) and len(self.sink_layouts(N)) - 1 > self.spare_sets:
             raise Unsupported(
                 f"a call of {N} tokens at token {n} spans more sink moves than the cache "
                 f"can serve exactly (stride {self.stride}); feed at most "
@@ -190,7 +190,7 @@ class Ring:
             return self.tokens_seen + N
         if self.concatenates(N):
             return self.capacity + (len(self.sink_layouts(N)) - 1) * self.sinks + N
-        if len(self.sink_layouts(N)) > 1:
+        if N > 1 and len(self.sink_layouts(N)) > 1:  # one token has one layout
             return self.slots_total
         return max(self.filled, min(self.capacity, self.tokens_seen + N))
 

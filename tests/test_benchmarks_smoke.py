@@ -70,8 +70,9 @@ def test_attention(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("attention", monkeypatch, tmp_path, tiny_model_dir)
     assert [r["contender"] for r in lines] == ["rotating", "sink", "sink-bool"]
     keys = {r["contender"]: r["keys"] for r in lines}
-    # rotating attends to sinks + window keys; the sink cache also to its 64 slack slots
-    assert keys == {"rotating": 4 + 32, "sink": 4 + 32 + 64, "sink-bool": 4 + 32 + 64}
+    # rotating and the default sink cache (slack 0) attend to sinks + window keys; a sink
+    # cache with 64 slack slots also to them (masked)
+    assert keys == {"rotating": 4 + 32, "sink": 4 + 32, "sink-bool": 4 + 32 + 64}
     assert lines[0]["over_rotating"] == 1.0 and all(r["ms_per_token"] > 0 for r in lines)
     assert ENVIRONMENT_KEYS | {"layers", "heads", "kv_heads", "head_dim"} <= set(lines[0])
     assert "| sink-bool | 100 |" in load_script("tables", monkeypatch).attention_tables(lines)
