@@ -109,8 +109,9 @@ def test_quantized_attention_routes_agree(monkeypatch, tmp_path, tiny_model_dir)
 def test_key_schemes(monkeypatch, tmp_path):
     from tests import tiny
 
-    folder = tiny.save_model_folder(tmp_path / "hd64", num_attention_heads=1,
-                                    num_key_value_heads=1)  # head_dim 64: every group size
+    folder = tiny.save_model_folder(
+        tmp_path / "hd64", num_attention_heads=1, num_key_value_heads=1
+    )  # head_dim 64: every group size
     lines = run("key_schemes", monkeypatch, tmp_path, folder)
     errors = {r["scheme"]: r["mean_error"] for r in lines}
     assert {"k4g64", "had4g32", "kivi4g32", "v4g64"} <= set(errors)
