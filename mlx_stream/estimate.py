@@ -129,6 +129,14 @@ def weights_bytes(folder: str | os.PathLike, dtype: str) -> int:
     tensors: dict[str, tuple[str, list[int]]] = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(_safetensors_header(file))
+    config = json.loads((folder / "config.json").read_text())
+    return tensors_bytes(tensors, config.get("quantization") or {}, dtype)
+
+
+def tensors_bytes(tensors: dict[str, tuple[str, list[int]]], quant: dict, dtype: str) -> int:
+    """Bytes of ``{name: (safetensors dtype, shape)}`` loaded under the dtype policy
+    ``dtype``; ``quant`` is the config's ``quantization`` (group sizes). Also used for a
+    repo's headers read from the Hub before anything is downloaded."""
     total = 0
     for name, (kind, shape) in tensors.items():
         count = _prod(shape)
@@ -141,14 +149,13 @@ def weights_bytes(folder: str | os.PathLike, dtype: str) -> int:
         scales = tensors.get(f"{base}.scales")
         if name.endswith(".weight") and kind == "U32" and scales is not None:
             groups = _prod(scales[1])  # one scale per group of the dequantized weight
-            group = _group_size(folder, base)
+            group = _group_size(quant, base)
             count = groups * group
         total += count * DTYPE_BYTES[dtype]
     return total
 
 
-def _group_size(folder: Path, module: str) -> int:
-    quant = json.loads((folder / "config.json").read_text()).get("quantization") or {}
+def _group_size(quant: dict, module: str) -> int:
     own = quant.get(module)
     return (own if isinstance(own, dict) else quant).get("group_size", 64)
 

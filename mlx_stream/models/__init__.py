@@ -1,0 +1,1 @@
+"""Models: the registry, resolving and loading, GGUF conversion, Hugging Face ids."""
