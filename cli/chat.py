@@ -218,7 +218,9 @@ def chat(
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+    )
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(

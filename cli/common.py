@@ -309,9 +309,13 @@ def stderr_console():
     return Console(stderr=True)
 
 
-def load_model(name: str | None, dtype: str = "auto", what: str = "model", prepare=None):
-    """Load ``name`` (registry name, folder or .gguf; None: the default) with a rich
-    progress bar on stderr while a first use pulls or converts it.
+def load_model(
+    name: str | None, dtype: str = "auto", what: str = "model", prepare=None, sinks=None,
+    window=None,
+):  # fmt: skip
+    """Load ``name`` (registry name, Hugging Face id, folder or .gguf; None: the
+    default) with a rich progress bar on stderr while a first use pulls or converts
+    it; ``sinks``/``window`` (None: the entry's) size the fit check before loading.
 
     Returns:
         ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
@@ -325,8 +329,9 @@ def load_model(name: str | None, dtype: str = "auto", what: str = "model", prepa
 
     with _pull_progress(console, what) as callback:
         model, tokenizer, info = loader.load(
-            name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare
-        )
+            name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare,
+            sinks=sinks, window=window,
+        )  # fmt: skip
     return model, tokenizer, info.spec
 
 

@@ -354,7 +354,9 @@ def profile(
     cluster = dist.join(distributed, model)
     if cluster is not None and not cluster.is_root:
         csv = plot = None
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+    )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
     from mlx_stream.defaults import slack_for

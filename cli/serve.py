@@ -144,10 +144,18 @@ def serve(
     cluster = dist.join(distributed, model)
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+    )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)
     model_id = spec.name if spec is not None else Path(model or "default").name
+    aliases: tuple[str, ...] = ()
+    if spec is not None:
+        from mlx_stream import registry
+        from mlx_stream.models import hub
+
+        aliases = tuple(sorted(hub.aliases(spec, registry.load_registry()) - {model_id}))
 
     import uvicorn
 
@@ -188,7 +196,7 @@ def serve(
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine, api_key=api_key),
+            create_app(engine, api_key=api_key, aliases=aliases),
             host=host,
             port=port,
             log_level="warning",

@@ -338,7 +338,9 @@ def stream_run(
     try:
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
-        target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+        target, tokenizer, spec = load_model(
+            model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+        )
         sinks, window = sizes(spec, sinks, window)
         from mlx_stream.evaluate import iter_tokens
         from mlx_stream.loader import resolve_dtype

@@ -223,16 +223,21 @@ class _Job:
 
 
 def create_app(
-    engine: Engine, max_body: int = DEFAULT_MAX_BODY, api_key: str | None = None
+    engine: Engine,
+    max_body: int = DEFAULT_MAX_BODY,
+    api_key: str | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_key``, the
-    ``/v1`` routes answer only requests that carry ``Authorization: Bearer API_KEY``."""
+    ``/v1`` routes answer only requests that carry ``Authorization: Bearer API_KEY``.
+    A request's ``model`` may be the served id, ``default`` or one of ``aliases`` (the
+    model's registry name and Hugging Face id)."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
     if api_key is not None:
         app.add_middleware(BearerKey, key=api_key)
-    names = {engine.model_id, "default"}
+    names = {engine.model_id, "default", *aliases}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import importlib.util
+import io
 import json
 import os
 import re
@@ -339,7 +340,9 @@ def hub_errors(repo_id: str) -> Iterator[None]:
 
 
 def _offline_error(repo_id: str, why: str | None = None) -> UserError:
-    reason = "HF_HUB_OFFLINE is set" if offline() else f"the Hub cannot be reached ({why or 'offline'})"
+    reason = (
+        "HF_HUB_OFFLINE is set" if offline() else f"the Hub cannot be reached ({why or 'offline'})"
+    )
     return UserError(
         f"{repo_id} is not on this machine (Hugging Face cache {hf_cache_dir()}, LM Studio "
         f"{lmstudio_models_dir()}) and {reason}"
@@ -427,6 +430,50 @@ def fit_summary(config: dict, weights: int, dtype_bytes: int, sinks: int, window
     return estimate.summary(weights, cache)
 
 
+def shape_config(config: dict) -> dict:
+    """``config`` with what a catalogue entry leaves out filled in by shape: a
+    longrope's factor lists (ones, rotary dims / 2 of them; their values do not shape
+    the model)."""
+    config = dict(config)
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("type") == "longrope":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        half = int(head_dim * config.get("partial_rotary_factor", 1.0)) // 2
+        config["rope_scaling"] = {"long_factor": [1.0] * half, "short_factor": [1.0] * half,
+                                  **scaling}  # fmt: skip
+    return config
+
+
+def model_from_config(config: dict):
+    """A model of ``config`` built by mlx-lm, lazily: its parameters have shapes and
+    dtypes but no memory until evaluated (sizes without downloading anything)."""
+    from mlx_lm.utils import _get_classes
+
+    config = shape_config(config)
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def config_weights(config: dict, policy: str) -> int:
+    """Bytes of the weights of a model of ``config`` loaded under ``policy``:
+    ``"quantized"`` as mlx-lm's conversion stores a 4-bit model (its own
+    ``quantize_model``: group 64, bfloat16 scales and norms, or the config's
+    ``quantization``), a float dtype dequantized. Computed from the lazy model."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model
+
+    model = model_from_config(config)
+    if policy == "quantized":
+        model.set_dtype(mx.bfloat16)
+        quant = config.get("quantization") or {}
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its bits per weight
+            quantize_model(model, config, quant.get("group_size", 64), quant.get("bits", 4))
+    else:
+        model.set_dtype(getattr(mx, policy))
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 class DoesNotFit(UserError):
     """The model and its cache need more memory than is available (exit 2)."""
 
@@ -501,11 +548,18 @@ def config_mismatches(expected: dict, actual: dict) -> list[str]:
             bad = {k for k, v in want.items() if have.get(k) != v}
             if bad:
                 out.append(f"{key}.{sorted(bad)[0]}: {want[sorted(bad)[0]]!r} != {have.get(sorted(bad)[0])!r}")  # fmt: skip
-        elif key != "model_type" and have != want and not (
-            isinstance(want, (int, float)) and isinstance(have, (int, float)) and want == have
+        elif (
+            key != "model_type"
+            and have != want
+            and not (
+                isinstance(want, (int, float)) and isinstance(have, (int, float)) and want == have
+            )
         ):
             out.append(f"{key}: {want!r} != {have!r}")
-        elif key == "model_type" and want not in (actual.get("model_type"), merged.get("model_type")):
+        elif key == "model_type" and want not in (
+            actual.get("model_type"),
+            merged.get("model_type"),
+        ):
             out.append(f"model_type: {want!r} != {actual.get('model_type')!r}")
     return out
 
@@ -588,6 +642,25 @@ def aliases(spec: ModelSpec, registry: Registry) -> set[str]:
         if entry is not None:
             names |= {entry.name, *entry.hf_repos}
     return names
+
+
+def remove_cached(repo_id: str) -> bool:
+    """Delete ``repo_id`` from the shared Hugging Face cache with huggingface_hub's own
+    delete strategy; ``True`` if it was there."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(hf_cache_dir())
+    except (CacheNotFound, OSError, ValueError):
+        return False
+    hashes = [rev.commit_hash for repo in info.repos
+              if repo.repo_type == "model" and repo.repo_id.lower() == repo_id.lower()
+              for rev in repo.revisions]  # fmt: skip
+    if not hashes:
+        return False
+    info.delete_revisions(*hashes).execute()
+    return True
 
 
 def describe_local(model: LocalModel) -> str:
