@@ -645,22 +645,31 @@ def aliases(spec: ModelSpec, registry: Registry) -> set[str]:
 
 
 def remove_cached(repo_id: str) -> bool:
-    """Delete ``repo_id`` from the shared Hugging Face cache with huggingface_hub's own
-    delete strategy; ``True`` if it was there."""
+    """Delete ``repo_id`` (every revision) from the shared Hugging Face cache; ``True``
+    if it was there. The repo's folder is moved aside first, so it disappears at once.
+
+    By hand, not ``HFCacheInfo.delete_revisions``: that one is keyed by commit hashes
+    alone and would take another repo's snapshot of the same commit.
+    """
+    import shutil
+    import tempfile
+
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
+
+    from mlx_stream import files
 
     try:
         info = scan_cache_dir(hf_cache_dir())
     except (CacheNotFound, OSError, ValueError):
         return False
-    hashes = [rev.commit_hash for repo in info.repos
-              if repo.repo_type == "model" and repo.repo_id.lower() == repo_id.lower()
-              for rev in repo.revisions]  # fmt: skip
-    if not hashes:
-        return False
-    info.delete_revisions(*hashes).execute()
-    return True
+    folders = [Path(repo.repo_path) for repo in info.repos
+               if repo.repo_type == "model" and repo.repo_id.lower() == repo_id.lower()]  # fmt: skip
+    for folder in folders:
+        trash = Path(tempfile.mkdtemp(prefix=files.temp_prefix(folder, "rm"), dir=folder.parent))
+        os.replace(folder, trash / "x")
+        shutil.rmtree(trash, ignore_errors=True)
+    return bool(folders)
 
 
 def describe_local(model: LocalModel) -> str:

@@ -1,0 +1,405 @@
+"""Hugging Face ids, offline: a tiny model in a temporary Hugging Face cache (huggingface_hub's
+own layout) and in an LM Studio folder, loaded by its id; the download path against a
+stand-in Hub (huggingface_hub's functions replaced, its exceptions raised as it raises
+them); the fit check before a download and before loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from mlx_stream import estimate, gguf, loader, registry
+from mlx_stream.errors import UserError
+from mlx_stream.models import hub
+from tests import hf_cache
+from tests.conftest import assert_one_line_error
+
+REPO = "tiny-org/tiny-llama"
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture
+def cached(tiny_model_dir):
+    """The tiny llama as ``tiny-org/tiny-llama`` in the test's Hugging Face cache."""
+    return hf_cache.save(hub.hf_cache_dir(), REPO, tiny_model_dir)
+
+
+def snapshots(repo_id: str = REPO) -> list[Path]:
+    from huggingface_hub.file_download import repo_folder_name
+
+    root = hub.hf_cache_dir() / repo_folder_name(repo_id=repo_id, repo_type="model")
+    return sorted((root / "snapshots").glob("*/*"))
+
+
+def logits(model) -> np.ndarray:
+    return np.array(model(mx.array([[5, 6, 7, 8]])))
+
+
+# ------------------------------------------------------------ the shared cache
+
+
+def test_the_cache_layout_is_huggingface_hubs_own(cached):
+    from huggingface_hub import scan_cache_dir, snapshot_download
+
+    assert hub.hf_cache_dir() == Path(os.environ["HF_HOME"]) / "hub"
+    info = scan_cache_dir(hub.hf_cache_dir())
+    [repo] = info.repos
+    assert repo.repo_id == REPO and [set(r.refs) for r in repo.revisions] == [{"main"}]
+    found = snapshot_download(REPO, cache_dir=hub.hf_cache_dir(), local_files_only=True)
+    assert Path(found) == cached
+
+
+def test_an_id_loads_from_the_cache_offline_without_the_network(
+    cached, tiny_model_dir, monkeypatch
+):
+    import huggingface_hub
+
+    def network(*args, **kwargs):
+        pytest.fail("the network was asked")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", network)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", network)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    model, _, info = loader.load(REPO, return_info=True)
+    assert info.path == cached and info.spec.name == REPO
+    assert (info.spec.sinks, info.spec.window) == (4, 1024)  # no catalogue entry: defaults
+    reference, _ = loader.load(tiny_model_dir)
+    np.testing.assert_array_equal(logits(model), logits(reference))
+
+
+def test_mlx_lm_loads_the_same_copy(cached):
+    """One copy for both: mlx-lm's own loader finds the snapshot mlx-stream loads."""
+    code = (
+        "from mlx_lm.utils import hf_repo_to_path, load; "
+        f"load({REPO!r}); print(hf_repo_to_path({REPO!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert Path(out.stdout.strip().splitlines()[-1]) == cached
+
+
+def test_an_incomplete_snapshot_is_not_taken(tiny_model_dir, tmp_path):
+    folder = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    hf_cache.save(hub.hf_cache_dir(), REPO, folder)  # the second shard never arrived
+    assert "missing (model-00002-of-00002.safetensors)" in hub.folder_problem(snapshots()[0].parent)
+    assert hub.find_local(REPO) is None
+    with pytest.raises(UserError, match="is not on this machine .* HF_HUB_OFFLINE is set"):
+        loader.load(REPO)
+
+
+def test_not_downloaded_without_pull(monkeypatch):
+    with pytest.raises(UserError, match=r"not downloaded \(run: mlx-stream models pull"):
+        loader.resolve(REPO, pull=False)
+
+
+def test_a_registry_entry_with_an_hf_source_uses_the_cached_copy(cached):
+    """A catalogue model pulled by mlx-lm or earlier: used in place, removed from there."""
+    hf_cache.save(hub.hf_cache_dir(), "mlx-community/Qwen3-0.6B-4bit", cached)
+    assert loader.is_pulled("qwen3-0.6b")
+    folder, spec = loader.resolve("qwen3-0.6b")
+    assert folder == snapshots("mlx-community/Qwen3-0.6B-4bit")[0].parent
+    assert spec.name == "qwen3-0.6b" and spec.window == 2048
+    # By its id: the catalogue entry's window and sinks, named by the id.
+    _, by_id = loader.resolve("mlx-community/Qwen3-0.6B-4bit")
+    assert (by_id.name, by_id.window, by_id.context) == (
+        "mlx-community/Qwen3-0.6B-4bit",
+        2048,
+        40960,
+    )
+    rows = {r["name"]: r for r in json.loads(cli("models", "list", "--json").stdout)}
+    assert rows["qwen3-0.6b"]["where"] == "hf-cache" and rows["qwen3-0.6b"]["pulled"]
+    assert "mlx-community/Qwen3-0.6B-4bit" not in rows  # shown once, as its entry
+    result = cli("models", "rm", "qwen3-0.6b")
+    assert result.exit_code == 0, result.output
+    assert not loader.is_pulled("qwen3-0.6b") and snapshots("mlx-community/Qwen3-0.6B-4bit") == []
+    assert snapshots() != []  # another repo's copy stays
+
+
+# ------------------------------------------------------------------- LM Studio
+
+
+def test_an_lmstudio_model_loads_by_id(tiny_model_dir, monkeypatch):
+    folder = Path(os.environ["LMSTUDIO_MODELS_DIR"]) / "lmstudio-community" / "tiny-MLX-4bit"
+    shutil.copytree(tiny_model_dir, folder)
+    _, _, info = loader.load("lmstudio-community/tiny-MLX-4bit", return_info=True)
+    assert info.path == folder
+    result = cli("models", "rm", "lmstudio-community/tiny-MLX-4bit")
+    assert_one_line_error(result, 2, "LM Studio's copy")
+    assert folder.is_dir()
+
+
+def test_lmstudio_models_dir_is_found_as_lm_studio_finds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMSTUDIO_MODELS_DIR", str(tmp_path / "mine"))
+    assert hub.lmstudio_models_dir() == tmp_path / "mine"
+    monkeypatch.delenv("LMSTUDIO_MODELS_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert hub.lmstudio_models_dir() == tmp_path / ".lmstudio" / "models"
+    (tmp_path / ".cache" / "lm-studio").mkdir(parents=True)  # an older install
+    assert hub.lmstudio_models_dir() == tmp_path / ".cache" / "lm-studio" / "models"
+    (tmp_path / ".lmstudio-home-pointer").write_text(str(tmp_path / "elsewhere") + "\n")
+    assert hub.lmstudio_models_dir() == tmp_path / "elsewhere" / "models"
+    (tmp_path / "elsewhere").mkdir()
+    settings = {"downloadsFolder": str(tmp_path / "big-disk" / "models")}
+    (tmp_path / "elsewhere" / "settings.json").write_text(json.dumps(settings))
+    assert hub.lmstudio_models_dir() == tmp_path / "big-disk" / "models"
+
+
+def test_models_list_shows_the_models_on_disk(cached, tiny_model_dir, tmp_path):
+    lmstudio = Path(os.environ["LMSTUDIO_MODELS_DIR"])
+    shutil.copytree(tiny_model_dir, lmstudio / "org" / "tiny-mlx")
+    (lmstudio / "org" / "tiny-gguf").mkdir(parents=True)  # a GGUF model: not MLX
+    (lmstudio / "org" / "tiny-gguf" / "m.Q4_K_M.gguf").write_bytes(b"GGUF")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "not-an-mlx-lm-model"}))
+    (bert / "model.safetensors").write_bytes(b"x")
+    hf_cache.save(hub.hf_cache_dir(), "other/bert", bert)
+    rows = {r["name"]: r for r in json.loads(cli("models", "list", "--json").stdout)}
+    size = sum(f.stat().st_size for f in tiny_model_dir.iterdir())
+    assert rows[REPO]["where"] == "hf-cache" and rows[REPO]["size_bytes"] == size
+    assert (
+        rows["org/tiny-mlx"]["where"] == "lmstudio" and rows["org/tiny-mlx"]["size_bytes"] == size
+    )
+    assert rows[REPO]["description"] == "llama, float"
+    assert "org/tiny-gguf" not in rows and "other/bert" not in rows
+    table = runner.invoke(app, ["models", "list"], env={"COLUMNS": "200"}).stdout
+    assert f"{REPO}" in table and "hf-cache" in table and "lmstudio" in table
+    info = cli("models", "info", REPO)
+    assert info.exit_code == 0, info.output
+    assert "on disk:     hf-cache" in info.stdout and "memory:      weights" in info.stdout
+
+
+# ------------------------------------------------------------ a stand-in Hub
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tiny_model_dir):
+    """huggingface_hub's network functions replaced by a Hub holding ``REPO`` (the
+    tiny llama, plus files mlx-lm does not read); ``HF_HUB_OFFLINE`` unset. Records
+    what was asked in ``calls``."""
+    import huggingface_hub
+    from huggingface_hub.hf_api import ModelInfo
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    files = {f.name: f.read_bytes() for f in tiny_model_dir.iterdir()}
+    files["README.md"] = b"# tiny"
+    files["original/consolidated.pth"] = b"0" * 1000  # not for mlx-lm: never downloaded
+    state = {"files": files, "calls": [], "error": None, "sha": hf_cache.COMMIT}
+
+    def model_info(self, repo_id, files_metadata=False, **kwargs):
+        state["calls"].append(("model_info", repo_id, files_metadata))
+        if state["error"] is not None:
+            raise state["error"]
+        siblings = [{"rfilename": n, "size": len(d)} for n, d in state["files"].items()]
+        return ModelInfo(id=repo_id, sha=state["sha"], siblings=siblings)
+
+    def safetensors_metadata(self, repo_id, revision=None, **kwargs):
+        state["calls"].append(("get_safetensors_metadata", repo_id, revision))
+        header = estimate._safetensors_header(tiny_model_dir / "model.safetensors")
+        tensors = {k: TensorInfo(dtype=d, shape=s, data_offsets=(0, 0)) for k, (d, s) in header.items()}  # fmt: skip
+        meta = SafetensorsFileMetadata(metadata={}, tensors=tensors)
+        return SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={},
+                                       files_metadata={"model.safetensors": meta})  # fmt: skip
+
+    def hf_hub_download(repo_id, filename, revision=None, cache_dir=None, **kwargs):
+        state["calls"].append(("hf_hub_download", repo_id, filename))
+        return str(hf_cache.add_file(Path(cache_dir), repo_id, filename, state["files"][filename]))
+
+    def snapshot_download(repo_id, revision=None, cache_dir=None, allow_patterns=None,
+                          tqdm_class=None, **kwargs):  # fmt: skip
+        from huggingface_hub.utils import filter_repo_objects
+
+        wanted = list(filter_repo_objects(list(state["files"]), allow_patterns=allow_patterns))
+        state["calls"].append(("snapshot_download", repo_id, sorted(wanted)))
+        total = sum(len(state["files"][n]) for n in wanted)
+        bar = tqdm_class(desc="Reconstructing (incomplete total...)", total=total, unit="B")
+        for name in wanted:
+            hf_cache.add_file(Path(cache_dir), repo_id, name, state["files"][name], revision)
+            bar.update(len(state["files"][name]))
+        bar.close()
+        return str(snapshots(repo_id)[0].parent)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
+    monkeypatch.setattr(huggingface_hub.HfApi, "get_safetensors_metadata", safetensors_metadata)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return state
+
+
+def test_pull_by_id_downloads_only_what_mlx_lm_reads_into_the_shared_cache(
+    fake_hub, tiny_model_dir, monkeypatch
+):
+    result = cli("models", "pull", REPO)
+    assert result.exit_code == 0, result.output
+    [download] = [c for c in fake_hub["calls"] if c[0] == "snapshot_download"]
+    assert download[2] == sorted(f.name for f in tiny_model_dir.iterdir())  # no README, .pth
+    folder = snapshots()[0].parent
+    assert f"pulled {REPO} in" in result.stdout and str(folder) in result.stdout
+    assert "already on disk (hf-cache)" in cli("models", "pull", REPO).stdout
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from now on: the cached copy, offline
+    _, _, info = loader.load(REPO, return_info=True)
+    assert info.path == folder
+
+
+def test_the_progress_callback_gets_the_bytes(fake_hub):
+    stages = []
+    hub.pull(REPO, "float32", 4, 64, progress=lambda d, t, s: stages.append((d, t, s)))
+    size = sum(len(d) for n, d in fake_hub["files"].items() if "/" not in n and n != "README.md")
+    byte_steps = [(d, t) for d, t, s in stages if s == f"download {REPO}"]
+    assert byte_steps[-1] == (size, size) and len(byte_steps) > 3
+
+
+def test_the_remote_estimate_is_the_one_of_the_folder(fake_hub, tiny_model_dir):
+    repo = hub.remote_repo(REPO)
+    config = hub.remote_config(repo)
+    for policy in ("float32", "bfloat16", "quantized"):
+        weights, _ = hub.weights_estimate(repo, config, policy)
+        assert weights == estimate.weights_bytes(tiny_model_dir, policy)
+
+
+def test_the_fit_check_runs_before_the_download(fake_hub, monkeypatch):
+    monkeypatch.setattr(estimate, "available_memory", lambda: 10**5)
+    result = cli("models", "pull", REPO)
+    assert_one_line_error(result, 2, f"{REPO} does not fit", "only 0.1 MB of memory")
+    assert "snapshot_download" not in [c[0] for c in fake_hub["calls"]]
+    assert [p.name for p in snapshots()] == ["config.json"]  # a whole file, nothing else
+
+
+def test_a_catalogue_entry_the_repo_contradicts_is_reported(fake_hub):
+    notes = []
+    hub.pull(REPO, "float32", 4, 64, log=notes.append, expected={"model_type": "llama",
+             "hidden_size": 999})  # fmt: skip
+    assert notes == [f"the catalogue entry for {REPO} differs from its config.json "
+                     "(hidden_size: 999 != 64)"]  # fmt: skip
+
+
+def _response(status: int):
+    import httpx2
+
+    return httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api"))
+
+
+def _error(kind: str):
+    import httpx2
+    from huggingface_hub import errors
+
+    return {
+        "gated": lambda: errors.GatedRepoError("403 gated", response=_response(403)),
+        "missing": lambda: errors.RepositoryNotFoundError("404", response=_response(404)),
+        "no network": lambda: httpx2.ConnectError("[Errno -3] name resolution"),
+        "offline": lambda: errors.OfflineModeIsEnabled("offline"),
+        "hub down": lambda: errors.HfHubHTTPError("500 Server Error", response=_response(500)),
+    }[kind]()
+
+
+@pytest.mark.parametrize(
+    "kind, code, words",
+    [
+        ("gated", 2, ["is gated", "hf auth login"]),
+        ("missing", 2, ["no such model on Hugging Face"]),
+        ("no network", 2, ["is not on this machine", "the Hub cannot be reached (ConnectError)"]),
+        ("offline", 2, ["is not on this machine"]),
+        ("hub down", 1, ["Hugging Face answered 500"]),
+    ],
+)
+def test_hub_failures_are_one_line_and_leave_nothing(fake_hub, kind, code, words):
+    fake_hub["error"] = _error(kind)
+    for command in (["models", "pull", REPO], ["models", "info", REPO]):
+        assert_one_line_error(cli(*command), code, *words)
+    assert snapshots() == []
+
+
+def test_offline_with_nothing_cached_is_one_line_on_every_command(tmp_path, monkeypatch):
+    text = tmp_path / "book.txt"
+    text.write_text("the sea and the ship " * 50)
+    for command in (["chat", "-m", REPO], ["stream-run", str(text), "-m", REPO],
+                    ["profile", "-m", REPO, "-n", "4"], ["eval", "divergence", str(text), "-m", REPO],
+                    ["serve", "-m", REPO, "--port", "0"], ["models", "check", REPO]):  # fmt: skip
+        result = runner.invoke(app, command, input="hi\n")
+        assert_one_line_error(result, 2, f"{REPO} is not on this machine", "HF_HUB_OFFLINE is set")
+    assert snapshots() == []
+
+
+@pytest.mark.parametrize(
+    "files, config, words",
+    [
+        ({"model.Q4_K_M.gguf": b"GGUF"}, None, ["not an MLX model", "models import"]),
+        ({"pytorch_model.bin": b"x"}, {"model_type": "llama"}, ["not an MLX model"]),
+        ({"model.safetensors": b"x"}, {"model_type": "nothing-like-it"}, ["mlx-lm can load"]),
+    ],
+)
+def test_a_repo_that_is_not_an_mlx_model_is_refused(fake_hub, files, config, words):
+    fake_hub["files"] = dict(files)
+    if config is not None:
+        fake_hub["files"]["config.json"] = json.dumps(config).encode()
+    assert_one_line_error(cli("models", "pull", REPO), 2, *words)
+    assert "snapshot_download" not in [c[0] for c in fake_hub["calls"]]
+    assert all(p.name == "config.json" for p in snapshots())
+
+
+def test_info_by_id_asks_the_hub_for_sizes_and_fit(fake_hub, tiny_model_dir):
+    result = cli("models", "info", REPO)
+    assert result.exit_code == 0, result.output
+    assert f"on disk:     no (run: mlx-stream models pull {REPO})" in result.stdout
+    assert "download:" in result.stdout and f"commit {hf_cache.COMMIT[:12]}" in result.stdout
+    assert "llama, 2 layers" in result.stdout and "memory:      weights" in result.stdout
+
+
+def test_the_progress_class_reports_only_the_bytes_written(monkeypatch):
+    """huggingface_hub makes a transfer bar and a reconstruction bar with the tqdm
+    class it is given: only the second (bytes on disk) is reported."""
+    seen = []
+    bar_class = hub._Progress(lambda d, t, s: seen.append((d, t, s)), "download x")
+    transfer = bar_class(desc="Downloading bytes", total=100, unit="B", name="transfer")
+    transfer.update(50)
+    written = bar_class(desc="Reconstructing (incomplete total...)", total=100, unit="B")
+    written.update(30)
+    written.update(70)
+    transfer.close()
+    written.close()
+    assert seen == [(30, 100, "download x"), (100, 100, "download x")]
+
+
+# --------------------------------------------------------- the fit before loading
+
+
+def test_loading_a_model_that_does_not_fit_is_refused_before_it_loads(tiny_model_dir, monkeypatch):
+    weights = estimate.weights_bytes(tiny_model_dir, "float32")
+    monkeypatch.setattr(estimate, "available_memory", lambda: weights)  # no room for a cache
+    with pytest.raises(UserError, match="does not fit: weights .* at sinks 4 \\+ window 1024"):
+        loader.load(tiny_model_dir)
+    text = tiny_model_dir.parent / "book.txt"
+    text.write_text("the sea and the ship " * 50)
+    result = runner.invoke(app, ["stream-run", str(text), "-m", str(tiny_model_dir)])
+    assert_one_line_error(result, 2, "does not fit")
+
+
+def test_a_quantized_folder_fits_as_it_will_load(tiny_gguf_q4, monkeypatch):
+    folder = gguf.convert(tiny_gguf_q4[0], registry.home_dir() / "q4")
+    need = estimate.folder_estimate(folder, "float32", 4, 16)["total_bytes"]
+    monkeypatch.setattr(estimate, "available_memory", lambda: need)
+    loader.load(folder, sinks=4, window=16)  # exactly enough
+    monkeypatch.setattr(estimate, "available_memory", lambda: need - 1)
+    with pytest.raises(UserError, match="the CPU backend loads weights as float32"):
+        loader.load(folder, sinks=4, window=16)
+    loader.load(folder, dtype="quantized", sinks=4, window=16)  # as stored: smaller
