@@ -403,3 +403,27 @@ def test_a_quantized_folder_fits_as_it_will_load(tiny_gguf_q4, monkeypatch):
     with pytest.raises(UserError, match="the CPU backend loads weights as float32"):
         loader.load(folder, sinks=4, window=16)
     loader.load(folder, dtype="quantized", sinks=4, window=16)  # as stored: smaller
+
+
+# ------------------------------------------------------------------------ serve
+
+
+def test_serve_answers_to_the_id_it_serves_and_its_catalogue_name(cached):
+    from tests.test_server import Server, http
+
+    repo = "mlx-community/Qwen3-0.6B-4bit"
+    hf_cache.save(hub.hf_cache_dir(), repo, cached)
+    server = Server(repo, "--max-tokens", "4")  # HF_HOME of this test: its cache
+    try:
+        assert [m["id"] for m in server.get("/v1/models")["data"]] == [repo]
+
+        def ask(model: str) -> int:
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+            return http("POST", server.url + "/v1/chat/completions", json.dumps(body).encode())
+
+        assert ask(repo).status_code == 200
+        assert ask("qwen3-0.6b").status_code == 200  # the catalogue entry it is
+        missing = ask("qwen3-4b")
+        assert missing.status_code == 404 and repr(repo) in missing.json()["error"]["message"]
+    finally:
+        server.stop()
