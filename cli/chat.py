@@ -219,7 +219,12 @@ def chat(
 
     console = Console(highlight=False)
     target, tokenizer, spec = load_model(
-        model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
     )
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"

@@ -311,11 +311,12 @@ def stderr_console():
 
 def load_model(
     name: str | None, dtype: str = "auto", what: str = "model", prepare=None, sinks=None,
-    window=None,
+    window=None, kv=None,
 ):  # fmt: skip
     """Load ``name`` (registry name, Hugging Face id, folder or .gguf; None: the
     default) with a rich progress bar on stderr while a first use pulls or converts
-    it; ``sinks``/``window`` (None: the entry's) size the fit check before loading.
+    it; ``sinks``/``window`` (None: the entry's) and ``kv`` (the cache's ``kv_bits``,
+    ``kv_group_size``, ``key_bits``) size the fit check before loading.
 
     Returns:
         ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
@@ -330,7 +331,7 @@ def load_model(
     with _pull_progress(console, what) as callback:
         model, tokenizer, info = loader.load(
             name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare,
-            sinks=sinks, window=window,
+            sinks=sinks, window=window, kv=kv,
         )  # fmt: skip
     return model, tokenizer, info.spec
 

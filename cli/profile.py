@@ -355,7 +355,12 @@ def profile(
     if cluster is not None and not cluster.is_root:
         csv = plot = None
     target, tokenizer, spec = load_model(
-        model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
     )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)

@@ -145,7 +145,12 @@ def serve(
     if cluster is None or cluster.is_root:
         check_listen(host, port)
     target, tokenizer, spec = load_model(
-        model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
     )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     sinks, window = sizes(spec, sinks, window)

@@ -339,7 +339,12 @@ def stream_run(
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
         target, tokenizer, spec = load_model(
-            model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window
+            model,
+            dtype,
+            prepare=dist.preparer(cluster),
+            sinks=sinks,
+            window=window,
+            kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
         )
         sinks, window = sizes(spec, sinks, window)
         from mlx_stream.evaluate import iter_tokens

@@ -290,6 +290,7 @@ def pull(
     dtype: str = "auto",
     sinks: int | None = None,
     window: int | None = None,
+    kv: dict | None = None,
 ) -> Path:
     """Fetch model ``name`` (default: the registry default) into the user cache (a
     Hugging Face source: into the shared Hugging Face cache).
@@ -305,8 +306,9 @@ def pull(
         force: Pull again even if already pulled. Default: ``False``.
         progress: Optional ``progress(done, total, stage)`` callback.
         log: Optional callback for one-line notes. Default: the ``mlx_stream`` logger.
-        dtype, sinks, window: What the model will run with, for the fit check before
-            a Hugging Face download. Default: ``auto`` and the entry's sizes.
+        dtype, sinks, window, kv: What the model will run with, for the fit check
+            before a Hugging Face download (``kv``: the cache's ``kv_bits``,
+            ``kv_group_size``, ``key_bits``). Default: ``auto`` and the entry's sizes.
 
     Returns:
         The model folder.
@@ -331,7 +333,7 @@ def pull(
                 policy = resolve_dtype(dtype)
                 return hub.pull(source.location, policy, spec.sinks if sinks is None else sinks,
                                 spec.window if window is None else window, progress,
-                                log, spec.config)  # fmt: skip
+                                log, spec.config, kv)  # fmt: skip
             start = time.perf_counter()
             with atomic_folder(target) as folder:
                 with tempfile.TemporaryDirectory(
@@ -382,14 +384,16 @@ def resolve(
     dtype: str = "auto",
     sinks: int | None = None,
     window: int | None = None,
+    kv: dict | None = None,
 ) -> tuple[Path, ModelSpec | None]:
     """The mlx-lm folder for a registry name, a Hugging Face repo id, a folder or a
     ``.gguf`` file.
 
     A registry model not pulled yet is pulled (``pull=True``); a repo id is found in
     the Hugging Face cache or LM Studio's folder, else downloaded (``pull=True``); a
-    ``.gguf`` file is converted once into ``<home>/gguf/``. ``dtype``, ``sinks`` and
-    ``window`` are what the model will run with (the fit check before a download).
+    ``.gguf`` file is converted once into ``<home>/gguf/``. ``dtype``, ``sinks``,
+    ``window`` and ``kv`` are what the model will run with (the fit check before a
+    download).
 
     Returns:
         ``(folder, spec)``; ``spec`` is ``None`` for a path; for a repo id, a spec
@@ -415,18 +419,20 @@ def resolve(
 
         reg = registry.load_registry()
         if str(name_or_path) not in reg.models and hub.is_repo_id(str(name_or_path)):
-            return _resolve_repo(str(name_or_path), reg, pull, progress, log, dtype, sinks, window)
+            return _resolve_repo(
+                str(name_or_path), reg, pull, progress, log, dtype, sinks, window, kv
+            )
     spec = _spec(None if name_or_path is None else str(name_or_path))
     if is_pulled(spec.name, home):
         return model_path(spec.name, home), spec
     if not pull:
         raise UserError(f"'{spec.name}' is not pulled (run: mlx-stream models pull {spec.name})")
     folder = _pull(spec.name, home, progress=progress, log=log, dtype=dtype, sinks=sinks,
-                   window=window)  # fmt: skip
+                   window=window, kv=kv)  # fmt: skip
     return folder, spec
 
 
-def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window):
+def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window, kv):
     """:func:`resolve` for a Hugging Face repo id: on disk, else downloaded."""
     from mlx_stream.models import hub
 
@@ -437,24 +443,33 @@ def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window):
     if not pull:
         raise UserError(f"'{repo_id}' is not downloaded (run: mlx-stream models pull {repo_id})")
     folder = hub.pull(repo_id, resolve_dtype(dtype), spec.sinks if sinks is None else sinks,
-                      spec.window if window is None else window, progress, log, spec.config)  # fmt: skip
+                      spec.window if window is None else window, progress, log, spec.config, kv)  # fmt: skip
     return folder, spec
 
 
 def check_folder_fits(
-    folder: Path, spec: ModelSpec | None, policy: str, sinks: int | None, window: int | None
+    folder: Path,
+    spec: ModelSpec | None,
+    policy: str,
+    sinks: int | None,
+    window: int | None,
+    kv: dict | None = None,
 ) -> None:
     """A one-line :class:`UserError` when a model folder's weights under ``policy``
-    plus its full KV cache at ``sinks + window`` exceed the memory available."""
+    plus its full KV cache at ``sinks + window`` (quantized as ``kv`` says) exceed the
+    memory available."""
     from mlx_stream import estimate
     from mlx_stream.models import hub
 
     sinks = sinks if sinks is not None else (spec.sinks if spec else registry.DEFAULT_SINKS)
     window = window if window is not None else (spec.window if spec else registry.DEFAULT_WINDOW)
     try:
-        summary = estimate.folder_estimate(folder, policy, sinks, window)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return  # a layout the estimate does not know: the cache check still runs later
+        config = json.loads((Path(folder) / "config.json").read_text())
+        weights = estimate.weights_bytes(folder, policy)
+        dtype_bytes = estimate.activation_bytes(folder, policy)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a folder the estimate can read: the cache check still runs later
+    summary = hub.fit_summary(config, weights, dtype_bytes, sinks, window, kv)
     name = spec.name if spec is not None else str(folder)
     hub.check_fit(name, summary, sinks, window, policy)
 
@@ -470,6 +485,7 @@ def load(
     prepare: Callable[[Any], Any] | None = None,
     sinks: int | None = None,
     window: int | None = None,
+    kv: dict | None = None,
 ):
     """Load a model and its tokenizer, pulling a registry model on first use.
 
@@ -492,15 +508,17 @@ def load(
             (``distributed`` cuts a rank's shard there). Default: ``None``.
         sinks, window: The cache the model will run with, for the fit check.
             Default: the registry entry's (else the defaults).
+        kv: The cache's quantization for the fit check (``kv_bits``,
+            ``kv_group_size``, ``key_bits``). Default: a float cache.
 
     Returns:
         ``(model, tokenizer)`` with mlx-lm's ``TokenizerWrapper``, plus ``LoadInfo``
         when ``return_info``.
     """
     policy = resolve_dtype(dtype)
-    folder, spec = resolve(name_or_path, home, pull, progress, log, dtype, sinks, window)
+    folder, spec = resolve(name_or_path, home, pull, progress, log, dtype, sinks, window, kv)
     if prepare is None:
-        check_folder_fits(folder, spec, policy, sinks, window)
+        check_folder_fits(folder, spec, policy, sinks, window, kv)
     from mlx_lm.utils import load as mlx_lm_load
 
     start = time.perf_counter()

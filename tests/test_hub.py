@@ -386,7 +386,9 @@ def test_the_progress_class_reports_only_the_bytes_written(monkeypatch):
 def test_loading_a_model_that_does_not_fit_is_refused_before_it_loads(tiny_model_dir, monkeypatch):
     weights = estimate.weights_bytes(tiny_model_dir, "float32")
     monkeypatch.setattr(estimate, "available_memory", lambda: weights)  # no room for a cache
-    with pytest.raises(UserError, match="does not fit: weights .* at sinks 4 \\+ window 1024"):
+    with pytest.raises(
+        UserError, match=r"does not fit: it needs .* at sinks 4 \+ window 1024\) but only"
+    ):
         loader.load(tiny_model_dir)
     text = tiny_model_dir.parent / "book.txt"
     text.write_text("the sea and the ship " * 50)
@@ -427,3 +429,16 @@ def test_serve_answers_to_the_id_it_serves_and_its_catalogue_name(cached):
         assert missing.status_code == 404 and repr(repo) in missing.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_a_quantized_cache_is_counted_as_quantized(tiny_model_dir, monkeypatch):
+    """--kv-bits 4 makes a window fit that a float cache would not: the check before
+    loading counts the cache the command will build."""
+    kv = {"kv_bits": 4, "kv_group_size": 16, "key_bits": None}
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    weights = estimate.weights_bytes(tiny_model_dir, "float32")
+    small = hub.fit_summary(config, weights, 4, 4, 4096, kv)["total_bytes"]
+    monkeypatch.setattr(estimate, "available_memory", lambda: small)
+    loader.check_folder_fits(tiny_model_dir, None, "float32", 4, 4096, kv)
+    with pytest.raises(UserError, match="does not fit"):
+        loader.check_folder_fits(tiny_model_dir, None, "float32", 4, 4096)

@@ -418,13 +418,16 @@ def weights_estimate(repo: RemoteRepo, config: dict, policy: str) -> tuple[int, 
     return weights, estimate.DTYPE_BYTES[floats[0]] if floats else 2
 
 
-def fit_summary(config: dict, weights: int, dtype_bytes: int, sinks: int, window: int) -> dict:
+def fit_summary(
+    config: dict, weights: int, dtype_bytes: int, sinks: int, window: int, kv: dict | None = None
+) -> dict:
     """Weights + the full KV cache at ``sinks + window`` (+ slack) for ``config``
-    (``estimate.summary``); the cache counts 0 when the config has no attention
-    layout the estimate knows."""
+    (``estimate.summary``); ``kv``: the cache's ``kv_bits``, ``kv_group_size`` and
+    ``key_bits``. The cache counts 0 when the config has no attention layout the
+    estimate knows."""
     try:
         layout = estimate.config_layout(config, dtype_bytes)
-        cache = estimate.cache_bytes(layout, sinks, window, DEFAULT_SLACK)
+        cache = estimate.cache_bytes(layout, sinks, window, DEFAULT_SLACK, **(kv or {}))
     except (KeyError, TypeError, ZeroDivisionError):
         cache = 0
     return estimate.summary(weights, cache)
@@ -486,9 +489,9 @@ def check_fit(what: str, summary: dict, sinks: int, window: int, policy: str) ->
     h = estimate.human
     why = " (the CPU backend loads weights as float32)" if policy == "float32" else ""
     raise DoesNotFit(
-        f"{what} does not fit: weights {h(summary['weights_bytes'])}{why} + KV cache "
-        f"{h(summary['kv_cache_bytes'])} at sinks {sinks} + window {window} = {h(total)}, "
-        f"but only {h(available)} of memory is available: choose a smaller model or --window"
+        f"{what} does not fit: it needs {h(total)} (weights {h(summary['weights_bytes'])}{why} "
+        f"+ KV cache {h(summary['kv_cache_bytes'])} at sinks {sinks} + window {window}) but "
+        f"only {h(available)} of memory is available: lower --window or choose a smaller model"
     )
 
 
@@ -572,6 +575,7 @@ def pull(
     progress: ProgressCallback | None = None,
     log=None,
     expected: dict | None = None,
+    kv: dict | None = None,
 ) -> Path:
     """Download ``repo_id`` into the shared Hugging Face cache after checking that it
     is an MLX model and that it fits (weights under ``policy`` + the KV cache at
@@ -584,6 +588,7 @@ def pull(
         progress: Optional ``progress(done, total, stage)`` callback.
         log: Optional one-line notes callback (a catalogue config the repo contradicts).
         expected: A catalogue entry's config, compared with the repo's.
+        kv: The cache's quantization (``kv_bits``, ``kv_group_size``, ``key_bits``).
 
     Returns:
         The snapshot folder.
@@ -602,7 +607,7 @@ def pull(
             if log is not None:
                 log(f"the catalogue entry for {repo_id} differs from its config.json ({line})")
         weights, dtype_bytes = weights_estimate(repo, config, policy)
-        check_fit(repo_id, fit_summary(config, weights, dtype_bytes, sinks, window),
+        check_fit(repo_id, fit_summary(config, weights, dtype_bytes, sinks, window, kv),
                   sinks, window, policy)  # fmt: skip
         folder = download(repo, progress)
     problem = folder_problem(folder)
