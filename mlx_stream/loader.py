@@ -437,9 +437,14 @@ def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window, kv):
     from mlx_stream.models import hub
 
     spec = hub.spec_for(repo_id, reg)
-    found = hub.find_local(repo_id)
+    found = hub.find_local(repo_id, verify=True)
     if found is not None:
         return found[0], spec
+    if hub.offline() and hub.cached_snapshot(repo_id) is not None:
+        raise UserError(
+            f"the cached copy of {repo_id} is incomplete (an interrupted download) and "
+            f"HF_HUB_OFFLINE is set: connect and run mlx-stream models pull {repo_id}"
+        )
     if not pull:
         raise UserError(f"'{repo_id}' is not downloaded (run: mlx-stream models pull {repo_id})")
     folder = hub.pull(repo_id, resolve_dtype(dtype), spec.sinks if sinks is None else sinks,

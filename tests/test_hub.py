@@ -66,13 +66,12 @@ def test_the_cache_layout_is_huggingface_hubs_own(cached):
 def test_an_id_loads_from_the_cache_offline_without_the_network(
     cached, tiny_model_dir, monkeypatch
 ):
-    import huggingface_hub
+    import httpx2
 
     def network(*args, **kwargs):
         pytest.fail("the network was asked")
 
-    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", network)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", network)
+    monkeypatch.setattr(httpx2.Client, "send", network)  # huggingface_hub's HTTP client
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     model, _, info = loader.load(REPO, return_info=True)
     assert info.path == cached and info.spec.name == REPO
@@ -103,6 +102,21 @@ def test_an_incomplete_snapshot_is_not_taken(tiny_model_dir, tmp_path):
     assert "missing (model-00002-of-00002.safetensors)" in hub.folder_problem(snapshots()[0].parent)
     assert hub.find_local(REPO) is None
     with pytest.raises(UserError, match="is not on this machine .* HF_HUB_OFFLINE is set"):
+        loader.load(REPO)
+
+
+def test_a_snapshot_missing_a_file_huggingface_hub_listed_is_not_taken(cached):
+    """An interrupted download: huggingface_hub recorded the commit's files (its tree
+    cache) and one the model needs never arrived."""
+    storage = cached.parent.parent
+    files = {f.name: {"size": f.stat().st_size, "blob_id": "0" * 40} for f in cached.iterdir()}
+    (cached / "tokenizer.json").unlink()
+    (storage / "trees").mkdir()
+    tree = {"format_version": 1, "files": files}
+    (storage / "trees" / f"{hf_cache.COMMIT}.json").write_text(json.dumps(tree))
+    assert hub.cached_snapshot(REPO) == cached  # config and weights are there
+    assert hub.find_local(REPO, verify=True) is None
+    with pytest.raises(UserError, match="cached copy of .* is incomplete"):
         loader.load(REPO)
 
 
@@ -201,6 +215,7 @@ def fake_hub(monkeypatch, tiny_model_dir):
     from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    real_snapshot_download = huggingface_hub.snapshot_download
     files = {f.name: f.read_bytes() for f in tiny_model_dir.iterdir()}
     files["README.md"] = b"# tiny"
     files["original/consolidated.pth"] = b"0" * 1000  # not for mlx-lm: never downloaded
@@ -229,6 +244,9 @@ def fake_hub(monkeypatch, tiny_model_dir):
                           tqdm_class=None, **kwargs):  # fmt: skip
         from huggingface_hub.utils import filter_repo_objects
 
+        if kwargs.get("local_files_only"):  # a cache look-up: huggingface_hub's own
+            return real_snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                          allow_patterns=allow_patterns, **kwargs)  # fmt: skip
         wanted = list(filter_repo_objects(list(state["files"]), allow_patterns=allow_patterns))
         state["calls"].append(("snapshot_download", repo_id, sorted(wanted)))
         total = sum(len(state["files"][n]) for n in wanted)

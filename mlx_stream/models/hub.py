@@ -226,6 +226,21 @@ def cached_snapshot(repo_id: str) -> Path | None:
     return folder if folder_problem(folder) is None else None
 
 
+def verified_snapshot(repo_id: str) -> Path | None:
+    """:func:`cached_snapshot`, also checked against huggingface_hub's own record of
+    the commit's files (its tree cache): a snapshot an interrupted download left
+    without, say, its tokenizer is not loadable. Imports mlx-lm (its file patterns)."""
+    from huggingface_hub import errors, snapshot_download
+
+    try:
+        path = snapshot_download(repo_id, cache_dir=hf_cache_dir(), local_files_only=True,
+                                 allow_patterns=allow_patterns())  # fmt: skip
+    except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError,
+            errors.HFValidationError, OSError, ValueError):  # fmt: skip
+        return None
+    return Path(path) if folder_problem(path) is None else None
+
+
 def scan_hf_cache() -> list[LocalModel]:
     """The loadable MLX models in the shared Hugging Face cache (``main`` revisions,
     else the newest snapshot), found with ``huggingface_hub.scan_cache_dir``."""
@@ -266,10 +281,12 @@ def local_models() -> list[LocalModel]:
     return scan_hf_cache() + scan_lmstudio()
 
 
-def find_local(repo_id: str) -> tuple[Path, str] | None:
+def find_local(repo_id: str, verify: bool = False) -> tuple[Path, str] | None:
     """``(folder, where)`` of ``repo_id`` already on disk: the Hugging Face cache
-    first, then LM Studio's folder; ``None`` when neither has a loadable copy."""
-    cached = cached_snapshot(repo_id)
+    first, then LM Studio's folder; ``None`` when neither has a loadable copy.
+    ``verify``: check the cached snapshot against huggingface_hub's file list too
+    (:func:`verified_snapshot`; before loading, not for listing)."""
+    cached = verified_snapshot(repo_id) if verify else cached_snapshot(repo_id)
     if cached is not None:
         return cached, HF_CACHE
     folder = lmstudio_models_dir() / repo_id
