@@ -133,11 +133,21 @@ def _rows() -> list[dict[str, Any]]:
     return rows
 
 
+def _config_summary(spec, policy: str) -> dict:
+    """What a catalogue entry needs under ``policy`` (weights + KV cache at its
+    window), from its config's shapes: nothing downloaded."""
+    from mlx_stream.estimate import DTYPE_BYTES
+    from mlx_stream.models import hub
+
+    weights = hub.config_weights(spec.config, policy)
+    dtype_bytes = 2 if policy == "quantized" else DTYPE_BYTES[policy]  # bfloat16 scales
+    return hub.fit_summary(spec.config, weights, dtype_bytes, spec.sinks, spec.window)
+
+
 def _available() -> list[dict[str, Any]]:
     """The registry's models that can be pulled from Hugging Face, with what each
     needs under this backend's dtype policy (weights + KV cache at its window)."""
     from mlx_stream import estimate, loader, registry
-    from mlx_stream.models import hub
 
     reg = registry.load_registry()
     policy = loader.resolve_dtype("auto")
@@ -151,9 +161,7 @@ def _available() -> list[dict[str, Any]]:
             folder = loader.model_path(name)
             summary = estimate.folder_estimate(folder, policy, spec.sinks, spec.window)
         elif spec.config is not None:
-            weights = hub.config_weights(spec.config, policy)
-            dtype_bytes = 2 if policy == "quantized" else estimate.DTYPE_BYTES[policy]
-            summary = hub.fit_summary(spec.config, weights, dtype_bytes, spec.sinks, spec.window)
+            summary = _config_summary(spec, policy)
         fits = None
         if summary is not None and summary["available_bytes"] is not None:
             fits = summary["total_bytes"] <= summary["available_bytes"]
@@ -351,6 +359,13 @@ def info(name: Name) -> None:
             lines.append(f"pulled from: {origin.get('source')} in {origin.get('seconds')} s")
     else:
         lines.append(f"pulled:      no (run: mlx-stream models pull {name})")
+        if spec.config is not None:  # the catalogue's shape: what it will take, offline
+            from mlx_stream.estimate import describe
+
+            policy = loader.resolve_dtype("auto")
+            summary = _config_summary(spec, policy)
+            lines.append(f"memory:      {describe(summary)} at sinks {spec.sinks} + window "
+                         f"{spec.window}, loaded as {policy}")  # fmt: skip
     typer.echo("\n".join(lines))
 
 

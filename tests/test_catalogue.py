@@ -122,3 +122,6 @@ def test_list_available_says_what_fits(monkeypatch):
     assert rows["qwen3-0.6b"]["fits"] and not rows["mistral-7b-instruct-v0.3"]["fits"]
     table = CliRunner().invoke(app, ["models", "list", "--available"], env={"COLUMNS": "200"})
     assert "mlx-community/Qwen3-4B-4bit" in table.stdout and "40,960" in table.stdout
+    info = CliRunner().invoke(app, ["models", "info", "mistral-7b-instruct-v0.3"]).stdout
+    need = estimate.human(rows["mistral-7b-instruct-v0.3"]["needs_bytes"])
+    assert f"= {need} (does NOT fit in 8.00 GB available)" in info and "context:     32,768" in info
