@@ -291,6 +291,7 @@ def pull(
     sinks: int | None = None,
     window: int | None = None,
     kv: dict | None = None,
+    fit: bool = True,
 ) -> Path:
     """Fetch model ``name`` (default: the registry default) into the user cache (a
     Hugging Face source: into the shared Hugging Face cache).
@@ -309,6 +310,7 @@ def pull(
         dtype, sinks, window, kv: What the model will run with, for the fit check
             before a Hugging Face download (``kv``: the cache's ``kv_bits``,
             ``kv_group_size``, ``key_bits``). Default: ``auto`` and the entry's sizes.
+        fit: Check the fit at all (not for a model sharded over machines).
 
     Returns:
         The model folder.
@@ -333,7 +335,7 @@ def pull(
                 policy = resolve_dtype(dtype)
                 return hub.pull(source.location, policy, spec.sinks if sinks is None else sinks,
                                 spec.window if window is None else window, progress,
-                                log, spec.config, kv)  # fmt: skip
+                                log, spec.config, kv, fit)  # fmt: skip
             start = time.perf_counter()
             with atomic_folder(target) as folder:
                 with tempfile.TemporaryDirectory(
@@ -385,6 +387,7 @@ def resolve(
     sinks: int | None = None,
     window: int | None = None,
     kv: dict | None = None,
+    fit: bool = True,
 ) -> tuple[Path, ModelSpec | None]:
     """The mlx-lm folder for a registry name, a Hugging Face repo id, a folder or a
     ``.gguf`` file.
@@ -393,7 +396,7 @@ def resolve(
     the Hugging Face cache or LM Studio's folder, else downloaded (``pull=True``); a
     ``.gguf`` file is converted once into ``<home>/gguf/``. ``dtype``, ``sinks``,
     ``window`` and ``kv`` are what the model will run with (the fit check before a
-    download).
+    download; none with ``fit=False``, for a model sharded over machines).
 
     Returns:
         ``(folder, spec)``; ``spec`` is ``None`` for a path; for a repo id, a spec
@@ -420,7 +423,7 @@ def resolve(
         reg = registry.load_registry()
         if str(name_or_path) not in reg.models and hub.is_repo_id(str(name_or_path)):
             return _resolve_repo(
-                str(name_or_path), reg, pull, progress, log, dtype, sinks, window, kv
+                str(name_or_path), reg, pull, progress, log, dtype, sinks, window, kv, fit
             )
     spec = _spec(None if name_or_path is None else str(name_or_path))
     if is_pulled(spec.name, home):
@@ -428,11 +431,11 @@ def resolve(
     if not pull:
         raise UserError(f"'{spec.name}' is not pulled (run: mlx-stream models pull {spec.name})")
     folder = _pull(spec.name, home, progress=progress, log=log, dtype=dtype, sinks=sinks,
-                   window=window, kv=kv)  # fmt: skip
+                   window=window, kv=kv, fit=fit)  # fmt: skip
     return folder, spec
 
 
-def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window, kv):
+def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window, kv, fit):
     """:func:`resolve` for a Hugging Face repo id: on disk, else downloaded."""
     from mlx_stream.models import hub
 
@@ -448,7 +451,8 @@ def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window, kv):
     if not pull:
         raise UserError(f"'{repo_id}' is not downloaded (run: mlx-stream models pull {repo_id})")
     folder = hub.pull(repo_id, resolve_dtype(dtype), spec.sinks if sinks is None else sinks,
-                      spec.window if window is None else window, progress, log, spec.config, kv)  # fmt: skip
+                      spec.window if window is None else window, progress, log, spec.config, kv,
+                      fit)  # fmt: skip
     return folder, spec
 
 
@@ -521,8 +525,9 @@ def load(
         when ``return_info``.
     """
     policy = resolve_dtype(dtype)
-    folder, spec = resolve(name_or_path, home, pull, progress, log, dtype, sinks, window, kv)
-    if prepare is None:
+    fit = prepare is None  # a distributed shard: each rank holds a part
+    folder, spec = resolve(name_or_path, home, pull, progress, log, dtype, sinks, window, kv, fit)
+    if fit:
         check_folder_fits(folder, spec, policy, sinks, window, kv)
     from mlx_lm.utils import load as mlx_lm_load
 

@@ -301,6 +301,8 @@ def test_the_fit_check_runs_before_the_download(fake_hub, monkeypatch):
     assert_one_line_error(result, 2, f"{REPO} does not fit", "only 0.1 MB of memory")
     assert "snapshot_download" not in [c[0] for c in fake_hub["calls"]]
     assert [p.name for p in snapshots()] == ["config.json"]  # a whole file, nothing else
+    folder, _ = loader.resolve(REPO, fit=False)  # sharded over machines: no one-machine check
+    assert hub.folder_problem(folder) is None
 
 
 def test_a_catalogue_entry_the_repo_contradicts_is_reported(fake_hub):

@@ -593,6 +593,7 @@ def pull(
     log=None,
     expected: dict | None = None,
     kv: dict | None = None,
+    fit: bool = True,
 ) -> Path:
     """Download ``repo_id`` into the shared Hugging Face cache after checking that it
     is an MLX model and that it fits (weights under ``policy`` + the KV cache at
@@ -606,6 +607,7 @@ def pull(
         log: Optional one-line notes callback (a catalogue config the repo contradicts).
         expected: A catalogue entry's config, compared with the repo's.
         kv: The cache's quantization (``kv_bits``, ``kv_group_size``, ``key_bits``).
+        fit: Check the fit (not for a model sharded over several machines).
 
     Returns:
         The snapshot folder.
@@ -623,9 +625,10 @@ def pull(
         for line in config_mismatches(expected or {}, config)[:1]:
             if log is not None:
                 log(f"the catalogue entry for {repo_id} differs from its config.json ({line})")
-        weights, dtype_bytes = weights_estimate(repo, config, policy)
-        check_fit(repo_id, fit_summary(config, weights, dtype_bytes, sinks, window, kv),
-                  sinks, window, policy)  # fmt: skip
+        if fit:
+            weights, dtype_bytes = weights_estimate(repo, config, policy)
+            check_fit(repo_id, fit_summary(config, weights, dtype_bytes, sinks, window, kv),
+                      sinks, window, policy)  # fmt: skip
         folder = download(repo, progress)
     problem = folder_problem(folder)
     if problem is not None:
