@@ -1,7 +1,8 @@
 """Hugging Face ids, offline: a tiny model in a temporary Hugging Face cache (huggingface_hub's
-own layout) and in an LM Studio folder, loaded by its id; the download path against a
-stand-in Hub (huggingface_hub's functions replaced, its exceptions raised as it raises
-them); the fit check before a download and before loading."""
+own layout) and in an LM Studio folder, loaded by its id; downloads by huggingface_hub's
+real client from a stand-in Hub on a loopback port (``HF_ENDPOINT``), with the Hub's
+own error answers, a closed port and a dropped connection; the fit check before a
+download and before loading; ``serve`` answering to the id."""
 
 from __future__ import annotations
 
@@ -206,130 +207,104 @@ def test_models_list_shows_the_models_on_disk(cached, tiny_model_dir, tmp_path):
 
 
 @pytest.fixture
-def fake_hub(monkeypatch, tiny_model_dir):
-    """huggingface_hub's network functions replaced by a Hub holding ``REPO`` (the
-    tiny llama, plus files mlx-lm does not read); ``HF_HUB_OFFLINE`` unset. Records
-    what was asked in ``calls``."""
-    import huggingface_hub
-    from huggingface_hub.hf_api import ModelInfo
-    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+def hub_server(monkeypatch, tiny_model_dir):
+    """A loopback Hub holding ``REPO`` (the tiny llama, plus files mlx-lm does not
+    read), reached by huggingface_hub's real client through ``HF_ENDPOINT``; online."""
+    from huggingface_hub import constants
 
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    real_snapshot_download = huggingface_hub.snapshot_download
+    from tests.fake_hub import FakeHub
+
     files = {f.name: f.read_bytes() for f in tiny_model_dir.iterdir()}
     files["README.md"] = b"# tiny"
     files["original/consolidated.pth"] = b"0" * 1000  # not for mlx-lm: never downloaded
-    state = {"files": files, "calls": [], "error": None, "sha": hf_cache.COMMIT}
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once, at its import
+    with FakeHub({REPO: files}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        yield server
 
-    def model_info(self, repo_id, files_metadata=False, **kwargs):
-        state["calls"].append(("model_info", repo_id, files_metadata))
-        if state["error"] is not None:
-            raise state["error"]
-        siblings = [{"rfilename": n, "size": len(d)} for n, d in state["files"].items()]
-        return ModelInfo(id=repo_id, sha=state["sha"], siblings=siblings)
 
-    def safetensors_metadata(self, repo_id, revision=None, **kwargs):
-        state["calls"].append(("get_safetensors_metadata", repo_id, revision))
-        header = estimate._safetensors_header(tiny_model_dir / "model.safetensors")
-        tensors = {k: TensorInfo(dtype=d, shape=s, data_offsets=(0, 0)) for k, (d, s) in header.items()}  # fmt: skip
-        meta = SafetensorsFileMetadata(metadata={}, tensors=tensors)
-        return SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={},
-                                       files_metadata={"model.safetensors": meta})  # fmt: skip
-
-    def hf_hub_download(repo_id, filename, revision=None, cache_dir=None, **kwargs):
-        state["calls"].append(("hf_hub_download", repo_id, filename))
-        return str(hf_cache.add_file(Path(cache_dir), repo_id, filename, state["files"][filename]))
-
-    def snapshot_download(repo_id, revision=None, cache_dir=None, allow_patterns=None,
-                          tqdm_class=None, **kwargs):  # fmt: skip
-        from huggingface_hub.utils import filter_repo_objects
-
-        if kwargs.get("local_files_only"):  # a cache look-up: huggingface_hub's own
-            return real_snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                          allow_patterns=allow_patterns, **kwargs)  # fmt: skip
-        wanted = list(filter_repo_objects(list(state["files"]), allow_patterns=allow_patterns))
-        state["calls"].append(("snapshot_download", repo_id, sorted(wanted)))
-        total = sum(len(state["files"][n]) for n in wanted)
-        bar = tqdm_class(desc="Reconstructing (incomplete total...)", total=total, unit="B")
-        for name in wanted:
-            hf_cache.add_file(Path(cache_dir), repo_id, name, state["files"][name], revision)
-            bar.update(len(state["files"][name]))
-        bar.close()
-        return str(snapshots(repo_id)[0].parent)
-
-    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
-    monkeypatch.setattr(huggingface_hub.HfApi, "get_safetensors_metadata", safetensors_metadata)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    return state
+def mlx_files(tiny_model_dir) -> list[str]:
+    return sorted(f.name for f in tiny_model_dir.iterdir())
 
 
 def test_pull_by_id_downloads_only_what_mlx_lm_reads_into_the_shared_cache(
-    fake_hub, tiny_model_dir, monkeypatch
+    hub_server, tiny_model_dir, monkeypatch
 ):
     result = cli("models", "pull", REPO)
     assert result.exit_code == 0, result.output
-    [download] = [c for c in fake_hub["calls"] if c[0] == "snapshot_download"]
-    assert download[2] == sorted(f.name for f in tiny_model_dir.iterdir())  # no README, .pth
     folder = snapshots()[0].parent
+    assert sorted(p.name for p in folder.iterdir()) == mlx_files(tiny_model_dir)
+    assert hub_server.fetched("README|consolidated") == []
     assert f"pulled {REPO} in" in result.stdout and str(folder) in result.stdout
     assert "already on disk (hf-cache)" in cli("models", "pull", REPO).stdout
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from now on: the cached copy, offline
-    _, _, info = loader.load(REPO, return_info=True)
+    model, _, info = loader.load(REPO, return_info=True)
     assert info.path == folder
+    reference, _ = loader.load(tiny_model_dir)
+    np.testing.assert_array_equal(logits(model), logits(reference))
 
 
-def test_the_progress_callback_gets_the_bytes(fake_hub):
+def test_the_progress_callback_gets_the_bytes(hub_server, tiny_model_dir):
     stages = []
     hub.pull(REPO, "float32", 4, 64, progress=lambda d, t, s: stages.append((d, t, s)))
-    size = sum(len(d) for n, d in fake_hub["files"].items() if "/" not in n and n != "README.md")
-    byte_steps = [(d, t) for d, t, s in stages if s == f"download {REPO}"]
-    assert byte_steps[-1] == (size, size) and len(byte_steps) > 3
+    size = sum(f.stat().st_size for f in tiny_model_dir.iterdir())
+    steps = [(d, t) for d, t, s in stages if s == f"download {REPO}"]
+    assert steps[0] == (0, size) and steps[-1] == (size, size)
+    assert len(steps) > 2  # huggingface_hub's own bar reported in between
 
 
-def test_the_remote_estimate_is_the_one_of_the_folder(fake_hub, tiny_model_dir):
+def test_the_remote_estimate_is_the_one_of_the_folder(hub_server, tiny_model_dir):
     repo = hub.remote_repo(REPO)
     config = hub.remote_config(repo)
+    assert hub.remote_tensors(repo) is not None  # read from the headers, by byte range
     for policy in ("float32", "bfloat16", "quantized"):
         weights, _ = hub.weights_estimate(repo, config, policy)
         assert weights == estimate.weights_bytes(tiny_model_dir, policy)
+    assert hub_server.fetched("model.safetensors") == []
 
 
-def test_the_fit_check_runs_before_the_download(fake_hub, monkeypatch):
+def test_the_fit_check_runs_before_the_download(hub_server, monkeypatch):
     monkeypatch.setattr(estimate, "available_memory", lambda: 10**5)
     result = cli("models", "pull", REPO)
     assert_one_line_error(result, 2, f"{REPO} does not fit", "only 0.1 MB of memory")
-    assert "snapshot_download" not in [c[0] for c in fake_hub["calls"]]
+    assert hub_server.fetched("model.safetensors|tokenizer") == []
     assert [p.name for p in snapshots()] == ["config.json"]  # a whole file, nothing else
     folder, _ = loader.resolve(REPO, fit=False)  # sharded over machines: no one-machine check
     assert hub.folder_problem(folder) is None
 
 
-def test_a_catalogue_entry_the_repo_contradicts_is_reported(fake_hub):
+def test_a_catalogue_entry_the_repo_contradicts_is_reported(hub_server):
     notes = []
-    hub.pull(REPO, "float32", 4, 64, log=notes.append, expected={"model_type": "llama",
-             "hidden_size": 999})  # fmt: skip
-    assert notes == [f"the catalogue entry for {REPO} differs from its config.json "
-                     "(hidden_size: 999 != 64)"]  # fmt: skip
+    expected = {"model_type": "llama", "hidden_size": 999}
+    hub.pull(REPO, "float32", 4, 64, log=notes.append, expected=expected)
+    assert notes == [
+        f"the catalogue entry for {REPO} differs from its config.json (hidden_size: 999 != 64)"
+    ]
 
 
-def _response(status: int):
-    import httpx2
+def test_a_download_cut_off_leaves_no_half_file_and_resumes(
+    hub_server, tiny_model_dir, monkeypatch
+):
+    from huggingface_hub import file_download
 
-    return httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api"))
+    monkeypatch.setattr(file_download.time, "sleep", lambda s: None)  # its retries' pauses
+    hub_server.cut = "model.safetensors"
+    result = cli("models", "pull", REPO)
+    assert_one_line_error(result, 1, f"the download of {REPO} broke off", "run it again")
+    assert "model.safetensors" not in [p.name for p in snapshots()]
+    assert hub.find_local(REPO, verify=True) is None
+    hub_server.cut = None
+    assert cli("models", "pull", REPO).exit_code == 0
+    assert sorted(p.name for p in snapshots()) == mlx_files(tiny_model_dir)
 
 
-def _error(kind: str):
-    import httpx2
-    from huggingface_hub import errors
+def _closed_port() -> int:
+    import socket
 
-    return {
-        "gated": lambda: errors.GatedRepoError("403 gated", response=_response(403)),
-        "missing": lambda: errors.RepositoryNotFoundError("404", response=_response(404)),
-        "no network": lambda: httpx2.ConnectError("[Errno -3] name resolution"),
-        "offline": lambda: errors.OfflineModeIsEnabled("offline"),
-        "hub down": lambda: errors.HfHubHTTPError("500 Server Error", response=_response(500)),
-    }[kind]()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -338,15 +313,28 @@ def _error(kind: str):
         ("gated", 2, ["is gated", "hf auth login"]),
         ("missing", 2, ["no such model on Hugging Face"]),
         ("no network", 2, ["is not on this machine", "the Hub cannot be reached (ConnectError)"]),
-        ("offline", 2, ["is not on this machine"]),
+        ("offline", 2, ["is not on this machine", "HF_HUB_OFFLINE is set"]),
         ("hub down", 1, ["Hugging Face answered 500"]),
     ],
 )
-def test_hub_failures_are_one_line_and_leave_nothing(fake_hub, kind, code, words):
-    fake_hub["error"] = _error(kind)
-    for command in (["models", "pull", REPO], ["models", "info", REPO]):
-        assert_one_line_error(cli(*command), code, *words)
-    assert snapshots() == []
+def test_hub_failures_are_one_line_and_leave_nothing(hub_server, monkeypatch, kind, code, words):
+    repo = REPO
+    if kind == "gated":
+        hub_server.gated.add(REPO)
+    elif kind == "missing":
+        repo = "tiny-org/no-such-model"
+    elif kind == "no network":
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    elif kind == "offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        hub_server.down = True
+    for command in (["models", "pull", repo], ["models", "info", repo], ["chat", "-m", repo]):
+        if kind == "offline" and command[1] == "info":  # says so, asks nothing: exit 0
+            assert "on disk:     no (HF_HUB_OFFLINE is set" in cli(*command).stdout
+            continue
+        assert_one_line_error(runner.invoke(app, command, input="hi\n"), code, *words)
+    assert snapshots(repo) == []
 
 
 def test_offline_with_nothing_cached_is_one_line_on_every_command(tmp_path, monkeypatch):
@@ -368,21 +356,22 @@ def test_offline_with_nothing_cached_is_one_line_on_every_command(tmp_path, monk
         ({"model.safetensors": b"x"}, {"model_type": "nothing-like-it"}, ["mlx-lm can load"]),
     ],
 )
-def test_a_repo_that_is_not_an_mlx_model_is_refused(fake_hub, files, config, words):
-    fake_hub["files"] = dict(files)
+def test_a_repo_that_is_not_an_mlx_model_is_refused(hub_server, files, config, words):
+    hub_server.repos[REPO] = dict(files)
     if config is not None:
-        fake_hub["files"]["config.json"] = json.dumps(config).encode()
+        hub_server.repos[REPO]["config.json"] = json.dumps(config).encode()
     assert_one_line_error(cli("models", "pull", REPO), 2, *words)
-    assert "snapshot_download" not in [c[0] for c in fake_hub["calls"]]
+    assert hub_server.fetched("safetensors|gguf|bin") == []
     assert all(p.name == "config.json" for p in snapshots())
 
 
-def test_info_by_id_asks_the_hub_for_sizes_and_fit(fake_hub, tiny_model_dir):
+def test_info_by_id_asks_the_hub_for_sizes_and_fit(hub_server):
     result = cli("models", "info", REPO)
     assert result.exit_code == 0, result.output
     assert f"on disk:     no (run: mlx-stream models pull {REPO})" in result.stdout
-    assert "download:" in result.stdout and f"commit {hf_cache.COMMIT[:12]}" in result.stdout
+    assert "download:" in result.stdout and "commit 89abcdef0123" in result.stdout
     assert "llama, 2 layers" in result.stdout and "memory:      weights" in result.stdout
+    assert hub_server.fetched("model.safetensors") == []
 
 
 def test_the_progress_class_reports_only_the_bytes_written(monkeypatch):

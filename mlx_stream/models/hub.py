@@ -4,7 +4,8 @@ A model named ``org/name`` that is no registry name and no existing path is a Hu
 Face repo id. It resolves, in order, to:
 
 1. its snapshot in the shared Hugging Face cache (``$HF_HUB_CACHE``, else
-   ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``): the copy mlx-lm uses too;
+   ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``): the copy mlx-lm uses too,
+   checked before loading against huggingface_hub's record of the commit's files;
 2. LM Studio's copy, ``<LM Studio models folder>/org/name`` (see
    :func:`lmstudio_models_dir`);
 3. a download (:func:`pull`): the repo's file list and sizes (``HfApi.model_info``),
@@ -19,8 +20,8 @@ Face repo id. It resolves, in order, to:
 A gated or missing repo, no network (or ``HF_HUB_OFFLINE=1`` with nothing cached), a
 repo that is not an MLX model: one :class:`UserError` line each (exit 2).
 
-``HF_HUB_OFFLINE`` and the cache variables are read from the environment at each call
-(huggingface_hub reads them once, at import).
+``HF_HUB_OFFLINE``, ``HF_ENDPOINT`` and the cache variables are read from the
+environment at each call (huggingface_hub reads them once, at import).
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ENV_LMSTUDIO = "LMSTUDIO_MODELS_DIR"
 HF_CACHE = "hf-cache"
 LMSTUDIO = "lmstudio"
-# Config keys a catalogue entry must agree on with the repo's config.json (the rest of
-# an entry's config are sizes, which the size and fit figures come from).
+# The weight files mlx-lm loads (a sharded repo has several).
 WEIGHT_FILES = ("model*.safetensors",)
 
 
@@ -366,10 +366,15 @@ def _offline_error(repo_id: str, why: str | None = None) -> UserError:
     )
 
 
+def endpoint() -> str | None:
+    """``$HF_ENDPOINT`` (a mirror), read now; ``None``: huggingface_hub's default."""
+    return (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
+
+
 def _api():
     from huggingface_hub import HfApi
 
-    return HfApi()
+    return HfApi(endpoint=endpoint())
 
 
 def remote_repo(repo_id: str) -> RemoteRepo:
@@ -393,7 +398,7 @@ def remote_config(repo: RemoteRepo) -> dict:
     """The repo's ``config.json`` (downloaded into the shared cache: a few KB)."""
     from huggingface_hub import hf_hub_download
 
-    path = hf_hub_download(repo.id, "config.json", revision=repo.sha, cache_dir=hf_cache_dir())
+    path = hf_hub_download(repo.id, "config.json", cache_dir=hf_cache_dir(), endpoint=endpoint())
     config = _read_config(Path(path).parent)
     if config is None:
         raise UserError(f"{repo.id} is not an MLX model: its config.json is not a JSON object")
@@ -544,17 +549,36 @@ class _Progress:
 
 
 def download(repo: RemoteRepo, progress: ProgressCallback | None = None) -> Path:
-    """``snapshot_download`` of the files mlx-lm reads into the shared cache."""
+    """``snapshot_download`` of the files mlx-lm reads into the shared cache, from
+    ``main`` (not pinned to ``repo.sha``: only a branch download records
+    ``refs/main``, which mlx-lm and the cache look-ups go by)."""
     from huggingface_hub import snapshot_download
 
     stage = f"download {repo.id}"
     notify(progress, 0, repo.download_bytes or None, stage)
-    path = snapshot_download(
-        repo.id, revision=repo.sha, cache_dir=hf_cache_dir(), allow_patterns=allow_patterns(),
-        tqdm_class=_Progress(progress, stage),
-    )  # fmt: skip
+    try:
+        path = snapshot_download(
+            repo.id, cache_dir=hf_cache_dir(), allow_patterns=allow_patterns(),
+            tqdm_class=_Progress(progress, stage), endpoint=endpoint(),
+        )  # fmt: skip
+    except Exception as e:
+        if not _transport_error(e):
+            raise
+        # huggingface_hub keeps what arrived as blobs/*.incomplete and resumes from it.
+        raise RuntimeFailure(
+            f"the download of {repo.id} broke off ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:120]}); run it again to resume"
+        ) from None
     notify(progress, repo.download_bytes, repo.download_bytes or None, stage)
     return Path(path)
+
+
+def _transport_error(error: BaseException) -> bool:
+    """A dropped connection, a timeout or no route: the HTTP client's own errors, or
+    the ``OSError`` of the socket (not a file of the cache)."""
+    if type(error).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3"):
+        return not isinstance(error, UserError)
+    return isinstance(error, (ConnectionError, TimeoutError))
 
 
 def config_mismatches(expected: dict, actual: dict) -> list[str]:
