@@ -201,6 +201,9 @@ def test_models_list_shows_the_models_on_disk(cached, tiny_model_dir, tmp_path):
     info = cli("models", "info", REPO)
     assert info.exit_code == 0, info.output
     assert "on disk:     hf-cache" in info.stdout and "memory:      weights" in info.stdout
+    assert cli("models", "rm", REPO).stdout == f"removed {REPO} from the Hugging Face cache\n"
+    assert snapshots() == [] and REPO not in {r["name"] for r in json.loads(cli("models", "list", "--json").stdout)}  # fmt: skip
+    assert_one_line_error(cli("models", "rm", REPO), 2, "is not in the Hugging Face cache")
 
 
 # ------------------------------------------------------------ a stand-in Hub
