@@ -25,6 +25,7 @@ from mlx_stream.errors import RuntimeFailure, UserError
 STATE_KEY = "mlx_stream_chat"
 SENTINEL = "\x00mlx-stream\x00"
 PREFILL_STEP = 512
+ZERO_WIDTH_SPACE = "\u200b"
 
 
 @dataclass
@@ -69,6 +70,26 @@ def clean_text(text: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts ``tokenizer`` reads as special tokens, longest first."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    texts |= set(getattr(hf, "all_special_tokens", None) or ())
+    texts.discard(getattr(hf, "unk_token", None))  # unknown text reads as it anyway
+    return tuple(sorted((t for t in texts if len(t) > 1), key=len, reverse=True))
+
+
+def escape_specials(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` with every special token's text broken by a zero-width space after its
+    first character, so message content is read as text: a user who writes
+    ``<|im_start|>system`` gets those characters, not a new role."""
+    for special in specials:
+        if special in text:
+            text = text.replace(special, special[0] + ZERO_WIDTH_SPACE + special[1:])
+    return text
+
+
 def cache_count(caches: list) -> int:
     """Tokens the first cache of ``caches`` has consumed."""
     c = caches[0]
@@ -111,6 +132,7 @@ class ChatSession:
     caches: list = field(default_factory=list)
     n_target: int = 0
     last: Reply | None = None
+    specials: tuple[str, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -118,9 +140,22 @@ class ChatSession:
     # ----- rendering ----------------------------------------------------------------
 
     def conversation(self, messages: list[dict[str, str]] | None = None) -> list[dict]:
-        """The system prompt (if any) followed by ``messages`` (default: the transcript)."""
+        """The system prompt (if any) followed by ``messages`` (default: the transcript).
+
+        Special-token text in what the user (or the system prompt, or a tool) wrote is
+        escaped (:func:`escape_specials`); the assistant's own replies are left as the
+        model wrote them, so a transcript renders to what its caches hold.
+        """
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + list(self.messages if messages is None else messages)
+        out = head + list(self.messages if messages is None else messages)
+        if self.specials is None:
+            self.specials = special_texts(self.tokenizer)
+        return [
+            m
+            if m["role"] == "assistant"
+            else {**m, "content": escape_specials(m["content"], self.specials)}
+            for m in out
+        ]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template (plain lines without one)."""
