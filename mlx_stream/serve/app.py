@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_stream.logprobs import MAX_TOP
-from mlx_stream.server import Engine
-from mlx_stream.server import Request as EngineRequest
+from mlx_stream.serve.engine import Engine
+from mlx_stream.serve.engine import Request as EngineRequest
+from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
 
