@@ -1,5 +1,5 @@
 """``mlx-stream serve``: an OpenAI-compatible server where every session lives in fixed
-memory (the engine is :mod:`mlx_stream.server`, the routes :mod:`mlx_stream.api`)."""
+memory (the engine is :mod:`mlx_stream.serve.engine`, the routes :mod:`mlx_stream.serve.app`)."""
 
 from __future__ import annotations
 
@@ -175,9 +175,9 @@ def serve(
 
     import uvicorn
 
-    from mlx_stream.api import create_app
-    from mlx_stream.server import Engine
-    from mlx_stream.session import Settings
+    from mlx_stream.generate.session import Settings
+    from mlx_stream.serve.app import create_app
+    from mlx_stream.serve.engine import Engine
 
     settings = Settings(
         sinks=sinks,

@@ -182,9 +182,9 @@ def test_a_3000_token_conversation_keeps_answering_in_flat_memory(server):
 def test_six_clients_with_room_for_four_sessions(tiny_model_dir):
     """Every request is answered or refused with 429 + Retry-After; sessions evicted
     to disk come back with their history."""
-    from mlx_stream.loader import load
-    from mlx_stream.server import Engine, weights_bytes
-    from mlx_stream.session import Settings
+    from mlx_stream.generate.session import Settings
+    from mlx_stream.models.loader import load
+    from mlx_stream.serve.engine import Engine, weights_bytes
 
     model, tokenizer = load(str(tiny_model_dir))
     probe = Engine(model, tokenizer, Settings(sinks=2, window=64), "tiny")
@@ -360,7 +360,7 @@ def reference_logprobs(model_dir, prompt: str, steps: int) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     model, tokenizer = load(str(model_dir))
     cache = make_prompt_cache(model)
@@ -385,8 +385,8 @@ def test_completion_logprobs_equal_mlx_lm_log_softmax(server, tiny_model_dir):
     got = choice["logprobs"]
     steps = len(got["tokens"])
     assert steps >= 1 and len(got["token_logprobs"]) == len(got["top_logprobs"]) == steps
-    from mlx_stream.loader import load
-    from mlx_stream.logprobs import TokenLogprobs
+    from mlx_stream.models.loader import load
+    from mlx_stream.serve.logprobs import TokenLogprobs
 
     names = TokenLogprobs(load(str(tiny_model_dir))[1])
     name = lambda i: names.token_bytes(i).decode("utf-8", "replace")  # noqa: E731

@@ -8,7 +8,7 @@ import queue
 
 import pytest
 
-from mlx_stream.session import ChatSession, Settings, cache_count
+from mlx_stream.generate.session import ChatSession, Settings, cache_count
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def endless_model(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     return load(str(tiny_model_dir))
 
@@ -96,7 +96,7 @@ def test_a_prefilled_system_prompt_answers_like_a_first_turn_that_feeds_it(loade
 
 @pytest.fixture
 def engine(loaded, tmp_path):
-    from mlx_stream.server import Engine, weights_bytes
+    from mlx_stream.serve.engine import Engine, weights_bytes
 
     made = []
 
@@ -118,7 +118,7 @@ def engine(loaded, tmp_path):
 
 def ask(engine, messages, session_id=None, **kw):
     """Submit one chat request and wait for its events: (text, usage) or an error."""
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     events: queue.Queue = queue.Queue()
     engine.submit(Request(emit=events.put, messages=messages, session_id=session_id, **kw))
@@ -226,7 +226,7 @@ def test_a_session_that_cannot_be_saved_stays_and_only_the_newcomer_fails(engine
 
 
 def test_engine_refuses_when_every_session_is_busy(engine):
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     e = engine(sessions=1)
     events: queue.Queue = queue.Queue()
@@ -241,8 +241,8 @@ def test_engine_refuses_when_every_session_is_busy(engine):
 def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_path):
     """A request never waits for another's long reply: a 5-token reply submitted after
     a 100,000-token one finishes while the long one is still streaming."""
-    from mlx_stream.loader import load
-    from mlx_stream.server import Engine, Request
+    from mlx_stream.models.loader import load
+    from mlx_stream.serve.engine import Engine, Request
 
     model, tokenizer = load(str(endless_model))
     e = Engine(model, tokenizer, Settings(sinks=2, window=48), "endless", state_dir=tmp_path)

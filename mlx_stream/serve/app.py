@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_stream.logprobs import MAX_TOP
-from mlx_stream.server import Engine
-from mlx_stream.server import Request as EngineRequest
+from mlx_stream.serve.engine import Engine
+from mlx_stream.serve.engine import Request as EngineRequest
+from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
 MAX_SEED = (1 << 63) - 1  # OpenAI's seed is an int64; mlx's random state takes 0..2^64-1

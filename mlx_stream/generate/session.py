@@ -211,8 +211,8 @@ class ChatSession:
 
     def make_caches(self) -> list:
         """Fresh SinkCaches for the model (and the draft model after it)."""
+        from mlx_stream.cache.estimate import make_checked_sink_cache
         from mlx_stream.defaults import slack_for
-        from mlx_stream.estimate import make_checked_sink_cache
 
         s = self.settings
         kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
@@ -227,7 +227,7 @@ class ChatSession:
         """The engine's streaming generator over ``tokens`` with the session's caches;
         ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
         ``top_p``) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
-        from mlx_stream.decode import stream_generate
+        from mlx_stream.generate.decode import stream_generate
 
         s = self.settings
         kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
@@ -248,7 +248,7 @@ class ChatSession:
         """Feed ``text`` (rendered, the start of the conversation) into empty caches."""
         import mlx.core as mx
 
-        from mlx_stream.cache import max_call_tokens
+        from mlx_stream.cache.sink import max_call_tokens
 
         tokens = self.encode(text)
         groups = [(self.model, self.caches[: self.n_target])]
@@ -286,7 +286,7 @@ class ChatSession:
         The reply, finished or not, joins the transcript and the cache; an exception
         raised by ``write`` stops it the same way and is raised again afterwards.
         """
-        from mlx_stream.decode import StopOnInterrupt
+        from mlx_stream.generate.decode import StopOnInterrupt
 
         turn = self.stream(user_text)
         with StopOnInterrupt() as ctrl_c:
@@ -401,7 +401,7 @@ class ChatSession:
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/stats`` and the line after each reply."""
-        from mlx_stream.reclaim import memory_snapshot
+        from mlx_stream.cache.reclaim import memory_snapshot
 
         first = self.caches[0]
         seen = cache_count(self.caches)
@@ -436,7 +436,7 @@ class ChatSession:
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Save the KV cache and the transcript (each file atomically); with a draft
         model its cache goes to ``PATH.draft.safetensors``."""
-        from mlx_stream.cache import save_cache
+        from mlx_stream.cache.sink import save_cache
 
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
@@ -453,7 +453,7 @@ class ChatSession:
 
     def load(self, path: str | Path) -> Path:
         """Restore a conversation saved by :meth:`save`."""
-        from mlx_stream.cache import load_cache
+        from mlx_stream.cache.sink import load_cache
 
         cache_path, _ = checkpoint_paths(path)
         draft_path = draft_cache_path(cache_path)

@@ -64,8 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.logprobs import TokenLogprobs
-from mlx_stream.session import (
+from mlx_stream.generate.session import (
     ChatSession,
     Checkpoint,
     Reply,
@@ -73,6 +72,7 @@ from mlx_stream.session import (
     cache_count,
     clean_text,
 )
+from mlx_stream.serve.logprobs import TokenLogprobs
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
@@ -300,8 +300,8 @@ class Engine:
 
     def _make_batch(self) -> None:
         """The batch every session decodes in, or the reason there is none."""
-        from mlx_stream.batch import Batch
         from mlx_stream.errors import Unsupported
+        from mlx_stream.generate.batch import Batch
 
         if not self.batching:
             return
