@@ -154,7 +154,7 @@ def serve(
     budget = parse_bytes(memory_budget)
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
-    from mlx_stream.api import read_api_keys
+    from mlx_stream.serve.app import read_api_keys
 
     keys = ([api_key.strip()] if api_key is not None else []) + (
         read_api_keys(api_keys) if api_keys is not None else []
