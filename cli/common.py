@@ -321,7 +321,7 @@ def load_model(
     Returns:
         ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
     """
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     console = stderr_console()
 

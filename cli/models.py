@@ -88,8 +88,7 @@ def _where(path: Path, home: Path) -> str:
 
 def _rows() -> list[dict[str, Any]]:
     """The registry's models, then the MLX models on disk that no entry names."""
-    from mlx_stream import loader, registry
-    from mlx_stream.models import hub
+    from mlx_stream.models import hub, loader, registry
 
     reg = registry.load_registry()
     home = registry.home_dir()
@@ -136,7 +135,7 @@ def _rows() -> list[dict[str, Any]]:
 def _config_summary(spec, policy: str) -> dict:
     """What a catalogue entry needs under ``policy`` (weights + KV cache at its
     window), from its config's shapes: nothing downloaded."""
-    from mlx_stream.estimate import DTYPE_BYTES
+    from mlx_stream.cache.estimate import DTYPE_BYTES
     from mlx_stream.models import hub
 
     weights = hub.config_weights(spec.config, policy)
@@ -147,7 +146,8 @@ def _config_summary(spec, policy: str) -> dict:
 def _available() -> list[dict[str, Any]]:
     """The registry's models that can be pulled from Hugging Face, with what each
     needs under this backend's dtype policy (weights + KV cache at its window)."""
-    from mlx_stream import estimate, loader, registry
+    from mlx_stream.cache import estimate
+    from mlx_stream.models import loader, registry
 
     reg = registry.load_registry()
     policy = loader.resolve_dtype("auto")
@@ -213,7 +213,7 @@ def list_models(
     from rich.console import Console
     from rich.table import Table
 
-    from mlx_stream.estimate import human
+    from mlx_stream.cache.estimate import human
 
     table = Table(box=None, pad_edge=False)
     if available:
@@ -265,8 +265,8 @@ def _is_repo(name: str | None, reg) -> bool:
 
 def _folder_lines(folder: Path, sinks: int, window: int) -> list[str]:
     """What a model folder on disk is and what it will take to run."""
-    from mlx_stream import loader
-    from mlx_stream.estimate import describe, folder_estimate
+    from mlx_stream.cache.estimate import describe, folder_estimate
+    from mlx_stream.models import loader
 
     config = json.loads((folder / "config.json").read_text())
     quant = config.get("quantization")
@@ -283,7 +283,7 @@ def _folder_lines(folder: Path, sinks: int, window: int) -> list[str]:
 
 
 def _catalogue_lines(spec) -> list[str]:
-    from mlx_stream.estimate import human
+    from mlx_stream.cache.estimate import human
 
     lines = []
     if spec.context:
@@ -295,9 +295,8 @@ def _catalogue_lines(spec) -> list[str]:
 
 def _info_repo(repo_id: str, reg) -> list[str]:
     """``models info org/name``: on disk, else what the Hub says (sizes, fit)."""
-    from mlx_stream import loader
-    from mlx_stream.estimate import describe, human
-    from mlx_stream.models import hub
+    from mlx_stream.cache.estimate import describe, human
+    from mlx_stream.models import hub, loader
 
     spec = hub.spec_for(repo_id, reg)
     entry = hub.catalogue_entry(repo_id, reg)
@@ -333,7 +332,7 @@ def _info_repo(repo_id: str, reg) -> list[str]:
 def info(name: Name) -> None:
     """Show a model's registry entry, sources and, once pulled, its folder and config;
     for a Hugging Face id, where it is on disk or what the Hub says it needs."""
-    from mlx_stream import loader, registry
+    from mlx_stream.models import loader, registry
 
     reg = registry.load_registry()
     if _is_repo(name, reg):
@@ -360,7 +359,7 @@ def info(name: Name) -> None:
     else:
         lines.append(f"pulled:      no (run: mlx-stream models pull {name})")
         if spec.config is not None:  # the catalogue's shape: what it will take, offline
-            from mlx_stream.estimate import describe
+            from mlx_stream.cache.estimate import describe
 
             policy = loader.resolve_dtype("auto")
             summary = _config_summary(spec, policy)
@@ -383,8 +382,7 @@ def pull(
     the files mlx-lm reads, after checking it fits this machine)."""
     import time
 
-    from mlx_stream import loader, registry
-    from mlx_stream.models import hub
+    from mlx_stream.models import hub, loader, registry
 
     reg = registry.load_registry()
     start = time.perf_counter()
@@ -416,8 +414,8 @@ def import_gguf(
     description: Annotated[str | None, typer.Option(help="One line for `models list`.")] = None,
 ) -> None:
     """Convert a GGUF file into the user cache and register it in the user models.yaml."""
-    from mlx_stream import gguf, registry
     from mlx_stream.errors import UserError
+    from mlx_stream.models import gguf, registry
 
     if name in registry.load_registry().models:
         raise UserError(f"'{name}' is already a model (choose another --name or `models rm` it)")
@@ -442,9 +440,8 @@ def remove(name: Name) -> None:
     """Delete a pulled model from the user cache (and an imported model's entry); a
     Hugging Face id, or a registry model pulled from Hugging Face, from the shared
     Hugging Face cache."""
-    from mlx_stream import loader, registry
     from mlx_stream.errors import UserError
-    from mlx_stream.models import hub
+    from mlx_stream.models import hub, loader, registry
 
     if _is_repo(name, registry.load_registry()):
         found = hub.find_local(name)
@@ -483,8 +480,8 @@ def check(
     from mlx_lm.models import cache as mlx_cache
 
     from cli.common import load_model
-    from mlx_stream.cache import make_sink_cache
-    from mlx_stream.positions import check_model, model_type
+    from mlx_stream.cache.positions import check_model, model_type
+    from mlx_stream.cache.sink import make_sink_cache
 
     net, _, spec = load_model(model)
     caches = mlx_cache.make_prompt_cache(net)

@@ -395,7 +395,7 @@ def _close(a: mx.array, b: mx.array, tol: float = 1e-3) -> bool:
 
 
 def _feed(model, cache, tokens, chunk, aligned=True):
-    from mlx_stream.cache import max_call_tokens
+    from mlx_stream.cache.sink import max_call_tokens
 
     out, i = [], 0
     while i < len(tokens):

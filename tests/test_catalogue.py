@@ -16,8 +16,8 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from cli.main import app
-from mlx_stream import estimate, registry
-from mlx_stream.models import hub
+from mlx_stream.cache import estimate
+from mlx_stream.models import hub, registry
 from tests import archs, tiny
 
 CATALOGUE = [s for s in registry.load_registry(use_user=False).models.values() if s.config]
@@ -104,7 +104,7 @@ def test_sliding_layers_stay_sliding_in_the_tiny_gemma():
 
 
 def test_list_available_says_what_fits(monkeypatch):
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     policy = loader.resolve_dtype("auto")
     monkeypatch.setattr(estimate, "available_memory", lambda: 8 * 10**9)

@@ -19,9 +19,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from mlx_stream import estimate, gguf, loader, registry
+from mlx_stream.cache import estimate
 from mlx_stream.errors import UserError
-from mlx_stream.models import hub
+from mlx_stream.models import gguf, hub, loader, registry
 from tests import hf_cache
 from tests.conftest import assert_one_line_error
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_stream import estimate
+from mlx_stream.cache import estimate
 from mlx_stream.defaults import DEFAULT_SLACK
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.registry import ModelSpec, ProgressCallback, Registry, Source, notify
+from mlx_stream.models.registry import ModelSpec, ProgressCallback, Registry, Source, notify
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ENV_LMSTUDIO = "LMSTUDIO_MODELS_DIR"
