@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from cli import options as opt
 from cli.common import handle_errors, stderr_console
 
 app = typer.Typer(
@@ -376,13 +377,22 @@ def pull(
         typer.Argument(help="Model name or Hugging Face id. Default: the registry default."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Pull again even if present.")] = False,
+    sinks: opt.Sinks = None,
+    window: opt.Window = None,
+    dtype: opt.Dtype = "auto",
 ) -> None:
     """Download (and convert) a model: a registry model into the user cache, its
     Hugging Face source or a Hugging Face id into the shared Hugging Face cache (only
-    the files mlx-lm reads, after checking it fits this machine)."""
+    the files mlx-lm reads, after checking it fits this machine at --window, loaded
+    as --dtype)."""
     import time
 
+    from cli.common import check_positive
     from mlx_stream.models import hub, loader, registry
+
+    check_positive(sinks, "--sinks", 0)
+    check_positive(window, "--window")
+    policy = loader.resolve_dtype(dtype)
 
     reg = registry.load_registry()
     start = time.perf_counter()
@@ -393,8 +403,9 @@ def pull(
             return
         spec = hub.spec_for(name, reg)
         with _progress(stderr_console()) as (progress, log):
-            folder = hub.pull(name, loader.resolve_dtype("auto"), spec.sinks, spec.window,
-                              progress, log, spec.config)  # fmt: skip
+            folder = hub.pull(name, policy, spec.sinks if sinks is None else sinks,
+                              spec.window if window is None else window, progress, log,
+                              spec.config)  # fmt: skip
         typer.echo(f"pulled {name} in {time.perf_counter() - start:.1f} s: {folder}")
         return
     spec = registry.get(name)
@@ -402,7 +413,8 @@ def pull(
         typer.echo(f"{spec.name} is already pulled: {loader.model_path(spec.name)}")
         return
     with _progress(stderr_console()) as (progress, log):
-        folder = loader.pull(spec.name, force=force, progress=progress, log=log)
+        folder = loader.pull(spec.name, force=force, progress=progress, log=log, dtype=dtype,
+                             sinks=sinks, window=window)  # fmt: skip
     typer.echo(f"pulled {spec.name} in {time.perf_counter() - start:.1f} s: {folder}")
 
 

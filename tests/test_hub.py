@@ -267,8 +267,15 @@ def test_the_remote_estimate_is_the_one_of_the_folder(hub_server, tiny_model_dir
     assert hub_server.fetched("model.safetensors") == []
 
 
-def test_the_fit_check_runs_before_the_download(hub_server, monkeypatch):
+def test_the_fit_check_runs_before_the_download(hub_server, tiny_model_dir, monkeypatch):
+    need = estimate.weights_bytes(tiny_model_dir, "float32") + 10**5
+    monkeypatch.setattr(estimate, "available_memory", lambda: need)
+    result = cli("models", "pull", REPO)  # the default window (1024) does not fit
+    assert_one_line_error(result, 2, f"{REPO} does not fit", "at sinks 4 + window 1024")
+    result = cli("models", "pull", REPO, "--window", "8")  # a window that does: pulled
+    assert result.exit_code == 0, result.output
     monkeypatch.setattr(estimate, "available_memory", lambda: 10**5)
+    hub.remove_cached(REPO)
     result = cli("models", "pull", REPO)
     assert_one_line_error(result, 2, f"{REPO} does not fit", "only 0.1 MB of memory")
     assert hub_server.fetched("model.safetensors|tokenizer") == []
