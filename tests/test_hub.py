@@ -272,14 +272,15 @@ def test_the_fit_check_runs_before_the_download(hub_server, tiny_model_dir, monk
     monkeypatch.setattr(estimate, "available_memory", lambda: need)
     result = cli("models", "pull", REPO)  # the default window (1024) does not fit
     assert_one_line_error(result, 2, f"{REPO} does not fit", "at sinks 4 + window 1024")
-    result = cli("models", "pull", REPO, "--window", "8")  # a window that does: pulled
-    assert result.exit_code == 0, result.output
-    monkeypatch.setattr(estimate, "available_memory", lambda: 10**5)
-    hub.remove_cached(REPO)
-    result = cli("models", "pull", REPO)
-    assert_one_line_error(result, 2, f"{REPO} does not fit", "only 0.1 MB of memory")
     assert hub_server.fetched("model.safetensors|tokenizer") == []
     assert [p.name for p in snapshots()] == ["config.json"]  # a whole file, nothing else
+    result = cli("models", "pull", REPO, "--window", "8")  # a window that does: pulled
+    assert result.exit_code == 0, result.output
+    assert hub.find_local(REPO, verify=True) is not None
+    hub.remove_cached(REPO)
+    monkeypatch.setattr(estimate, "available_memory", lambda: 10**5)
+    result = cli("models", "pull", REPO, "--window", "8")  # not even the weights fit
+    assert_one_line_error(result, 2, f"{REPO} does not fit", "only 0.1 MB of memory")
     folder, _ = loader.resolve(REPO, fit=False)  # sharded over machines: no one-machine check
     assert hub.folder_problem(folder) is None
 
