@@ -172,7 +172,11 @@ def test_lmstudio_models_dir_is_found_as_lm_studio_finds_it(tmp_path, monkeypatc
     assert hub.lmstudio_models_dir() == tmp_path / ".cache" / "lm-studio" / "models"
     (tmp_path / ".lmstudio-home-pointer").write_text(str(tmp_path / "elsewhere") + "\n")
     assert hub.lmstudio_models_dir() == tmp_path / "elsewhere" / "models"
-    (tmp_path / "elsewhere").mkdir()
+    app = tmp_path / ".config" / "LM Studio"  # the app's own settings (Linux)
+    app.mkdir(parents=True)
+    (app / "settings.json").write_text(json.dumps({"downloadsFolder": str(tmp_path / "app")}))
+    assert hub.lmstudio_models_dir() == tmp_path / "app"
+    (tmp_path / "elsewhere").mkdir()  # the settings in its home come first
     settings = {"downloadsFolder": str(tmp_path / "big-disk" / "models")}
     (tmp_path / "elsewhere" / "settings.json").write_text(json.dumps(settings))
     assert hub.lmstudio_models_dir() == tmp_path / "big-disk" / "models"
@@ -462,3 +466,18 @@ def test_a_quantized_cache_is_counted_as_quantized(tiny_model_dir, monkeypatch):
     loader.check_folder_fits(tiny_model_dir, None, "float32", 4, 4096, kv)
     with pytest.raises(UserError, match="does not fit"):
         loader.check_folder_fits(tiny_model_dir, None, "float32", 4, 4096)
+
+
+def test_config_mismatches_compare_only_what_the_entry_says():
+    real = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "head_dim": 256,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "vocab_size": 262208}  # fmt: skip
+    entry = {"model_type": "gemma3_text", "head_dim": 256, "rope_scaling": {"rope_type": "linear"},
+             "vocab_size": 262208}  # fmt: skip
+    assert hub.config_mismatches(entry, real) == []  # a text_config is read as the model's
+    entry["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    entry["head_dim"] = 128
+    assert hub.config_mismatches(entry, real) == ["head_dim: 128 != 256",
+                                                  "rope_scaling.factor: 4.0 != 8.0"]  # fmt: skip
+    assert hub.config_mismatches({"model_type": "llama"}, real) == [
+        "model_type: 'llama' != 'gemma3'"
+    ]

@@ -93,6 +93,18 @@ def lmstudio_home() -> Path:
     return legacy if legacy.is_dir() else home / ".lmstudio"
 
 
+def _lmstudio_settings(home: Path) -> list[Path]:
+    """Where LM Studio's ``settings.json`` may be: its home, else the app's own
+    settings folder (macOS, Linux, Windows), as versions have kept it in either."""
+    user = Path(os.path.expanduser("~"))
+    places = [home / "settings.json",
+              user / "Library" / "Application Support" / "LM Studio" / "settings.json",
+              user / ".config" / "LM Studio" / "settings.json"]  # fmt: skip
+    if os.environ.get("APPDATA"):
+        places.append(Path(os.environ["APPDATA"]) / "LM Studio" / "settings.json")
+    return places
+
+
 def lmstudio_models_dir() -> Path:
     """LM Studio's models folder: ``$LMSTUDIO_MODELS_DIR`` (mlx-stream's override;
     LM Studio has no such variable), else the ``downloadsFolder`` of LM Studio's
@@ -100,11 +112,11 @@ def lmstudio_models_dir() -> Path:
     if os.environ.get(ENV_LMSTUDIO):
         return Path(os.environ[ENV_LMSTUDIO]).expanduser()
     home = lmstudio_home()
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        folder = json.loads((home / "settings.json").read_text(encoding="utf-8"))
-        folder = folder.get("downloadsFolder")
-        if isinstance(folder, str) and folder.strip():
-            return Path(folder).expanduser()
+    for settings in _lmstudio_settings(home):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            folder = json.loads(settings.read_text(encoding="utf-8")).get("downloadsFolder")
+            if isinstance(folder, str) and folder.strip():
+                return Path(folder).expanduser()
     return home / "models"
 
 
