@@ -481,3 +481,14 @@ def test_config_mismatches_compare_only_what_the_entry_says():
     assert hub.config_mismatches({"model_type": "llama"}, real) == [
         "model_type: 'llama' != 'gemma3'"
     ]
+
+
+def test_without_headers_the_estimate_scales_the_file_sizes(monkeypatch):
+    """A Hub that does not give safetensors headers: the sizes of the weight files,
+    as stored, or dequantized at the model's bits per weight."""
+    monkeypatch.setattr(hub, "remote_tensors", lambda repo: None)
+    repo = hub.RemoteRepo("a/b", None, {"model.safetensors": 4500, "tokenizer.json": 99})
+    config = {"quantization": {"bits": 4, "group_size": 64}}
+    assert hub.weights_estimate(repo, config, "quantized") == (4500, 2)
+    assert hub.weights_estimate(repo, config, "float32") == (32000, 4)  # 8,000 weights
+    assert hub.weights_estimate(repo, {}, "float32") == (9000, 4)  # bfloat16 as stored

@@ -438,13 +438,21 @@ def remote_tensors(repo: RemoteRepo) -> dict[str, tuple[str, list[int]]] | None:
 
 def weights_estimate(repo: RemoteRepo, config: dict, policy: str) -> tuple[int, int]:
     """``(weights bytes under ``policy``, bytes per cached element)`` of a remote repo:
-    exact from its safetensors headers, else the weight files' sizes (as stored)."""
+    exact from its safetensors headers; else from the weight files' sizes, as stored,
+    or for a float policy scaled from a quantized model's bits per weight (its ``bits``
+    plus a 16-bit scale and bias per group), an unquantized one taken as bfloat16
+    (what MLX repos store)."""
     tensors = remote_tensors(repo)
     quant = config.get("quantization") or {}
     if tensors is None:
-        weights = sum(size for f, size in repo.files.items()
-                      if any(fnmatch.fnmatch(f, p) for p in WEIGHT_FILES))  # fmt: skip
-        return weights, estimate.DTYPE_BYTES.get(policy, 2)
+        stored = sum(size for f, size in repo.files.items()
+                     if any(fnmatch.fnmatch(f, p) for p in WEIGHT_FILES))  # fmt: skip
+        if policy == "quantized":
+            return stored, 2
+        if quant.get("bits"):
+            bits = quant["bits"] + 32 / quant.get("group_size", 64)
+            stored = int(stored * 8 / bits) * 2  # as bfloat16, then the policy's size
+        return stored * estimate.DTYPE_BYTES[policy] // 2, estimate.DTYPE_BYTES[policy]
     weights = estimate.tensors_bytes(tensors, quant, policy)
     if policy != "quantized":
         return weights, estimate.DTYPE_BYTES[policy]
