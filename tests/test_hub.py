@@ -492,3 +492,15 @@ def test_without_headers_the_estimate_scales_the_file_sizes(monkeypatch):
     assert hub.weights_estimate(repo, config, "quantized") == (4500, 2)
     assert hub.weights_estimate(repo, config, "float32") == (32000, 4)  # 8,000 weights
     assert hub.weights_estimate(repo, {}, "float32") == (9000, 4)  # bfloat16 as stored
+
+
+def test_commands_run_a_cached_id(cached, tmp_path):
+    """-m org/name on a command, offline, from the shared cache."""
+    text = tmp_path / "book.txt"
+    text.write_text("the sea and the ship and the whale " * 40)
+    args = ["stream-run", str(text), "-m", REPO, "--window", "32", "--sinks", "4", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] > 200
+    check = cli("models", "check", REPO)
+    assert check.exit_code == 0 and "verdict: exact" in check.stdout
