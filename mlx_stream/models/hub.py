@@ -495,6 +495,7 @@ def model_from_config(config: dict):
     from mlx_lm.utils import _get_classes
 
     config = shape_config(config)
+    # mlx-lm's own config -> classes (its remapping included; load_model uses it).
     model_class, args_class = _get_classes(config)
     return model_class(args_class.from_dict(config))
 
@@ -537,35 +538,33 @@ def check_fit(what: str, summary: dict, sinks: int, window: int, policy: str) ->
     )
 
 
-class _Progress:
+def _progress_class(progress: ProgressCallback | None, stage: str):
     """A tqdm class for ``snapshot_download`` that reports the bytes written to disk
     to a :data:`ProgressCallback` (huggingface_hub draws its bars with tqdm)."""
+    from tqdm.std import tqdm
 
-    def __new__(cls, progress: ProgressCallback | None, stage: str):
-        from tqdm.std import tqdm
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            self._report = str(kwargs.get("desc") or "").startswith("Reconstructing")
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed with the bar
+            kwargs["disable"] = False
+            super().__init__(*args, **kwargs)
 
-        class Bar(tqdm):
-            def __init__(self, *args, **kwargs):
-                kwargs.pop("name", None)
-                self._report = str(kwargs.get("desc") or "").startswith("Reconstructing")
-                kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed with the bar
-                kwargs["disable"] = False
-                super().__init__(*args, **kwargs)
+        def update(self, n=1):
+            out = super().update(n)
+            if self._report:
+                total = int(self.total) if self.total else None
+                notify(progress, int(self.n), total, stage)
+            return out
 
-            def update(self, n=1):
-                out = super().update(n)
-                if self._report:
-                    total = int(self.total) if self.total else None
-                    notify(progress, int(self.n), total, stage)
-                return out
+        def close(self):
+            file = self.fp
+            super().close()
+            with contextlib.suppress(Exception):
+                file.close()
 
-            def close(self):
-                file = self.fp
-                super().close()
-                with contextlib.suppress(Exception):
-                    file.close()
-
-        return Bar
+    return Bar
 
 
 def download(repo: RemoteRepo, progress: ProgressCallback | None = None) -> Path:
@@ -579,7 +578,7 @@ def download(repo: RemoteRepo, progress: ProgressCallback | None = None) -> Path
     try:
         path = snapshot_download(
             repo.id, cache_dir=hf_cache_dir(), allow_patterns=allow_patterns(),
-            tqdm_class=_Progress(progress, stage), endpoint=endpoint(),
+            tqdm_class=_progress_class(progress, stage), endpoint=endpoint(),
         )  # fmt: skip
     except Exception as e:
         if not _transport_error(e):
