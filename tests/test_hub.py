@@ -504,3 +504,12 @@ def test_commands_run_a_cached_id(cached, tmp_path):
     assert json.loads(result.stdout)["tokens"] > 200
     check = cli("models", "check", REPO)
     assert check.exit_code == 0 and "verdict: exact" in check.stdout
+
+
+def test_doctor_says_where_it_looks_and_what_it_found(cached):
+    report = json.loads(cli("doctor", "--no-speed", "--json").stdout)
+    assert report["hf_cache"] == str(hub.hf_cache_dir()) and report["hf_cache_models"] == 1
+    assert report["lmstudio_models_dir"] == os.environ["LMSTUDIO_MODELS_DIR"]
+    assert report["lmstudio_models"] == 0
+    text = cli("doctor", "--no-speed").stdout
+    assert f"{hub.hf_cache_dir()}: 1 MLX model\n" in text and "0 MLX models" in text
