@@ -41,6 +41,8 @@ _API = {
     "load": ("mlx_stream.models.loader", "load"),
     "make_sink_cache": ("mlx_stream.cache.sink", "make_sink_cache"),
     "SinkCache": ("mlx_stream.cache.sink", "SinkCache"),
+    # One frozen value for a cache policy: validated, its bytes, JSON, build(model).
+    "CacheSpec": ("mlx_stream.cache.spec", "CacheSpec"),
     "stream_generate": ("mlx_stream.generate.decode", "stream_generate"),
     "ChatSession": ("mlx_stream.generate.session", "ChatSession"),
 }
