@@ -14,10 +14,11 @@ The engine, one folder per concern, each layer importing only the ones below it:
 It never imports typer or rich (the CLI lives in ``cli/``). The public API below is
 resolved lazily (PEP 562), so ``import mlx_stream`` loads neither MLX nor mlx-lm::
 
-    from mlx_stream import load, make_sink_cache, stream_generate
+    from mlx_stream import CacheSpec, load, make_sink_cache, stream_generate
 
     model, tokenizer = load()  # the registry default, pulled on first use
-    cache = make_sink_cache(model, sinks=4, window=1024)
+    cache = make_sink_cache(model, sinks=4, window=1024)  # or, as one value:
+    cache = CacheSpec(sinks=4, window=1024).build(model)
     for r in stream_generate(model, tokenizer, "Hello", max_tokens=32, prompt_cache=cache):
         print(r.text, end="")
 """

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from mlx_stream.session import Settings
+from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.generate.session import Settings
 
 SYSTEM = "you are a captain"
 WORDS = "the old captain said sea was very long and ship sail on hello what".split()
@@ -25,20 +26,20 @@ WORDS = "the old captain said sea was very long and ship sail on hello what".spl
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     return load(str(tiny_model_dir))
 
 
 @pytest.fixture
 def engine(loaded, tmp_path):
-    from mlx_stream.server import Engine
+    from mlx_stream.serve.engine import Engine
 
     made = []
 
     def make(**kw):
         model, tokenizer = loaded
-        settings = Settings(sinks=2, window=256, max_tokens=6)
+        settings = Settings(CacheSpec(sinks=2, window=256), max_tokens=6)
         e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path / str(len(made)), **kw)
         (tmp_path / str(len(made))).mkdir()
         e.start()
@@ -62,7 +63,7 @@ class Reply:
 def ask(engine, messages, session_id=None, owner="", cancel_after=None, **kw) -> Reply:
     """One chat request through the engine; ``cancel_after`` text events, the client
     goes away (the request is cancelled) and this waits until its session is idle."""
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     events: queue.Queue = queue.Queue()
     request = Request(
