@@ -171,3 +171,47 @@ def test_save_and_load_carry_the_spec(tmp_path):
     save_cache(tmp_path / "s.safetensors", caches)
     loaded, _ = load_cache(tmp_path / "s.safetensors", tiny_llama)
     assert [c.spec for c in loaded] == [spec] * len(loaded)
+
+
+def test_stream_run_resumes_a_checkpoint_of_the_old_format(tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import assert_one_line_error
+
+    text = tmp_path / "book.txt"
+    words = [tiny.VOCAB_WORDS[i % len(tiny.VOCAB_WORDS)] for i in range(0, 2100, 7)]
+    text.write_text(" ".join(words) + "\n", encoding="utf-8")
+    runner, path = CliRunner(), tmp_path / "run.safetensors"
+    args = ["stream-run", str(text), "-m", str(tiny_model_dir), "--window", "32", "--sinks", "4",
+            "--segment", "100", "--json"]  # fmt: skip
+    whole = runner.invoke(app, [*args, "--limit-tokens", "250"])
+    first = runner.invoke(app, [*args, "--limit-tokens", "120", "--checkpoint", str(path)])
+    assert whole.exit_code == first.exit_code == 0, first.stderr
+    assert json.loads(whole.stdout)["cache"] == CacheSpec(4, 32).to_json()
+
+    def old_format(header):  # what stream-run wrote before CacheSpec
+        saved = json.loads(header[ckpt.IDENTITY_KEY])
+        for key in ("slack", "stride", "kv_bits", "kv_group_size", "key_bits"):
+            saved.pop(key)
+        saved.update({"kv-bits": None, "kv-key-bits": None, "kv-group-size": None})
+        header[ckpt.IDENTITY_KEY] = json.dumps(saved, sort_keys=True)
+
+    _rewrite_header(path, old_format)
+    wrong = runner.invoke(app, [*args, "--limit-tokens", "250", "--resume", str(path),
+                                "--kv-bits", "8"])  # fmt: skip
+    assert_one_line_error(wrong, 2, "made with key_bits none, this run has key_bits 8")
+    rest = runner.invoke(app, [*args, "--limit-tokens", "250", "--resume", str(path)])
+    assert rest.exit_code == 0, rest.stderr
+    ours, theirs = json.loads(rest.stdout), json.loads(whole.stdout)
+    assert ours["tokens"] == theirs["tokens"] == 249
+    assert ours["perplexity"] == pytest.approx(theirs["perplexity"], rel=1e-5)
+
+
+def test_session_settings_hold_the_policy_apart_from_sampling():
+    from mlx_stream.generate.session import Settings
+
+    settings = Settings(CacheSpec(2, 48), max_tokens=6, num_draft_tokens=80)
+    assert settings.cache_spec() == CacheSpec(2, 48, slack=81)  # a verify block of 81
+    assert settings.cache_spec(sinks=9) == CacheSpec(9, 48, slack=81)  # a pinned system prompt
+    assert Settings(CacheSpec(2, 48)).cache_spec() == CacheSpec(2, 48)  # slack 64 covers 3 + 1
