@@ -156,15 +156,19 @@ def _upgrade(identity: dict, layers: str | None, path: Path) -> dict:
 
 
 def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:
-    """A :class:`UserError` naming the first field where ``current`` differs from
-    what the checkpoint was made with (the text digest is checked separately)."""
-    for field in sorted(current):
+    """A :class:`UserError` naming the first field (in ``current``'s order; a cache
+    setting by its flag, ``kv-bits``) where ``current`` differs from what the
+    checkpoint was made with (the text digest is checked separately)."""
+    from mlx_stream.cache.spec import FLAGS
+
+    for field in current:
         if field == TEXT_FIELD:
             continue
         if saved.get(field) != current[field]:
+            name = FLAGS.get(field, field).lstrip("-")
             raise UserError(
-                f"{path}: made with {field} {_show(saved.get(field))}, "
-                f"this run has {field} {_show(current[field])}"
+                f"{path}: made with {name} {_show(saved.get(field))}, "
+                f"this run has {name} {_show(current[field])}"
             )
 
 

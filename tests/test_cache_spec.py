@@ -200,7 +200,7 @@ def test_stream_run_resumes_a_checkpoint_of_the_old_format(tiny_model_dir, tmp_p
     _rewrite_header(path, old_format)
     wrong = runner.invoke(app, [*args, "--limit-tokens", "250", "--resume", str(path),
                                 "--kv-bits", "8"])  # fmt: skip
-    assert_one_line_error(wrong, 2, "made with key_bits none, this run has key_bits 8")
+    assert_one_line_error(wrong, 2, "made with kv-bits none, this run has kv-bits 8")
     rest = runner.invoke(app, [*args, "--limit-tokens", "250", "--resume", str(path)])
     assert rest.exit_code == 0, rest.stderr
     ours, theirs = json.loads(rest.stdout), json.loads(whole.stdout)
