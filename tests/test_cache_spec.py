@@ -79,7 +79,7 @@ def test_json_round_trip_and_cache_file_meta():
     # Files from before quantization lack its three settings.
     old = {k: v for k, v in data.items() if k not in ("kv_bits", "kv_group_size", "key_bits")}
     assert CacheSpec.from_json(old) == CacheSpec(2, 48, 8, 4, "absolute")
-    with pytest.raises(UserError, match="cache setting 'window' must be a int"):
+    with pytest.raises(UserError, match="cache setting 'window' must be an integer"):
         CacheSpec.from_json({**data, "window": "48"})
     with pytest.raises(UserError, match="not a cache policy"):
         CacheSpec.from_json([2, 48])

@@ -489,7 +489,8 @@ def make_sink_cache(
     ``ArraysCache`` SSM state, ``ChunkedKVCache``) are kept as they are. Where each
     layer's cached tensors carry positions is found and verified on the model itself
     (``mlx_stream.positions.check_model``, once per model); a model the cache cannot
-    serve exactly is refused here, before the first token, with one line.
+    serve exactly is refused here, before the first token, with one line. The public
+    shorthand for ``CacheSpec(sinks, window, ...).build(model, check_memory=False)``.
 
     Args:
         model (nn.Module): An mlx-lm model.

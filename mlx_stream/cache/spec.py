@@ -201,7 +201,8 @@ class CacheSpec:
             kind = str if k == "positions" else int
             optional = k in ("slack", "kv_bits", "key_bits")
             if not (type(v) is kind or (optional and v is None)):
-                raise Unsupported(f"cache setting {k!r} must be a {kind.__name__} (got {v!r})")
+                what = "a string" if kind is str else "an integer"
+                raise Unsupported(f"cache setting {k!r} must be {what} (got {v!r})")
         return cls(**values)
 
     # ----- what it costs and what it builds -------------------------------------------
