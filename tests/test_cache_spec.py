@@ -215,3 +215,30 @@ def test_session_settings_hold_the_policy_apart_from_sampling():
     assert settings.cache_spec() == CacheSpec(2, 48, slack=81)  # a verify block of 81
     assert settings.cache_spec(sinks=9) == CacheSpec(9, 48, slack=81)  # a pinned system prompt
     assert Settings(CacheSpec(2, 48)).cache_spec() == CacheSpec(2, 48)  # slack 64 covers 3 + 1
+
+
+def test_served_sessions_report_their_policy(tiny_model_dir, tmp_path):
+    import queue
+
+    from mlx_stream.generate.session import Settings
+    from mlx_stream.models.loader import load
+    from mlx_stream.serve.engine import Engine, Request
+
+    model, tokenizer = load(str(tiny_model_dir))
+    e = Engine(model, tokenizer, Settings(CacheSpec(2, 24), max_tokens=4), "tiny",
+               state_dir=tmp_path)  # fmt: skip
+    e.start()
+    try:
+        box = queue.Queue()
+        messages = [{"role": "system", "content": "you are a captain"},
+                    {"role": "user", "content": "the sea"}]  # fmt: skip
+        e.submit(Request(emit=box.put, messages=messages))
+        while (event := box.get(timeout=60))[0] not in ("end", "error"):
+            pass
+        assert event[0] == "end", event
+        stats = e.call(lambda: (e._publish(), e.stats)[1]).result()
+    finally:
+        e.stop()
+    (session,) = stats["sessions"]
+    assert session["sinks"] > 2  # the pinned system prompt is the sinks
+    assert session["cache"] == CacheSpec(session["sinks"], 24).to_json()
