@@ -9,7 +9,7 @@ One decode step's attention for one layer in the default model's shapes (9 query
   (``mx.quantized_matmul`` on the packed keys and values), against dequantizing both and
   calling the fast float attention;
 - ``dequant-k4``: what ``kv_bits=4`` does: per-channel 4-bit keys (groups of 32 tokens,
-  ``mlx_stream.kvquant``) and per-token 4-bit values dequantized, then fast attention;
+  ``mlx_stream.cache.kvquant``) and per-token 4-bit values dequantized, then fast attention;
 - ``qmm-k4``: the same storage attended without dequantizing: scores by
   ``mx.quantized_matmul(q, keys, transpose=False)`` on the keys stored transposed
   (``(D, L)``, quantized along the tokens, as kvquant stores them), softmax, then

@@ -1,4 +1,4 @@
-"""Per-channel 4-bit keys (mlx_stream.kvquant): outliers cost little, a chunk and a
+"""Per-channel 4-bit keys (mlx_stream.cache.kvquant): outliers cost little, a chunk and a
 speculative verify block see exactly what token-by-token decoding sees, rollback and
 checkpoints restore the quantized state bit for bit, and refusals come before a write."""
 
@@ -10,10 +10,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream import kvquant
-from mlx_stream.cache import load_cache, make_sink_cache, save_cache
-from mlx_stream.decode import DecodeState, generate_step
+from mlx_stream.cache import kvquant, load_cache, make_sink_cache, save_cache
 from mlx_stream.errors import Unsupported
+from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
 from tests.test_cache import feed
 

@@ -3,7 +3,7 @@ mlx's quantized triple ``(packed, scales, biases)`` with the same slot axis.
 
 ``bits=None`` means float. Every function takes and returns the storage form, so the
 cache never branches on ``isinstance(tuple)`` itself. Per-channel 4-bit keys
-(``mlx_stream.kvquant.ChannelKeys``) answer ``get``/``put`` for their float sink slots,
+(``mlx_stream.cache.kvquant.ChannelKeys``) answer ``get``/``put`` for their float sink slots,
 ``length`` and ``copy`` here too.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_stream.kvquant import ChannelKeys
+from mlx_stream.cache.kvquant import ChannelKeys
 
 
 def pack(x: mx.array, bits: int | None, group_size: int):

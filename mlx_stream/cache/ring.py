@@ -23,7 +23,7 @@ chunk), and writes its tokens into the ring afterwards. So a call never needs sl
 overwrites, ``slack`` only serves rollback (``trim(n)`` is exact for ``n <= slack + 1``),
 and a single-token step attends over the ``sinks + window + slack`` slots it fills: with
 ``slack=0`` all of them are visible and the step needs no mask. ``in_place=True`` (the
-per-channel 4-bit keys of ``mlx_stream.kvquant``) writes every call into the ring first,
+per-channel 4-bit keys of ``mlx_stream.cache.kvquant``) writes every call into the ring first,
 keeps spare sink slots after it and needs ``slack + 1`` slots for the largest call.
 """
 

@@ -39,10 +39,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream import kvquant, kvstore
+from mlx_stream.cache import kvquant
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.positions import Move, check_model, model_type, position_limit
+from mlx_stream.cache.ring import Ring
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
-from mlx_stream.positions import Move, check_model, model_type, position_limit
-from mlx_stream.ring import Ring
 
 POSITIONS = ("cache", "absolute")
 DEFAULT_SINKS = 4
@@ -77,7 +79,7 @@ class SinkCache(mlx_cache._BaseCache):
         kv_bits (int, optional): Store keys and values quantized to 4 or 8 bits with
             ``mx.quantize``. 8-bit keys and values are grouped per token (attention then
             runs mlx-lm's quantized path); 4-bit keys are grouped per channel along the
-            tokens with a float residual of the newest tokens (``mlx_stream.kvquant``:
+            tokens with a float residual of the newest tokens (``mlx_stream.cache.kvquant``:
             ``slack`` is rounded up to fit its groups) and attention runs on dequantized
             floats. Sinks are re-derived from a full-precision copy whenever they move.
             Default: ``None``.
@@ -560,37 +562,28 @@ class SinkCache(mlx_cache._BaseCache):
         return tuple(pad(b) for b in buf) if isinstance(buf, tuple) else pad(buf)
 
     @property
+    def spec(self) -> CacheSpec:
+        """The cache's policy as one value."""
+        return CacheSpec(self.sinks, self.window, self.slack, self.stride, self.positions,
+                         self.value_bits, self.kv_group_size, self.key_bits)  # fmt: skip
+
+    @property
     def meta_state(self) -> dict:
         return {
-            "sinks": self.sinks,
-            "window": self.window,
-            "slack": self.slack,
-            "stride": self.stride,
-            "positions": self.positions,
+            **self.spec.to_json(),
             "tokens_seen": self.tokens_seen,
             "filled": self.ring.filled,
             "layout_applied": list(self._layout_applied),
             "slots": self.ring.slots.tolist(),
-            "kv_bits": self.value_bits,
-            "kv_group_size": self.kv_group_size,
-            "key_bits": self.key_bits,
         }
 
     @meta_state.setter
     def meta_state(self, meta: dict) -> None:
+        s = CacheSpec.from_json(meta)  # also a file from before kv_bits existed
         self.__init__(
-            meta["sinks"],
-            meta["window"],
-            meta["slack"],
-            meta["stride"],
-            None,
-            meta["positions"],
-            meta.get("kv_bits"),
-            meta.get("kv_group_size", 64),
-            meta.get("key_bits"),
-            self.move,
-            self.additive_mask,
-        )
+            s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
+            s.kv_group_size, s.key_bits, self.move, self.additive_mask,
+        )  # fmt: skip
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
         self._layout_applied = tuple(meta["layout_applied"])
@@ -616,23 +609,9 @@ def validate_sizes(
     kv_group_size: int = 64,
     key_bits: int | None = None,
 ) -> None:
-    """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache cannot have."""
-    if window < 1:
-        raise Unsupported(f"window must be at least 1 (got {window})")
-    if sinks < 0:
-        raise Unsupported(f"sinks must be 0 or more (got {sinks})")
-    if slack < 0:
-        raise Unsupported(f"slack must be 0 or more (got {slack})")
-    if stride < 1:
-        raise Unsupported(f"stride must be at least 1 (got {stride})")
-    if positions not in POSITIONS:
-        raise Unsupported(f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
-    if kv_bits not in (None, 4, 8):
-        raise Unsupported(f"kv_bits must be 4 or 8 (got {kv_bits})")
-    if key_bits not in (None, 4, 8) or (key_bits is not None and kv_bits is None):
-        raise Unsupported(f"key_bits must be 4 or 8, with kv_bits set (got {key_bits})")
-    if kv_bits is not None and kv_group_size not in (32, 64, 128):
-        raise Unsupported(f"kv_group_size must be 32, 64 or 128 (got {kv_group_size})")
+    """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache
+    cannot have (the checks of :class:`~mlx_stream.cache.spec.CacheSpec`)."""
+    CacheSpec(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
 
 
 #: Bounded caches a model makes itself, kept as they are (PASS-THROUGH).
@@ -668,7 +647,8 @@ def make_sink_cache(
     ``ArraysCache`` SSM state, ``ChunkedKVCache``) are kept as they are. Where each
     layer's cached tensors carry positions is found and verified on the model itself
     (``mlx_stream.positions.check_model``, once per model); a model the cache cannot
-    serve exactly is refused here, before the first token, with one line.
+    serve exactly is refused here, before the first token, with one line. The public
+    shorthand for ``CacheSpec(sinks, window, ...).build(model, check_memory=False)``.
 
     Args:
         model (nn.Module): An mlx-lm model.
@@ -689,23 +669,30 @@ def make_sink_cache(
     Raises:
         Unsupported: Impossible sizes, or a model this cache would serve inexactly.
     """
-    slack = DEFAULT_SLACK if slack is None else slack
-    validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
+    spec = CacheSpec(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
+    return build_sink_cache(model, spec)
+
+
+def build_sink_cache(model: nn.Module, spec: CacheSpec) -> list:
+    """The prompt cache of ``make_sink_cache`` for a :class:`CacheSpec` (what
+    ``CacheSpec.build`` returns, without its memory check)."""
+    s = spec
     caches = mlx_cache.make_prompt_cache(model)
     for i, c in enumerate(caches):
         if type(c) is not mlx_cache.KVCache and not isinstance(c, KEPT):
             _refuse_layer(model, i, c)
     verdict = check_model(model, caches)
-    if positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
+    if s.positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
         if verdict.refusal:
             raise Unsupported(
                 verdict.refusal + "; stream-run and eval can run it with --positions absolute"
                 " (chat and serve need cache positions)"
             )
         limit = position_limit(model)
-        ring_slack = kvquant.ring_slack(window, slack, kv_bits if key_bits is None else key_bits)
-        in_place = kvquant.per_channel(kv_bits if key_bits is None else key_bits)
-        ring = Ring(sinks, window, ring_slack, stride, positions, in_place=in_place)
+        key_bits = s.kv_bits if s.key_bits is None else s.key_bits
+        ring_slack = kvquant.ring_slack(s.window, s.slack, key_bits)
+        in_place = kvquant.per_channel(key_bits)
+        ring = Ring(s.sinks, s.window, ring_slack, s.stride, s.positions, in_place=in_place)
         highest = ring.max_offset + ring.room(ring.max_offset) - 1
         if limit is not None and highest >= limit[0]:
             raise Unsupported(
@@ -717,8 +704,8 @@ def make_sink_cache(
     for i, c in enumerate(caches):
         if type(c) is mlx_cache.KVCache:
             c = SinkCache(
-                sinks, window, slack, stride, None, positions, kv_bits, kv_group_size,
-                key_bits, verdict.moves.get(i), verdict.additive_mask,
+                s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
+                s.kv_group_size, s.key_bits, verdict.moves.get(i), verdict.additive_mask,
             )  # fmt: skip
         out.append(c)
     return out
