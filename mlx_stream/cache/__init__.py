@@ -3,7 +3,8 @@
 Lives here: the cache policy as one value (``spec``: :class:`CacheSpec`), the sink +
 window cache (``sink``: :class:`SinkCache`, its save and load),
 its parts (``ring``: slot layout and masks; ``storage``: float or quantized keys and
-values; ``positions``: RoPE moves and the model self-check), the batched cache
+values; ``kvquant``: per-channel 4-bit keys with their float residual; ``positions``:
+RoPE moves and the model self-check), the batched cache
 (``batched``), the reclaim schedule for MLX's buffer pool (``reclaim``) and the
 bytes-before-allocating estimate (``estimate``).
 
