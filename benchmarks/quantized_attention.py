@@ -37,7 +37,7 @@ def contenders(L: int, H: int, KVH: int, D: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from mlx_stream import kvquant
+    from mlx_stream.cache import kvquant
 
     g, G = 64, kvquant.GROUP
     L = L // G * G  # whole per-channel groups
