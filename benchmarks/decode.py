@@ -106,8 +106,8 @@ def bare_steps(
 
     times = {n: [] for n in names} if times is None else times
     y = mx.array([[token]])
-    for _ in range(count):
-        for n in names:
+    for i in range(count):
+        for n in names[i % len(names) :] + names[: i % len(names)]:  # no fixed first
             tic = time.perf_counter()
             mx.eval(model(y, cache=caches[n]))
             times[n].append(1e3 * (time.perf_counter() - tic))
@@ -194,7 +194,7 @@ def across_windows(args, model, tokenizer, weights) -> list[dict]:
         runs = {n: [] for n in names}
         for rep in range(args.repeats):
             prompt = book[:context] if rep == 0 else book[context + rep - 1 : context + rep]
-            for n in names:
+            for n in names[rep % len(names) :] + names[: rep % len(names)]:  # no fixed first
                 mx.clear_cache()
                 run = decode(n, model, caches[n], prompt, args.tokens, args.prefill_step)
                 runs[n].append(len(run["intervals"]) / sum(run["intervals"]))
