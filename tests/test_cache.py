@@ -286,6 +286,21 @@ def test_a_single_token_step_needs_no_mask_without_slack(tiny_llama):
     assert bare[0].make_mask(1, window_size=8) is not None  # a model's own window
 
 
+def test_a_state_saved_with_spare_sink_slots_loads(tiny_llama):
+    # Caches saved before multi-token calls concatenated their spare sinks kept them as
+    # slots after the ring: loaded, those slots are dropped and calls run as before.
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    feed(tiny_llama, cache, TOKENS[:100], 8)
+    old = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    for c, o in zip(cache, old):
+        o.meta_state = c.meta_state
+        extra = mx.zeros((*c.keys.shape[:2], 2 * S, c.keys.shape[3]))
+        o.state = [mx.concatenate([x, extra], axis=2) for x in c.state[:2]] + c.state[2:]
+        assert o.keys.shape == c.keys.shape
+    nxt = mx.array([TOKENS[100:120]])  # crosses stride multiples: spare sinks as columns
+    assert mx.array_equal(tiny_llama(nxt, cache=old), tiny_llama(nxt, cache=cache)).item()
+
+
 def test_save_load_round_trip_continues_identically(tmp_path, tiny_gemma3):
     model = tiny_gemma3
     cache = make_sink_cache(model, sinks=S, window=W, slack=16, stride=16)

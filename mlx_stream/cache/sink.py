@@ -551,8 +551,12 @@ class SinkCache(mlx_cache._BaseCache):
         self.sink_copy = v[2] if len(v) > 2 else None
 
     def _pad(self, buf):
-        """A buffer saved before spare sink slots existed, given them (zeros)."""
+        """A buffer saved before spare sink slots existed, given them (zeros); one saved
+        while they were slots (before calls concatenated them), without them (they are
+        rewritten by every call that needs them)."""
         missing = self.ring.slots_total - kvstore.length(buf)
+        if missing < 0 and not isinstance(buf, kvquant.ChannelKeys):
+            return kvstore.get(buf, 0, self.ring.slots_total)
         if missing <= 0:
             return buf
 
