@@ -239,11 +239,14 @@ class Batch:
         """A token source for ``stream_generate(..., steps=...)`` decoding on this batch
         with these sampling parameters. ``drive(row)`` runs rounds until ``row`` has a
         token (default: :meth:`step`; the server's also hands other sessions theirs);
-        ``on_row(row)`` is told the row once it is made."""
+        ``on_row(row)`` is told the row once it is made. Called with ``poll=True`` (by
+        ``stream_generate(..., poll=True)``), the source drives nothing: it yields
+        ``None`` while its row has no token, and its consumer runs the rounds."""
         drive = drive or (lambda row: self.step())
 
         def source(prompt, model, prompt_cache, sampler=None, logits_processors=None, *,
-                   max_tokens=256, draft_model=None, state=None, **_: Any):  # fmt: skip
+                   max_tokens=256, draft_model=None, state=None, poll=False,
+                   **_: Any):  # fmt: skip
             if model is not self.model or draft_model is not None:
                 raise Unsupported("a batch decodes its own model only, without a draft model")
             if logits_processors:
@@ -260,7 +263,10 @@ class Batch:
                     while not row.inbox:
                         if row not in self:
                             return
-                        drive(row)
+                        if poll:
+                            yield None
+                        else:
+                            drive(row)
                     token, logprobs = row.inbox.popleft()
                     if state.generated == 0:
                         state.prompt_time = time.perf_counter() - tic

@@ -151,7 +151,8 @@ def generate_step(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     state: DecodeState | None = None,
     stream: Any = generation_stream,
-) -> Generator[tuple[int, mx.array, bool], None, None]:
+    poll: bool = False,
+) -> Generator[tuple[int, mx.array, bool] | None, None, None]:
     """Generate tokens from ``prompt``, updating ``prompt_cache`` in place.
 
     Args:
@@ -172,10 +173,12 @@ def generate_step(
             (prompt tokens processed, prompt tokens).
         state (DecodeState, optional): Filled in as the generator runs.
         stream: The MLX stream to run on. Default: mlx-lm's generation stream.
+        poll (bool): Yield ``None`` after each prefill chunk, so a consumer serving
+            several requests can do other work (or stop) while a long prompt goes in.
 
     Yields:
         tuple[int, mx.array, bool]: The token, its logprobs (V,), and whether it was a
-        draft token the target accepted.
+        draft token the target accepted (``None`` between prefill chunks with ``poll``).
     """
     prompt = _as_tokens(prompt)
     if prompt.size == 0:
@@ -198,19 +201,21 @@ def generate_step(
     history = _extend(None, prompt) if processors else None
 
     tic = time.perf_counter()
-    with mx.stream(stream):
-        # Prefill all but the last prompt token, every model in the same chunks.
-        total, done, rest = prompt.size, 0, prompt[:-1]
-        progress(0, total)
-        while rest.size:
+    # Prefill all but the last prompt token, every model in the same chunks.
+    total, done, rest = prompt.size, 0, prompt[:-1]
+    progress(0, total)
+    while rest.size:
+        with mx.stream(stream):  # entered per chunk: a poll yields outside of it
             n = min(_call_size(c, prefill_step_size, rest.size) for _, c in models)
             for m, c in models:
                 m(rest[None, :n], cache=c)
             mx.eval([[layer.state for layer in c] for _, c in models])
-            rest = rest[n:]
-            state.prompt_processed = state.cache_tokens = done = done + n
-            progress(done, total)
-            reclaim.step(done - n, done)
+        rest = rest[n:]
+        state.prompt_processed = state.cache_tokens = done = done + n
+        progress(done, total)
+        reclaim.step(done - n, done)
+        if poll:
+            yield None
 
     run = _speculative if draft_model is not None else _plain
     yield from run(
@@ -431,7 +436,8 @@ def stream_generate(
     slack: int | None = None,
     state: DecodeState | None = None,
     steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
-) -> Generator[GenerationResponse, None, None]:
+    poll: bool = False,
+) -> Generator[GenerationResponse | None, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
 
@@ -463,6 +469,8 @@ def stream_generate(
         steps (Callable, optional): The token generator, called like
             :func:`generate_step` (e.g. a row of ``mlx_stream.batch.Batch``).
             Default: :func:`generate_step`.
+        poll (bool): Passed to the token generator: ``None`` is yielded (and passed
+            on) while the prompt goes in, a chunk at a time, instead of blocking.
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
@@ -495,6 +503,7 @@ def stream_generate(
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
         prompt_progress_callback=prompt_progress_callback, state=state,
+        **({"poll": True} if poll else {}),
     )  # fmt: skip
     detokenizer = tokenizer.detokenizer
     # mlx-lm's text state machine holds back text that may begin a stop string.
@@ -520,7 +529,11 @@ def stream_generate(
     wired = set_wired_limit()  # Metal only, like mlx-lm's wired_limit; None elsewhere
     tic = time.perf_counter()
     try:
-        for token, logprobs, from_draft in tokens:
+        for item in tokens:
+            if item is None:  # no token yet (polled): the consumer may do other work
+                yield None
+                continue
+            token, logprobs, from_draft = item
             last = token in eos or state.generated == max_tokens
             if token not in eos:
                 detokenizer.add_token(token)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.logprobs import TokenLogprobs
 from mlx_stream.session import (
@@ -72,6 +74,7 @@ DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
 MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
 MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
+INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
 
 
 class Busy(Exception):
@@ -84,6 +87,15 @@ class Busy(Exception):
 
 class BadRequest(UserError):
     """A request the engine cannot serve as asked (HTTP 400), with one line saying why."""
+
+
+class TooLarge(BadRequest):
+    """A prompt over ``--max-prompt-tokens`` (HTTP 413), refused before any prefill."""
+
+
+class Unsaved(RuntimeFailure):
+    """The state folder is full or cannot be written (HTTP 507): the session that could
+    not be saved stays resident, only the request that needed its room is refused."""
 
 
 @dataclass
@@ -144,6 +156,7 @@ class _Job:
     batched: bool = False
     row: Any = None  # its mlx_stream.batch.Row, once its first token was asked for
     running: bool = False  # inside next(tokens): never re-entered
+    sent: int = 0  # tokens its consumer got
 
 
 def weights_bytes(model: Any) -> int:
@@ -172,7 +185,10 @@ class Engine:
         keep_system (bool): Make the rendered system prompt the sinks. Default: True.
         budget (int, optional): Memory budget in bytes. Default: 75% of the machine.
         max_sessions (int, optional): Most resident sessions. Default: no limit.
-        state_dir (Path, optional): Where evicted sessions go. Default: a temp folder.
+        state_dir (Path, optional): Where evicted sessions go, listed in its
+            ``index.json`` (a restart with the same folder finds them again).
+            Default: a temp folder.
+        max_prompt_tokens (int): Most tokens one request may feed (HTTP 413 over it).
         chunk (int): Tokens a request advances per scheduler round when not batched.
         batching (bool): Decode sessions together in one batched call per round.
             Default: True (refused, with the reason in the stats, where inexact).
@@ -194,8 +210,13 @@ class Engine:
         chunk: int = DEFAULT_CHUNK,
         batching: bool = True,
         cluster: Any = None,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.max_prompt_tokens = max_prompt_tokens
+        self._closing = False  # draining: requests are refused (503)
+        self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
+        self._stored: dict[str, dict] = {}  # index records of the saved sessions, by id
         self._logprobs = TokenLogprobs(tokenizer)
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.cluster, self._ids = cluster, None
@@ -232,7 +253,9 @@ class Engine:
 
     def start(self) -> None:
         """Start the worker; measure a session's bytes first and refuse a budget
-        that cannot hold the weights and one session."""
+        that cannot hold the weights and one session. Sessions the state folder's
+        index lists (and whose files are intact) are found again."""
+        self._load_index()
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
@@ -247,16 +270,27 @@ class Engine:
             )
 
     def stop(self) -> None:
-        """Stop the worker (active requests end without a reply)."""
-        self._stopping = True
+        """Drain (see :meth:`drain`), then stop the worker."""
+        self._closing = True
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._stopping = True
         if self._tmp is not None:
             self._tmp.cleanup()
 
+    def drain(self) -> None:
+        """Stop taking requests (503 from now on), end the running ones (a stream gets
+        its end, cut short) and save resident sessions to the state folder so a
+        restart continues them. Any thread, a signal handler included; returns at once."""
+        self._closing = True
+        self.call(self._drain)
+
     def submit(self, request: Request) -> None:
         """Queue a generation request (any thread)."""
+        if self._closing:
+            request.emit(("error", 503, "the server is shutting down", None))
+            return
         self._queue.put(request)
 
     def follow(self) -> None:
@@ -292,26 +326,21 @@ class Engine:
                 self.batch_refusal = str(exc)
 
     def _steps(self, request: Request, box: list) -> Any:
-        """The token source of a batched request (``None``: it decodes alone); its
-        row is recorded on the job in ``box`` once made."""
+        """The token source of a request, polled: it yields ``None`` while its prompt
+        goes in (a chunk per round, between the other requests' tokens and the
+        newcomers' admission). Batched, its row is recorded on the job in ``box``."""
         if self._batch is None:
-            return None
+            from mlx_stream.decode import generate_step
+
+            return functools.partial(generate_step, poll=True)
         s = self.settings
-        return self._batch.tokens(
-            drive=self._drive,
+        source = self._batch.tokens(
             temp=s.temp if request.temp is None else request.temp,
             top_p=s.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
             on_row=lambda row: setattr(box[0], "row", row),
         )
-
-    def _drive(self, row: Any) -> None:
-        """One batch round while a newcomer waits for its first token (its prompt
-        goes in a chunk per round): the other sessions get their tokens meanwhile."""
-        self._batch.step()
-        for job in list(self._active):
-            if job.row is not None and job.row is not row and job.row.inbox:
-                self._advance_safely(job)
+        return functools.partial(source, poll=True)
 
     def _run(self) -> None:
         if self.cluster is not None:
@@ -324,6 +353,7 @@ class Engine:
                 item = False
             while item is not False:
                 if item is None:
+                    self._drain()
                     return
                 self._handle(item)
                 try:
@@ -378,13 +408,21 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
             return
+        if self._closing:
+            item.emit(("error", 503, "the server is shutting down", None))
+            return
         try:
+            self._bound(item)
             self._admit(item)
         except Busy as exc:
             self.refusals += 1
             item.emit(("error", 429, str(exc), exc.retry_after))
+        except Unsaved as exc:  # the state folder is full: only this request is refused
+            item.emit(("error", 507, str(exc), None))
         except RuntimeFailure as exc:  # the server's fault (a session it could not save)
             item.emit(("error", 500, str(exc), None))
+        except TooLarge as exc:
+            item.emit(("error", 413, str(exc), None))
         except UserError as exc:
             item.emit(("error", 400, str(exc), None))
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
@@ -392,6 +430,24 @@ class Engine:
                 raise
             item.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
         self._publish()
+
+    def _bound(self, request: Request) -> None:
+        """Cap the request's ``max_tokens`` at the server's; :class:`TooLarge` for a
+        prompt over ``max_prompt_tokens``, counted before any prefill (the new message
+        of a chat: its history is matched, or fed no further back than the window)."""
+        cap = self.settings.max_tokens
+        if request.max_tokens is not None and not 0 < request.max_tokens <= cap:
+            request.max_tokens = cap
+        if request.messages is not None:
+            text = request.messages[-1].get("content", "") if request.messages else ""
+        else:
+            text = request.prompt or ""
+        given = len(self.tokenizer.encode(clean_text(text), add_special_tokens=False))
+        if given > self.max_prompt_tokens:
+            raise TooLarge(
+                f"the prompt has {given:,} tokens; this server takes at most "
+                f"{self.max_prompt_tokens:,} per request (--max-prompt-tokens)"
+            )
 
     def _round(self) -> None:
         """One scheduler round: newcomers start (their prefill interleaved with the
@@ -419,7 +475,7 @@ class Engine:
 
     def _advance(self, job: _Job) -> None:
         """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
-        has ready, or its first token)."""
+        has ready, or its first token); one prefill chunk of a prompt still going in."""
         job.running, ending = True, False
         for i in range(self.chunk if not job.batched else 1 << 30):
             if self._cancelled(job, i == 0):
@@ -428,11 +484,15 @@ class Engine:
                 return
             if job.batched and job.row is not None and not job.row.inbox and not ending:
                 break  # its next token comes with the next batch step
-            response = next(job.tokens, None)
-            if response is None:
+            try:
+                response = next(job.tokens)
+            except StopIteration:
                 job.running = False
                 self._finish(job)
                 return
+            if response is None:
+                break  # a prefill chunk went in: the others' turn
+            job.sent += 1
             ending = response.finish_reason is not None
             logprob = None
             top = job.request.logprobs
@@ -455,11 +515,11 @@ class Engine:
             return uuid.uuid4().hex[:n]
         return f"{self._ids.getrandbits(4 * n):0{n}x}"
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job, cut: bool = False) -> None:
         entry = job.entry
         session = entry.session
         reply = session.last
-        finish = reply.finish_reason if reply is not None else None
+        finish = "length" if cut else reply.finish_reason if reply is not None else None
         self._end(job, rollback=False)
         sinks, window = session.sinks, session.settings.window
         seen = cache_count(session.caches)
@@ -473,6 +533,29 @@ class Engine:
         }
         self._publish()
         job.request.emit(("end", usage, finish or "stop"))
+
+    def _drain(self) -> None:
+        """End every running request: one that has sent tokens keeps its reply so far
+        (its stream ends with ``length``), one still prefilling goes back to its
+        checkpoint (503); queued ones are refused as they come. Then save every
+        resident session to the state folder."""
+        self._closing = True
+        for job in list(self._active):
+            if job.sent:
+                job.tokens.close()  # the reply so far joins the transcript and cache
+                self._finish(job, cut=True)
+            else:
+                self._end(job, rollback=True)
+                job.request.emit(("error", 503, "the server is shutting down", None))
+        if self._tmp is not None:
+            return  # a temporary folder: nothing outlives this process
+        for entry in [e for e in self.entries.values() if e.session and not e.transient]:
+            try:
+                self._evict(entry)
+            except Unsaved as exc:
+                import sys
+
+                sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
 
     def _end(self, job: _Job, rollback: bool) -> None:
         """Close the request's generator; on ``rollback`` its session goes back to the
@@ -516,29 +599,92 @@ class Engine:
         snaps = sum(b for _, b in self.snapshots.values())
         return self.weights + snaps + sum(e.bytes for e in self.entries.values() if e.session)
 
-    def _make_room(self, need: int, keep: Entry) -> None:
-        """Evict idle sessions (least recently used first) until ``need`` more bytes
-        fit the budget and the session count; :class:`Busy` when none is left."""
-        while True:
-            resident = [e for e in self.entries.values() if e.session is not None]
-            over_count = self.max_sessions is not None and len(resident) >= self.max_sessions
-            if not over_count and self.used_bytes() + need <= self.budget:
-                return
-            idle = [e for e in resident if not e.busy and e is not keep]
-            if not idle:
-                raise Busy(
-                    f"no memory for another session: {len(resident)} sessions are busy "
-                    f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
+    def _make_room(self, need: int, keep: Entry, head: str | None = None) -> None:
+        """Evict idle sessions and shared snapshots, least recently used first, until
+        ``need`` more bytes fit the budget (and, while ``keep`` is not resident, one
+        more session fits the count). Never what is in use: busy sessions, ``keep``,
+        the snapshot of the system prompt ``head``. Nothing is evicted when even all
+        of that would not make room: :class:`Busy` if a session is busy (room comes
+        back), else :class:`BadRequest` (the budget can never hold it)."""
+        if not self._room(need, keep, self._evictable(keep, head)):
+            busy = sum(e.busy for e in self.entries.values() if e.session is not None)
+            if not busy:
+                raise BadRequest(
+                    f"no memory for this session: it needs {need:,} bytes and the "
+                    f"--memory-budget ({self.budget:,} bytes) cannot hold them"
                 )
-            self._evict(min(idle, key=lambda e: e.last_used))
+            raise Busy(
+                f"no memory for another session: {busy} sessions are busy "
+                f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
+            )
+        while not self._room(need, keep, []):
+            _, what = min(self._evictable(keep, head), key=lambda t: t[0])
+            if isinstance(what, Entry):
+                self._evict(what)
+            else:
+                self._forget_snapshot(what)
+
+    def _evictable(self, keep: Entry, head: str | None) -> list[tuple[float, Any]]:
+        """``(last used, entry or snapshot key)`` of what may be evicted now."""
+        out: list[tuple[float, Any]] = [
+            (e.last_used, e)
+            for e in self.entries.values()
+            if e.session is not None and not e.busy and e is not keep
+        ]
+        out += [(self._snapshot_used.get(h, 0.0), h) for h in self.snapshots if h != head]
+        return out
+
+    def _room(self, need: int, keep: Entry, gone: list[tuple[float, Any]]) -> bool:
+        """Whether ``need`` more bytes (and ``keep``, if not resident) fit once
+        ``gone`` (from :meth:`_evictable`) is evicted."""
+        freed = sessions = 0
+        for _, what in gone:
+            if isinstance(what, Entry):
+                freed, sessions = freed + what.bytes, sessions + 1
+            else:
+                freed += self.snapshots[what][1]
+        resident = sum(e.session is not None for e in self.entries.values()) - sessions
+        count = resident + (keep.session is None)
+        if self.max_sessions is not None and count > self.max_sessions:
+            return False
+        return self.used_bytes() - freed + need <= self.budget
+
+    def _forget_snapshot(self, head: str) -> None:
+        self.snapshots.pop(head, None)
+        self._snapshot_used.pop(head, None)
 
     def _evict(self, entry: Entry) -> None:
-        """Save a resident session to disk and free its memory."""
-        # The id may come from the client (X-Session-ID): the file is named by its hash,
-        # so no id reads as a path out of the state folder.
-        path = self.state_dir / ("session-" + hashlib.sha256(entry.id.encode()).hexdigest()[:32])
-        entry.session.save(path)
+        """Save a resident session to disk (listed in the state folder's index) and
+        free its memory; :class:`Unsaved` when the folder cannot take it (the
+        session then stays resident)."""
+        path = self._session_path(entry.id)
+        session, before = entry.session, self._stored.get(entry.id)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)  # deleted under us
+            session.save(path)
+            self._stored[entry.id] = {
+                "id": entry.id,
+                "name": path.name,
+                "system": entry.system,
+                "messages": session.messages,
+                "sinks": session.sinks,
+                "tokens_seen": cache_count(session.caches),
+                "saved": time.time(),
+                "sha256": self._checksums(path),
+            }
+            self._write_index()
+        except (OSError, RuntimeError) as exc:  # mlx's "[write] Unable to write..."
+            if before is None:
+                self._stored.pop(entry.id, None)
+            else:
+                self._stored[entry.id] = before
+            cause = str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+            raise Unsaved(
+                f"the state folder {self.state_dir} is full or unwritable: "
+                + (cause.splitlines() or ["?"])[0]
+            ) from exc
         entry.path, entry.session, entry.checkpoint = path, None, None
+        entry.tokens_seen = self._stored[entry.id]["tokens_seen"]
         self.evictions += 1
         stored = [e for e in self.entries.values() if e.session is None]
         if len(stored) > MAX_STORED:
@@ -547,9 +693,17 @@ class Engine:
     def _drop(self, entry: Entry) -> None:
         self.entries.pop(entry.id, None)
         if entry.path is not None:
-            for suffix in (".safetensors", ".json", ".draft.safetensors"):
-                with contextlib.suppress(OSError):
-                    entry.path.with_name(entry.path.name + suffix).unlink()
+            self._forget_files(entry)
+
+    def _forget_files(self, entry: Entry) -> None:
+        """Remove ``entry``'s saved files and its index record."""
+        for suffix in (".safetensors", ".json", ".draft.safetensors"):
+            with contextlib.suppress(OSError):
+                entry.path.with_name(entry.path.name + suffix).unlink()
+        entry.path = None
+        if self._stored.pop(entry.id, None) is not None:
+            with contextlib.suppress(OSError):  # a stale index names missing files: dropped
+                self._write_index()
 
     def _new_session(self, system: str | None) -> ChatSession:
         """A session for ``system`` whose caches are not allocated yet."""
@@ -570,37 +724,139 @@ class Engine:
             )
         return session
 
-    def _from_snapshot(self, session: ChatSession, keep: Entry) -> None:
+    def _from_snapshot(self, session: ChatSession, keep: Entry, extra: int = 0) -> None:
         """Start ``session`` from its system prompt's shared prefilled snapshot (made,
-        and admitted by bytes, on first use)."""
+        and admitted by bytes, on first use), making room for ``extra`` more bytes
+        too (the session itself, not counted yet). Without room for a shared copy
+        (or none is busy to free it), the session prefills its own."""
         head = session.system_text() if session.settings.keep_system else ""
         if not head:
+            self._make_room(extra, keep)
             return
-        snap = self.snapshots.pop(head, None)
-        if snap is None:
-            size = self.session_bytes(session.sinks) // 2
-            self._make_room(size, keep)
-            session.prefill(head)
-            snap = (session.checkpoint(), size)
-        else:
+        snap = self.snapshots.get(head)
+        if snap is not None:
+            self._make_room(extra, keep, head)
             session.restore(snap[0])
-        self.snapshots[head] = snap  # most recently used last
+        else:
+            size = self.session_bytes(session.sinks) // 2
+            shared = self._room(extra + size, keep, self._evictable(keep, head))
+            self._make_room(extra + size if shared else extra, keep, head)
+            session.prefill(head)
+            if not shared:
+                return
+            self.snapshots[head] = (session.checkpoint(), size)
+        self.snapshots[head] = self.snapshots.pop(head)  # most recently used last
+        self._snapshot_used[head] = time.monotonic()
         while len(self.snapshots) > MAX_SNAPSHOTS:
-            self.snapshots.pop(next(iter(self.snapshots)))
+            self._forget_snapshot(next(iter(self.snapshots)))
 
-    def _resident(self, entry: Entry) -> None:
-        """Make ``entry`` resident: admitted by bytes, then loaded from disk or new."""
+    def _resident(self, entry: Entry) -> bool:
+        """Make ``entry`` resident: admitted by bytes, then loaded from disk or new.
+
+        Returns:
+            True when its saved session was lost or corrupt (its files and index
+            record are dropped): it starts fresh, for the caller to rebuild from
+            the client's history.
+        """
         if entry.session is not None:
-            return
+            return False
         session = self._new_session(entry.system)
         need = self.session_bytes(session.sinks)
-        self._make_room(need, entry)
+        lost = False
         if entry.path is not None:
-            session.load(entry.path)
-            self.restores += 1
-        else:
-            self._from_snapshot(session, entry)
+            self._make_room(need, entry)
+            try:
+                self._check_files(entry)
+                session.load(entry.path)
+                self.restores += 1
+            except UserError:
+                self._forget_files(entry)
+                session, lost = self._new_session(entry.system), True
+        if entry.path is None:
+            self._from_snapshot(session, entry, extra=need)
         entry.session, entry.bytes, entry.sinks = session, need, session.sinks
+        return lost
+
+    # ----- the state folder -------------------------------------------------------------
+
+    def _session_path(self, session_id: str) -> Path:
+        """Where a session is saved (``PATH.safetensors``, ``PATH.json``)."""
+        # The id may come from the client (X-Session-ID): the file is named by its hash,
+        # so no id reads as a path out of the state folder.
+        return self.state_dir / ("session-" + hashlib.sha256(session_id.encode()).hexdigest()[:32])
+
+    @staticmethod
+    def _checksums(path: Path) -> dict[str, str]:
+        """sha256 of each file of a saved session, by file name."""
+        sums = {}
+        for suffix in (".safetensors", ".json", ".draft.safetensors"):
+            file = path.with_name(path.name + suffix)
+            if suffix == ".safetensors" or file.exists():
+                digest = hashlib.sha256()
+                with open(file, "rb") as f:
+                    for block in iter(lambda f=f: f.read(1 << 20), b""):
+                        digest.update(block)
+                sums[file.name] = digest.hexdigest()
+        return sums
+
+    def _check_files(self, entry: Entry) -> None:
+        """:class:`UserError` unless ``entry``'s files are what its index record says."""
+        record = self._stored.get(entry.id)
+        try:
+            intact = record is not None and self._checksums(entry.path) == record["sha256"]
+        except OSError as exc:
+            raise UserError(f"{entry.path}: {exc.strerror or exc}") from exc
+        if not intact:
+            raise UserError(f"{entry.path}: changed since it was saved")
+
+    def _write_index(self) -> None:
+        """Write ``index.json`` (atomically): every saved session, oldest first."""
+        from mlx_stream.session import write_text_atomic
+
+        records = sorted(self._stored.values(), key=lambda r: r["saved"])
+        text = json.dumps({"version": 1, "sessions": records}, ensure_ascii=False)
+        write_text_atomic(self.state_dir / INDEX, text + "\n")
+
+    def _load_index(self) -> None:
+        """Find the sessions a previous run saved: each index record whose files are
+        intact comes back on disk (loaded on its next request); the files of any
+        other (and whatever else this server wrote, ``session-*`` and temporaries
+        of them, that no record names) are removed."""
+        from mlx_stream.session import STATE_FIELDS
+
+        with contextlib.suppress(OSError):
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            records = json.loads((self.state_dir / INDEX).read_text("utf-8"))["sessions"]
+            records = list(records)[-MAX_STORED:]
+        except (OSError, ValueError, KeyError, TypeError):
+            records = []
+        wall, now, named = time.time(), time.monotonic(), set()
+        for r in records:
+            try:
+                path = self._session_path(r["id"])
+                ok = (
+                    r["name"] == path.name
+                    and STATE_FIELDS["system"][1](r["system"])
+                    and STATE_FIELDS["messages"][1](r["messages"])
+                    and self._checksums(path) == r["sha256"]
+                )
+                entry = Entry(
+                    id=r["id"], system=r["system"], messages=r["messages"], path=path,
+                    tokens_seen=int(r["tokens_seen"]), sinks=int(r["sinks"]),
+                    last_used=now - max(0.0, wall - float(r["saved"])),
+                )  # fmt: skip
+            except (OSError, KeyError, TypeError, ValueError, AttributeError):
+                ok = False
+            if ok:
+                self.entries[entry.id], self._stored[entry.id] = entry, r
+                named.update(r["sha256"])
+        with contextlib.suppress(OSError):
+            for file in self.state_dir.iterdir():
+                ours = file.name.startswith(("session-", ".session-", f".{INDEX}."))
+                if ours and file.name not in named and file.is_file():
+                    file.unlink()
+            self._write_index()
 
     # ----- requests -------------------------------------------------------------------
 
@@ -613,7 +869,8 @@ class Engine:
         if entry.busy:
             raise Busy(f"session {entry.id} is answering another request; retry shortly")
         try:
-            self._resident(entry)
+            if self._resident(entry):  # its saved file was lost: rebuilt from the history
+                mode = "rebuild"
         except BaseException:
             if entry.session is None and entry.path is None:  # refused before it began
                 self._drop(entry)
@@ -706,9 +963,10 @@ class Engine:
         )  # fmt: skip
         last, generated = None, 0
         try:
-            for last in generator:
-                generated += 1
-                yield last
+            for response in generator:
+                if response is not None:  # None: polled during the prefill
+                    last, generated = response, generated + 1
+                yield response
         finally:
             generator.close()
             session.last = Reply(

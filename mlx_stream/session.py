@@ -289,6 +289,9 @@ class ChatSession:
         gen = self.generate(tokens, **overrides)
         try:
             for response in gen:
+                if response is None:  # polled: no token yet (see stream_generate)
+                    yield None
+                    continue
                 last = response
                 generated.append(response.token)
                 texts.append(response.text)

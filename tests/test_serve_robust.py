@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mlx_stream.session import Settings, cache_count
+from mlx_stream.session import Settings
 
 openai = pytest.importorskip("openai")
 
@@ -86,7 +86,9 @@ def test_a_long_prefill_lets_a_newcomer_finish_first(loaded, tmp_path, batching)
         assert started.wait(60)
         e.submit(Request(emit=tagged("short"), messages=[{"role": "user", "content": "hi"}]))
         deadline = time.monotonic() + 120
-        while not {("long", "end"), ("short", "end")} <= set(events) and time.monotonic() < deadline:
+        while (
+            not {("long", "end"), ("short", "end")} <= set(events) and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
     finally:
         e.stop()
@@ -204,7 +206,10 @@ def test_a_lost_or_corrupt_session_file_is_rebuilt_from_the_history(loaded, tmp_
             messages = [{"role": "user", "content": f"hello the sea {how}"}]
             text, _, error = ask(e, messages, session_id=sid)
             assert error is None
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "ship"}]
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "ship"},
+            ]
             path = on_worker(e, lambda sid=sid: (e._evict(e.entries[sid]), e.entries[sid].path)[1])
             cache = path.with_name(path.name + ".safetensors")
             if how == "lost":
@@ -269,9 +274,7 @@ def test_a_full_disk_is_507_naming_the_folder_and_the_resident_session_stays(
 # ------------------------------------------------------- a real server: SIGTERM, restart
 
 
-def test_sigterm_ends_streams_saves_sessions_and_a_restart_continues_them(
-    tiny_model_dir, tmp_path
-):
+def test_sigterm_ends_streams_saves_sessions_and_a_restart_continues_them(tiny_model_dir, tmp_path):
     from tests.test_server import Server, chat, http
 
     state = tmp_path / "state"
@@ -328,5 +331,7 @@ def test_bad_max_prompt_tokens_is_one_line_exit_2(tiny_model_dir):
     from cli.main import app
     from tests.conftest import assert_one_line_error
 
-    result = CliRunner().invoke(app, ["serve", "-m", str(tiny_model_dir), "--max-prompt-tokens", "0"])
+    result = CliRunner().invoke(
+        app, ["serve", "-m", str(tiny_model_dir), "--max-prompt-tokens", "0"]
+    )
     assert_one_line_error(result, 2, "--max-prompt-tokens")
