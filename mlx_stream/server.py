@@ -547,8 +547,8 @@ class Engine:
             else:
                 self._end(job, rollback=True)
                 job.request.emit(("error", 503, "the server is shutting down", None))
-        if self._tmp is not None:
-            return  # a temporary folder: nothing outlives this process
+        if self._tmp is not None or self.cluster is not None:
+            return  # a temporary folder outlives nothing; ranks save only in step
         for entry in [e for e in self.entries.values() if e.session and not e.transient]:
             try:
                 self._evict(entry)
@@ -830,6 +830,8 @@ class Engine:
             records = json.loads((self.state_dir / INDEX).read_text("utf-8"))["sessions"]
             records = list(records)[-MAX_STORED:]
         except (OSError, ValueError, KeyError, TypeError):
+            records = []
+        if self.cluster is not None:  # the ranks' folders may disagree after a kill
             records = []
         wall, now, named = time.time(), time.monotonic(), set()
         for r in records:
