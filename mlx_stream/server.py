@@ -673,7 +673,7 @@ class Engine:
                 "sha256": self._checksums(path),
             }
             self._write_index()
-        except (OSError, RuntimeError) as exc:  # mlx's "[write] Unable to write..."
+        except (OSError, RuntimeError, RuntimeFailure) as exc:  # mlx: RuntimeError "[write]
             if before is None:
                 self._stored.pop(entry.id, None)
             else:

@@ -242,8 +242,12 @@ def test_a_missing_state_folder_is_recreated(loaded, tmp_path):
         e.stop()
 
 
+@pytest.mark.parametrize(
+    "fault",
+    [RuntimeError("[write] Unable to write 26923 bytes"), OSError(28, "No space left on device")],
+)
 def test_a_full_disk_is_507_naming_the_folder_and_the_resident_session_stays(
-    loaded, tmp_path, monkeypatch
+    loaded, tmp_path, monkeypatch, fault
 ):
     import mlx.core as mx
 
@@ -256,7 +260,7 @@ def test_a_full_disk_is_507_naming_the_folder_and_the_resident_session_stays(
         assert error is None
 
         def full(*args, **kw):
-            raise RuntimeError("[write] Unable to write 26923 bytes")
+            raise fault
 
         monkeypatch.setattr(mx, "save_safetensors", full)
         _, _, error = ask(e, [{"role": "user", "content": "ship"}], session_id="newcomer")
