@@ -75,6 +75,7 @@ MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dr
 MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
 INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
+SUFFIXES = (".safetensors", ".json", ".draft.safetensors")  # the files of a saved session
 
 
 class Busy(Exception):
@@ -672,6 +673,7 @@ class Engine:
                 "saved": time.time(),
                 "sha256": self._checksums(path),
             }
+            self._stored[entry.id]["bytes"] = self._sizes(self._stored[entry.id])
             self._write_index()
         except (OSError, RuntimeError, RuntimeFailure) as exc:  # mlx: RuntimeError "[write]
             if before is None:
@@ -697,7 +699,7 @@ class Engine:
 
     def _forget_files(self, entry: Entry) -> None:
         """Remove ``entry``'s saved files and its index record."""
-        for suffix in (".safetensors", ".json", ".draft.safetensors"):
+        for suffix in SUFFIXES:
             with contextlib.suppress(OSError):
                 entry.path.with_name(entry.path.name + suffix).unlink()
         entry.path = None
@@ -789,7 +791,7 @@ class Engine:
     def _checksums(path: Path) -> dict[str, str]:
         """sha256 of each file of a saved session, by file name."""
         sums = {}
-        for suffix in (".safetensors", ".json", ".draft.safetensors"):
+        for suffix in SUFFIXES:
             file = path.with_name(path.name + suffix)
             if suffix == ".safetensors" or file.exists():
                 digest = hashlib.sha256()
@@ -798,6 +800,10 @@ class Engine:
                         digest.update(block)
                 sums[file.name] = digest.hexdigest()
         return sums
+
+    def _sizes(self, record: dict) -> dict[str, int]:
+        """Bytes of each file a record names (``OSError`` if one is missing)."""
+        return {name: (self.state_dir / name).stat().st_size for name in record["sha256"]}
 
     def _check_files(self, entry: Entry) -> None:
         """:class:`UserError` unless ``entry``'s files are what its index record says."""
@@ -819,9 +825,10 @@ class Engine:
 
     def _load_index(self) -> None:
         """Find the sessions a previous run saved: each index record whose files are
-        intact comes back on disk (loaded on its next request); the files of any
-        other (and whatever else this server wrote, ``session-*`` and temporaries
-        of them, that no record names) are removed."""
+        there, with their sizes, comes back on disk (loaded on its next request,
+        after their checksums: reading every file here would slow every start); the
+        files of any other (and whatever else this server wrote, ``session-*`` and
+        temporaries of them, that no record names) are removed."""
         from mlx_stream.session import STATE_FIELDS
 
         with contextlib.suppress(OSError):
@@ -841,7 +848,9 @@ class Engine:
                     r["name"] == path.name
                     and STATE_FIELDS["system"][1](r["system"])
                     and STATE_FIELDS["messages"][1](r["messages"])
-                    and self._checksums(path) == r["sha256"]
+                    and path.name + ".safetensors" in r["sha256"]
+                    and set(r["sha256"]) <= {path.name + x for x in SUFFIXES}
+                    and self._sizes(r) == r["bytes"]
                 )
                 entry = Entry(
                     id=r["id"], system=r["system"], messages=r["messages"], path=path,

@@ -227,6 +227,40 @@ def test_a_lost_or_corrupt_session_file_is_rebuilt_from_the_history(loaded, tmp_
         fresh.stop()
 
 
+def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tmp_path):
+    """Sessions saved by a run that never stopped (kill -9) are found by the index;
+    a file whose size changed is dropped at start with its entry, one corrupted in
+    place is caught by its checksum on its next request and rebuilt."""
+    settings = {"window": 256, "max_tokens": 6}
+    a = make_engine(loaded, tmp_path, settings, keep_system=False)
+    talks = {}
+    for sid in ("kept", "truncated", "flipped"):
+        messages = [{"role": "user", "content": f"hello the {sid} sea"}]
+        text, _, _ = ask(a, messages, session_id=sid)
+        talks[sid] = messages + [{"role": "assistant", "content": text}]
+        on_worker(a, lambda sid=sid: a._evict(a.entries[sid]))
+    name = {sid: a._session_path(sid).name + ".safetensors" for sid in talks}
+    # no a.stop(): as after a kill -9
+    (tmp_path / name["truncated"]).write_bytes((tmp_path / name["truncated"]).read_bytes()[:-8])
+    data = bytearray((tmp_path / name["flipped"]).read_bytes())
+    data[-5] ^= 0xFF
+    (tmp_path / name["flipped"]).write_bytes(bytes(data))
+    b = make_engine(loaded, tmp_path, settings, keep_system=False)
+    try:
+        assert set(b.entries) == {"kept", "flipped"}
+        assert not list(tmp_path.glob(a._session_path("truncated").name + "*"))
+        for sid in ("kept", "flipped"):
+            messages = talks[sid] + [{"role": "user", "content": "ship"}]
+            _, usage, error = ask(b, messages, session_id=sid)
+            assert error is None, error
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert (cached > 0) == (sid == "kept"), (sid, usage)
+        assert b.restores == 1
+    finally:
+        b.stop()
+        a.stop()
+
+
 def test_a_missing_state_folder_is_recreated(loaded, tmp_path):
     import shutil
 
