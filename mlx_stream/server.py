@@ -355,6 +355,7 @@ class Engine:
             while item is not False:
                 if item is None:
                     self._drain()
+                    self._quiesce()
                     return
                 self._handle(item)
                 try:
@@ -362,6 +363,18 @@ class Engine:
                 except queue.Empty:
                     item = False
             self._round()
+
+    def _quiesce(self) -> None:
+        """Finish MLX's work queued from this thread: the process may exit next, and
+        MLX aborts ("terminate called") when an exit finds a worker's evaluation
+        still running."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        self._batch = None
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        mx.clear_streams()  # MLX's cleanup for a thread that used it, before it ends
 
     def _run_in_step(self) -> None:
         """The worker of a sharded engine: one request at a time, run to its end,
