@@ -331,9 +331,15 @@ class Engine:
         goes in (a chunk per round, between the other requests' tokens and the
         newcomers' admission). Batched, its row is recorded on the job in ``box``."""
         if self._batch is None:
+            from mlx_stream.batch import DEFAULT_PREFILL_CHUNK
             from mlx_stream.decode import generate_step
 
-            return functools.partial(generate_step, poll=True)
+            def alone(*args: Any, **kw: Any) -> Any:  # prefilled in a batch's chunks
+                return generate_step(
+                    *args, **{**kw, "prefill_step_size": DEFAULT_PREFILL_CHUNK, "poll": True}
+                )
+
+            return alone
         s = self.settings
         source = self._batch.tokens(
             temp=s.temp if request.temp is None else request.temp,
