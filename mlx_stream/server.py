@@ -6,9 +6,17 @@ Contract:
   fixed size, so a session costs a known number of bytes (its caches plus the
   checkpoint taken before its current turn, measured from real caches). Admission:
   ``weights + snapshots + resident sessions x bytes <= budget``. A session that does
-  not fit evicts the least recently used idle session to disk (``save_cache``); it
-  comes back on its next request. When nothing can be evicted the request is refused
-  (:class:`Busy`: HTTP 429 with ``Retry-After``), never an out-of-memory.
+  not fit evicts the least recently used idle session to disk (``save_cache``) or
+  shared snapshot (never one in use; room is made for a session and its snapshot
+  together, so the sum never exceeds the budget); it comes back on its next request.
+  When nothing can be evicted the request is refused (:class:`Busy`: HTTP 429 with
+  ``Retry-After``, only while a session is busy), never an out-of-memory.
+- The state folder: each saved session is listed in ``index.json`` (written
+  atomically, with the sha256 of its files), so a restart finds it again; files the
+  index does not name are removed at start; a lost or corrupt file means the session
+  is rebuilt from the client's history; a folder that cannot be written refuses the
+  request that needed the room (:class:`Unsaved`: 507) and the session stays.
+  :meth:`Engine.drain` (SIGTERM) ends every request and saves every resident session.
 - Sessions are named by the client or found by their transcript: a request whose
   messages extend a session's transcript by one user message feeds only that message;
   one that replaces the session's last turn (an edit or a regeneration) restores the
@@ -21,12 +29,14 @@ Contract:
   session with decode work steps together in ONE batched model call
   (:class:`~mlx_stream.batch.Batch`: one row per session, each in its own fixed-size
   cache, its own sampling parameters and stop strings); a newcomer's prompt is
-  prefilled a chunk per round meanwhile, so running sessions keep streaming. Where
+  prefilled a chunk per round meanwhile (batched or not: token sources are polled),
+  so running sessions keep streaming and new requests are admitted; a prompt over
+  ``max_prompt_tokens`` is refused before any prefill (:class:`TooLarge`: 413). Where
   batching is refused (a draft model, quantized KV, a model whose batched step is not
   exact: the reason is in the stats), each round advances every request by at most
   ``chunk`` tokens instead (fair interleaving: no request waits for another's long
-  reply). A cancelled request (a client that went away) stops at the next token and
-  its session goes back to the checkpoint from before the turn.
+  reply). A cancelled request (a client that went away) stops at the next token or
+  prefill chunk and its session goes back to the checkpoint from before the turn.
 
 The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
 objects and events back into responses.
