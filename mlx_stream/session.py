@@ -269,6 +269,9 @@ class ChatSession:
 
         However the generator ends (finished, or ``close()``-d by its consumer), the
         reply so far joins the transcript and the cache, and :attr:`last` describes it.
+        With ``poll=True`` (see :func:`~mlx_stream.decode.stream_generate`) it yields
+        ``None`` between prefill chunks; closed there, the caches hold part of the
+        prompt: restore a checkpoint.
 
         Args:
             user_text (str): The new user message.
