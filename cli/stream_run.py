@@ -153,9 +153,9 @@ def evaluate(
     import signal
     import time
 
-    from mlx_stream.decode import StopOnInterrupt
-    from mlx_stream.estimate import make_checked_sink_cache
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.cache.estimate import make_checked_sink_cache
+    from mlx_stream.eval.perplexity import stream_perplexity
+    from mlx_stream.generate.decode import StopOnInterrupt
 
     caches = None
     if resume is None:
@@ -200,7 +200,7 @@ def answer(
 ) -> str:  # fmt: skip
     """Ask ``prompt`` of what the window holds (the document's last token, still
     pending, goes first) and stream the reply through ``write``."""
-    from mlx_stream.decode import stream_generate
+    from mlx_stream.generate.decode import stream_generate
 
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
@@ -340,8 +340,8 @@ def stream_run(
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
         target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
         sinks, window = sizes(spec, sinks, window)
-        from mlx_stream.evaluate import iter_tokens
-        from mlx_stream.loader import resolve_dtype
+        from mlx_stream.eval.perplexity import iter_tokens
+        from mlx_stream.models.loader import resolve_dtype
 
         reader = CountingReader(f)
         tokens = Tracked(iter_tokens(reader, tokenizer))

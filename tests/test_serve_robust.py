@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mlx_stream.session import Settings
+from mlx_stream.generate.session import Settings
 
 openai = pytest.importorskip("openai")
 
@@ -27,7 +27,7 @@ def loaded(tiny_model_dir):
 
 
 def make_engine(loaded, state_dir, settings=None, **kw):
-    from mlx_stream.server import Engine
+    from mlx_stream.serve.engine import Engine
 
     model, tokenizer = loaded
     settings = Settings(**{"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})})
@@ -38,7 +38,7 @@ def make_engine(loaded, state_dir, settings=None, **kw):
 
 def ask(engine, messages, timeout=120, **kw):
     """One request to the end: ``(text, usage or None, error event or None)``."""
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     box: queue.Queue = queue.Queue()
     engine.submit(Request(emit=box.put, messages=messages, **kw))
@@ -65,7 +65,7 @@ LONG = "the sea " * 3000  # 6,000 tokens: dozens of prefill chunks
 def test_a_long_prefill_lets_a_newcomer_finish_first(loaded, tmp_path, batching):
     """A short request that arrives while a 6,000-token prompt prefills is answered
     before the long one's first token (the prefill goes in a chunk per round)."""
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     e = make_engine(loaded, tmp_path, batching=batching, settings={"max_tokens": 4})
     events: list[tuple[str, str]] = []
@@ -99,7 +99,7 @@ def test_a_long_prefill_lets_a_newcomer_finish_first(loaded, tmp_path, batching)
 
 @pytest.mark.parametrize("batching", [True, False])
 def test_a_cancelled_prefill_stops_between_chunks(loaded, tmp_path, monkeypatch, batching):
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     model = loaded[0]
     e = make_engine(loaded, tmp_path, batching=batching, settings={"max_tokens": 4})
@@ -141,7 +141,7 @@ def test_prompts_over_the_limit_are_413_with_the_numbers_and_max_tokens_is_cappe
         message = error[2]
         assert "300" in message and "100" in message and "\n" not in message, message
         assert not fed  # refused before any prefill
-        from mlx_stream.server import Request
+        from mlx_stream.serve.engine import Request
 
         box: queue.Queue = queue.Queue()
         e.submit(Request(emit=box.put, prompt="the sea " * 60))
@@ -210,7 +210,9 @@ def test_a_lost_or_corrupt_session_file_is_rebuilt_from_the_history(loaded, tmp_
                 {"role": "assistant", "content": text},
                 {"role": "user", "content": "ship"},
             ]
-            path = on_worker(e, lambda sid=sid: (e._evict(e.entries[sid]), e.entries[sid].path)[1])
+            path = on_worker(
+                e, lambda sid=sid: (e._evict(e.entries[("", sid)]), e.entries[("", sid)].path)[1]
+            )
             cache = path.with_name(path.name + ".safetensors")
             if how == "lost":
                 cache.unlink()
@@ -238,8 +240,8 @@ def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tm
         messages = [{"role": "user", "content": f"hello the {sid} sea"}]
         text, _, _ = ask(a, messages, session_id=sid)
         talks[sid] = messages + [{"role": "assistant", "content": text}]
-        on_worker(a, lambda sid=sid: a._evict(a.entries[sid]))
-    name = {sid: a._session_path(sid).name + ".safetensors" for sid in talks}
+        on_worker(a, lambda sid=sid: a._evict(a.entries[("", sid)]))
+    name = {sid: a._session_path("", sid).name + ".safetensors" for sid in talks}
     # no a.stop(): as after a kill -9
     (tmp_path / name["truncated"]).write_bytes((tmp_path / name["truncated"]).read_bytes()[:-8])
     data = bytearray((tmp_path / name["flipped"]).read_bytes())
@@ -247,8 +249,8 @@ def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tm
     (tmp_path / name["flipped"]).write_bytes(bytes(data))
     b = make_engine(loaded, tmp_path, settings, keep_system=False)
     try:
-        assert set(b.entries) == {"kept", "flipped"}
-        assert not list(tmp_path.glob(a._session_path("truncated").name + "*"))
+        assert set(b.entries) == {("", "kept"), ("", "flipped")}
+        assert not list(tmp_path.glob(a._session_path("", "truncated").name + "*"))
         for sid in ("kept", "flipped"):
             messages = talks[sid] + [{"role": "user", "content": "ship"}]
             _, usage, error = ask(b, messages, session_id=sid)
@@ -270,7 +272,7 @@ def test_a_missing_state_folder_is_recreated(loaded, tmp_path):
     try:
         text, _, _ = ask(e, [{"role": "user", "content": "hello"}], session_id="a")
         shutil.rmtree(state)
-        path = on_worker(e, lambda: (e._evict(e.entries["a"]), e.entries["a"].path)[1])
+        path = on_worker(e, lambda: (e._evict(e.entries[("", "a")]), e.entries[("", "a")].path)[1])
         assert path.with_name(path.name + ".safetensors").is_file()
     finally:
         e.stop()
@@ -301,7 +303,7 @@ def test_a_full_disk_is_507_naming_the_folder_and_the_resident_session_stays(
         assert error is not None and error[1] == 507, error
         assert str(tmp_path) in error[2] and "full or unwritable" in error[2], error
         assert "\n" not in error[2]
-        assert on_worker(e, lambda: e.entries["kept"].session is not None)
+        assert on_worker(e, lambda: e.entries[("", "kept")].session is not None)
         follow = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "a"}]
         _, usage, error = ask(e, follow, session_id="kept")
         assert error is None and usage["prompt_tokens_details"]["cached_tokens"] > 0

@@ -17,12 +17,19 @@ Contract:
   is rebuilt from the client's history; a folder that cannot be written refuses the
   request that needed the room (:class:`Unsaved`: 507) and the session stays.
   :meth:`Engine.drain` (SIGTERM) ends every request and saves every resident session.
-- Sessions are named by the client or found by their transcript: a request whose
-  messages extend a session's transcript by one user message feeds only that message;
-  one that replaces the session's last turn (an edit or a regeneration) restores the
-  checkpoint from before that turn; anything else rebuilds the conversation from the
-  pinned system prompt plus the tail that fits the window. A wrapped ring matches no
-  token prefix, so matching is on the transcript, never on the KV cache.
+- A session's caches always encode exactly the transcript it records, after every
+  ending (complete, stop, cancel, disconnect, error, eviction, restore); its checkpoint
+  encodes the transcript one turn shorter and is restored only for that transcript.
+  Sessions belong to an owner (a hash of the caller's API key; one owner without keys)
+  and a request only ever sees its owner's sessions. A request names its session
+  (``X-Session-ID``) or is matched on its transcript: one whose messages extend a
+  session's transcript by one user message feeds only that message; one that replaces
+  the last turn (an edit or a regeneration) restores the checkpoint from before it, in
+  place with the session's id, as a new session (a fork) without one; anything else is
+  rebuilt from the pinned system prompt plus the tail that fits the window. A request
+  without an id never takes over a session whose transcript it does not extend
+  (``isolate``: it is never matched at all). A wrapped ring matches no token prefix, so
+  matching is on the transcript, never on the KV cache.
 - Pinned system prompt (``keep_system``): the rendered system prompt is the session's
   sinks; sessions with the same system prompt start from one prefilled snapshot.
 - One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
@@ -69,8 +76,7 @@ from typing import Any
 
 from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.logprobs import TokenLogprobs
-from mlx_stream.session import (
+from mlx_stream.generate.session import (
     ChatSession,
     Checkpoint,
     Reply,
@@ -78,6 +84,7 @@ from mlx_stream.session import (
     cache_count,
     clean_text,
 )
+from mlx_stream.serve.logprobs import TokenLogprobs
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
@@ -113,7 +120,9 @@ class Unsaved(RuntimeFailure):
 class Request:
     """One generation request, built by the HTTP side.
 
-    ``messages`` (chat) or ``prompt`` (plain completion). Events reach ``emit`` from the
+    ``messages`` (chat) or ``prompt`` (plain completion). ``owner`` names the caller's
+    namespace of sessions (a hash of its API key; ``""`` without keys): a request only
+    ever sees and continues sessions of its own owner. Events reach ``emit`` from the
     worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
     token's entry from :class:`~mlx_stream.logprobs.TokenLogprobs` when ``logprobs``
     is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
@@ -131,17 +140,23 @@ class Request:
     stop: list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    owner: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
-        "logprobs")  # fmt: skip
+        "logprobs", "owner")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
 @dataclass
 class Entry:
-    """A session the server knows: resident (``session`` set) or on disk (``path``)."""
+    """A session the server knows: resident (``session`` set) or on disk (``path``).
+
+    ``messages`` is the transcript its caches encode; ``checkpoint`` (resident only)
+    encodes ``checkpoint.messages``, a transcript one turn shorter, and is only ever
+    restored for a request whose history is exactly that.
+    """
 
     id: str
     system: str | None
@@ -155,6 +170,11 @@ class Entry:
     tokens_seen: int = 0
     sinks: int = 0
     transient: bool = False  # a plain completion: dropped when done
+    owner: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.owner, self.id)
 
 
 @dataclass
@@ -204,6 +224,9 @@ class Engine:
         batching (bool): Decode sessions together in one batched call per round.
             Default: True (refused, with the reason in the stats, where inexact).
         cluster (distributed.Cluster, optional): The ranks a sharded model runs on.
+        isolate (bool): Never match a request without ``X-Session-ID`` to a session
+            (each starts its own). Default: False (a request that extends one of its
+            owner's transcripts continues that session).
     """
 
     def __init__(
@@ -221,13 +244,14 @@ class Engine:
         chunk: int = DEFAULT_CHUNK,
         batching: bool = True,
         cluster: Any = None,
+        isolate: bool = False,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.max_prompt_tokens = max_prompt_tokens
         self._closing = False  # draining: requests are refused (503)
         self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
-        self._stored: dict[str, dict] = {}  # index records of the saved sessions, by id
+        self._stored: dict[tuple, dict] = {}  # index records of saved sessions, by key
         self._logprobs = TokenLogprobs(tokenizer)
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.cluster, self._ids = cluster, None
@@ -239,13 +263,13 @@ class Engine:
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
         self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
         self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
-        self.max_sessions, self.chunk = max_sessions, chunk
+        self.max_sessions, self.chunk, self.isolate = max_sessions, chunk, isolate
         self._tmp = None
         if state_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
             state_dir = self._tmp.name
         self.state_dir = Path(state_dir)
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
         self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
         self._bytes_by_sinks: dict[int, int] = {}
         self._active: list[_Job] = []
@@ -321,8 +345,8 @@ class Engine:
 
     def _make_batch(self) -> None:
         """The batch every session decodes in, or the reason there is none."""
-        from mlx_stream.batch import Batch
         from mlx_stream.errors import Unsupported
+        from mlx_stream.generate.batch import Batch
 
         if not self.batching:
             return
@@ -341,8 +365,8 @@ class Engine:
         goes in (a chunk per round, between the other requests' tokens and the
         newcomers' admission). Batched, its row is recorded on the job in ``box``."""
         if self._batch is None:
-            from mlx_stream.batch import DEFAULT_PREFILL_CHUNK
-            from mlx_stream.decode import generate_step
+            from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
+            from mlx_stream.generate.decode import generate_step
 
             def alone(*args: Any, **kw: Any) -> Any:  # prefilled in a batch's chunks
                 return generate_step(
@@ -687,12 +711,13 @@ class Engine:
         """Save a resident session to disk (listed in the state folder's index) and
         free its memory; :class:`Unsaved` when the folder cannot take it (the
         session then stays resident)."""
-        path = self._session_path(entry.id)
-        session, before = entry.session, self._stored.get(entry.id)
+        path = self._session_path(entry.owner, entry.id)
+        session, before = entry.session, self._stored.get(entry.key)
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)  # deleted under us
             session.save(path)
-            self._stored[entry.id] = {
+            self._stored[entry.key] = record = {
+                "owner": entry.owner,
                 "id": entry.id,
                 "name": path.name,
                 "system": entry.system,
@@ -702,27 +727,27 @@ class Engine:
                 "saved": time.time(),
                 "sha256": self._checksums(path),
             }
-            self._stored[entry.id]["bytes"] = self._sizes(self._stored[entry.id])
+            record["bytes"] = self._sizes(record)
             self._write_index()
         except (OSError, RuntimeError, RuntimeFailure) as exc:  # mlx: RuntimeError "[write]
             if before is None:
-                self._stored.pop(entry.id, None)
+                self._stored.pop(entry.key, None)
             else:
-                self._stored[entry.id] = before
+                self._stored[entry.key] = before
             cause = str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
             raise Unsaved(
                 f"the state folder {self.state_dir} is full or unwritable: "
                 + (cause.splitlines() or ["?"])[0]
             ) from exc
         entry.path, entry.session, entry.checkpoint = path, None, None
-        entry.tokens_seen = self._stored[entry.id]["tokens_seen"]
+        entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
         stored = [e for e in self.entries.values() if e.session is None]
         if len(stored) > MAX_STORED:
             self._drop(min(stored, key=lambda e: e.last_used))
 
     def _drop(self, entry: Entry) -> None:
-        self.entries.pop(entry.id, None)
+        self.entries.pop(entry.key, None)
         if entry.path is not None:
             self._forget_files(entry)
 
@@ -732,7 +757,7 @@ class Engine:
             with contextlib.suppress(OSError):
                 entry.path.with_name(entry.path.name + suffix).unlink()
         entry.path = None
-        if self._stored.pop(entry.id, None) is not None:
+        if self._stored.pop(entry.key, None) is not None:
             with contextlib.suppress(OSError):  # a stale index names missing files: dropped
                 self._write_index()
 
@@ -810,11 +835,12 @@ class Engine:
 
     # ----- the state folder -------------------------------------------------------------
 
-    def _session_path(self, session_id: str) -> Path:
+    def _session_path(self, owner: str, session_id: str) -> Path:
         """Where a session is saved (``PATH.safetensors``, ``PATH.json``)."""
         # The id may come from the client (X-Session-ID): the file is named by its hash,
         # so no id reads as a path out of the state folder.
-        return self.state_dir / ("session-" + hashlib.sha256(session_id.encode()).hexdigest()[:32])
+        name = f"{owner}\0{session_id}".encode()
+        return self.state_dir / ("session-" + hashlib.sha256(name).hexdigest()[:32])
 
     @staticmethod
     def _checksums(path: Path) -> dict[str, str]:
@@ -836,7 +862,7 @@ class Engine:
 
     def _check_files(self, entry: Entry) -> None:
         """:class:`UserError` unless ``entry``'s files are what its index record says."""
-        record = self._stored.get(entry.id)
+        record = self._stored.get(entry.key)
         try:
             intact = record is not None and self._checksums(entry.path) == record["sha256"]
         except OSError as exc:
@@ -846,7 +872,7 @@ class Engine:
 
     def _write_index(self) -> None:
         """Write ``index.json`` (atomically): every saved session, oldest first."""
-        from mlx_stream.session import write_text_atomic
+        from mlx_stream.generate.session import write_text_atomic
 
         records = sorted(self._stored.values(), key=lambda r: r["saved"])
         text = json.dumps({"version": 1, "sessions": records}, ensure_ascii=False)
@@ -858,7 +884,7 @@ class Engine:
         after their checksums: reading every file here would slow every start); the
         files of any other (and whatever else this server wrote, ``session-*`` and
         temporaries of them, that no record names) are removed."""
-        from mlx_stream.session import STATE_FIELDS
+        from mlx_stream.generate.session import STATE_FIELDS
 
         with contextlib.suppress(OSError):
             self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -872,7 +898,7 @@ class Engine:
         wall, now, named = time.time(), time.monotonic(), set()
         for r in records:
             try:
-                path = self._session_path(r["id"])
+                path = self._session_path(r["owner"], r["id"])
                 ok = (
                     r["name"] == path.name
                     and STATE_FIELDS["system"][1](r["system"])
@@ -882,14 +908,15 @@ class Engine:
                     and self._sizes(r) == r["bytes"]
                 )
                 entry = Entry(
-                    id=r["id"], system=r["system"], messages=r["messages"], path=path,
+                    id=r["id"], owner=r["owner"], system=r["system"], messages=r["messages"],
+                    path=path,
                     tokens_seen=int(r["tokens_seen"]), sinks=int(r["sinks"]),
                     last_used=now - max(0.0, wall - float(r["saved"])),
                 )  # fmt: skip
             except (OSError, KeyError, TypeError, ValueError, AttributeError):
                 ok = False
             if ok:
-                self.entries[entry.id], self._stored[entry.id] = entry, r
+                self.entries[entry.key], self._stored[entry.key] = entry, r
                 named.update(r["sha256"])
         with contextlib.suppress(OSError):
             for file in self.state_dir.iterdir():
@@ -905,9 +932,7 @@ class Engine:
             self._admit_completion(request)
             return
         system, history, user = split_messages(request.messages)
-        entry, mode = self._find(request.session_id, system, history)
-        if entry.busy:
-            raise Busy(f"session {entry.id} is answering another request; retry shortly")
+        entry, mode, source = self._find(request, system, history)
         try:
             if self._resident(entry):  # its saved file was lost: rebuilt from the history
                 mode = "rebuild"
@@ -916,13 +941,16 @@ class Engine:
                 self._drop(entry)
             raise
         session, tail = entry.session, None
-        if mode == "restore" and entry.checkpoint is not None:
-            session.restore(entry.checkpoint)  # the checkpoint from before the turn
-        elif mode in ("restore", "rebuild"):
+        if mode == "restore":  # the checkpoint encodes exactly ``history``
+            session.restore(source.checkpoint)
+            entry.checkpoint = source.checkpoint
+        elif mode == "rebuild":
             self._rebuild(entry, system, history)
-            session, tail = entry.session, self.settings.window
+            session = entry.session
+            tail = self.settings.window if history else None
         else:
             entry.checkpoint = session.checkpoint()
+        entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         cached = cache_count(session.caches)
         box: list = []
         tokens = session.stream(
@@ -944,36 +972,66 @@ class Engine:
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.checkpoint = session.checkpoint()
 
-    def _find(self, session_id: str | None, system: str | None, history: list) -> tuple:
-        """The entry for a chat request and how to continue it: ``append`` (the history
-        is its transcript), ``restore`` (its transcript minus the last turn),
-        ``rebuild`` (anything else) or ``new``."""
+    def _find(self, request: Request, system: str | None, history: list) -> tuple:
+        """``(entry, mode, source)`` for a chat request, among its owner's sessions only.
+
+        ``append``: the entry's transcript is the history. ``restore``: ``source``'s
+        checkpoint encodes exactly the history (an edit or a regeneration of the last
+        turn); with the session's own id it restores in place, without one it forks a new
+        session and the original stays for its owner. ``rebuild``: from the history alone
+        (an id whose transcript does not match, or a history no session holds). ``new``:
+        no history. Without an id, only a history that is not empty is matched, and only
+        when the server is not ``isolate``-d.
+        """
+        owner, session_id = request.owner, request.session_id
         if session_id is not None:
-            entry = self.entries.get(session_id)
+            entry = self.entries.get((owner, session_id))
             if entry is None:
-                entry = self.entries[session_id] = Entry(id=session_id, system=system)
-                return entry, "new"
-            candidates = [entry]
-        else:
-            candidates = [e for e in self.entries.values() if not e.busy and not e.transient]
-            candidates.sort(key=lambda e: -e.last_used)
-        for entry in candidates:
+                entry = self._add(Entry(id=session_id, system=system, owner=owner))
+                return entry, "rebuild" if history else "new", None
+            if entry.busy:
+                raise Busy(f"session {entry.id} is answering another request; retry shortly")
             if entry.system == system and entry.messages == history:
-                return entry, "append"
-        for entry in candidates:
-            if entry.system == system and entry.messages[:-2] == history and entry.messages:
-                return entry, "restore"
-        if session_id is not None:
-            entry = candidates[0]
-            entry.system = system
-            return entry, "rebuild"
-        entry = Entry(id=self._new_id(16), system=system)
-        self.entries[entry.id] = entry
-        return entry, "new" if not history else "rebuild"
+                return entry, "append", None
+            if self._restorable(entry, system, history):
+                return entry, "restore", entry
+            return entry, "rebuild", None
+        if history and not self.isolate:
+            mine = [
+                e for e in self.entries.values()
+                if e.owner == owner and not e.busy and not e.transient
+            ]  # fmt: skip
+            mine.sort(key=lambda e: -e.last_used)
+            for entry in mine:
+                if entry.system == system and entry.messages == history:
+                    return entry, "append", None
+            for entry in mine:
+                if self._restorable(entry, system, history):
+                    fork = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
+                    return fork, "restore", entry
+        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
+        return entry, "rebuild" if history else "new", None
+
+    @staticmethod
+    def _restorable(entry: Entry, system: str | None, history: list) -> bool:
+        """Whether ``entry``'s checkpoint encodes exactly ``system`` + ``history``."""
+        cp = entry.checkpoint
+        return (
+            entry.session is not None
+            and cp is not None
+            and cp.system == system
+            and cp.messages == history
+        )
+
+    def _add(self, entry: Entry) -> Entry:
+        self.entries[entry.key] = entry
+        return entry
 
     def _admit_completion(self, request: Request) -> None:
-        entry = Entry(id="completion-" + self._new_id(12), system=None, transient=True)
-        self.entries[entry.id] = entry
+        entry = Entry(
+            id="completion-" + self._new_id(12), system=None, transient=True, owner=request.owner
+        )
+        self._add(entry)
         try:
             self._make_room(self.session_bytes(self.settings.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
@@ -1043,6 +1101,7 @@ class Engine:
             sessions.append(
                 {
                     "id": e.id,
+                    "owner": e.owner,
                     "resident": e.session is not None,
                     "turns": len(e.messages) // 2,
                     "tokens_seen": seen,
