@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     return load(str(tiny_model_dir))
 
@@ -185,6 +185,28 @@ def test_chats_with_different_system_prompts_all_fit_in_turn(loaded, tmp_path, r
         assert max(used) <= e.budget, (max(used), e.budget)
     finally:
         e.stop()
+
+
+def test_a_fork_whose_source_is_evicted_to_make_room_still_restores(loaded, tmp_path):
+    """Room for two sessions: regenerating an older conversation's last turn without
+    an id forks it; making room for the fork evicts that very conversation (the least
+    recently used), whose checkpoint the fork restores."""
+    settings = {"window": 256, "max_tokens": 6}
+    e = make_engine(loaded, tmp_path, settings, keep_system=False, max_sessions=2)
+    fresh = make_engine(loaded, tmp_path / "fresh", settings, keep_system=False)
+    try:
+        a = [{"role": "user", "content": "hello the sea"}]
+        text, _, _ = ask(e, a)
+        a += [{"role": "assistant", "content": text}, {"role": "user", "content": "ship"}]
+        text, _, _ = ask(e, a)
+        ask(e, [{"role": "user", "content": "the whale"}])  # now the other one is older
+        regenerated, usage, error = ask(e, a)  # the last turn again: a fork
+        assert error is None, error
+        want, _, _ = ask(fresh, a)
+        assert regenerated == want
+    finally:
+        e.stop()
+        fresh.stop()
 
 
 # -------------------------------------------------------------- the state folder

@@ -933,6 +933,7 @@ class Engine:
             return
         system, history, user = split_messages(request.messages)
         entry, mode, source = self._find(request, system, history)
+        checkpoint = source.checkpoint if source is not None else None  # room may evict it
         try:
             if self._resident(entry):  # its saved file was lost: rebuilt from the history
                 mode = "rebuild"
@@ -942,8 +943,8 @@ class Engine:
             raise
         session, tail = entry.session, None
         if mode == "restore":  # the checkpoint encodes exactly ``history``
-            session.restore(source.checkpoint)
-            entry.checkpoint = source.checkpoint
+            session.restore(checkpoint)
+            entry.checkpoint = checkpoint
         elif mode == "rebuild":
             self._rebuild(entry, system, history)
             session = entry.session
