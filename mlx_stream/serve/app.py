@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_stream.serve.engine import Engine
+from mlx_stream.serve.engine import Engine, TooLarge
 from mlx_stream.serve.engine import Request as EngineRequest
 from mlx_stream.serve.logprobs import MAX_TOP
 
@@ -346,6 +346,10 @@ def create_app(
             emit=job.emit, stop=stop or None, seed=body.seed, logprobs=body.alternatives(),
             owner=owner_of(http), **body.sampling(), **make,
         )  # fmt: skip
+        try:
+            await asyncio.to_thread(engine.precheck, request)
+        except TooLarge as exc:
+            return error(413, str(exc))
         engine.submit(request)
         first = await job.events.get()
         if first[0] == "error":

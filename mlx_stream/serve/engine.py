@@ -496,12 +496,28 @@ class Engine:
             text = request.messages[-1].get("content", "") if request.messages else ""
         else:
             text = request.prompt or ""
-        given = len(self.tokenizer.encode(clean_text(text), add_special_tokens=False))
+        given = self._count(clean_text(text))
         if given > self.max_prompt_tokens:
             raise TooLarge(
                 f"the prompt has {given:,} tokens; this server takes at most "
                 f"{self.max_prompt_tokens:,} per request (--max-prompt-tokens)"
             )
+
+    def _count(self, text: str) -> int:
+        """Tokens of ``text``; with a fast tokenizer's Rust core (which keeps no
+        per-call state and lets go of the GIL), from any thread."""
+        core = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+        if core is not None:
+            return len(core.encode(text, add_special_tokens=False).ids)
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def precheck(self, request: Request) -> None:
+        """The worker's size check, run by the HTTP side on its own thread before the
+        request is queued (a 4 MB prompt takes seconds to count: the worker serves
+        the others meanwhile); :class:`TooLarge` over the limit. Without a fast
+        tokenizer (not safe off the worker) the worker alone checks."""
+        if getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None):
+            self._bound(request)
 
     def _round(self) -> None:
         """One scheduler round: newcomers start (their prefill interleaved with the
