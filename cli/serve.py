@@ -240,7 +240,7 @@ def serve(
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                engine.drain()  # running requests end now: their streams get their end
+                engine.drain()  # running requests end at once: their streams get their end
                 super().handle_exit(sig, frame)
 
         # uvicorn raises the signal again once it has stopped: handled here, it lets

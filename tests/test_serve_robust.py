@@ -154,6 +154,36 @@ def test_prompts_over_the_limit_are_413_with_the_numbers_and_max_tokens_is_cappe
         e.stop()
 
 
+def test_drain_ends_running_requests_and_refuses_new_ones(loaded, tmp_path):
+    """What SIGTERM does: a request that has sent tokens ends (``length``) with its
+    reply kept, one still prefilling is refused, later ones get 503; then stop()
+    saves the sessions where a restart finds them."""
+    from mlx_stream.serve.engine import Request
+
+    e = make_engine(loaded, tmp_path, {"max_tokens": 100000})
+    streaming: queue.Queue = queue.Queue()
+    prefilling: queue.Queue = queue.Queue()
+    try:
+        e.submit(Request(emit=streaming.put, messages=[{"role": "user", "content": "hi"}],
+                         session_id="streamed"))  # fmt: skip
+        while streaming.get(timeout=60)[0] != "text":
+            pass
+        e.submit(Request(emit=prefilling.put, messages=[{"role": "user", "content": LONG}]))
+        assert prefilling.get(timeout=60)[0] == "start"
+        e.drain()
+        while (event := streaming.get(timeout=60))[0] == "text":
+            pass
+        assert event[0] == "end" and event[2] == "length", event
+        assert prefilling.get(timeout=60)[:2] == ("error", 503)
+        _, _, error = ask(e, [{"role": "user", "content": "hi"}])
+        assert error[:2] == ("error", 503)
+    finally:
+        e.stop()
+    index = json.loads((tmp_path / "index.json").read_text())
+    saved = {r["id"]: r for r in index["sessions"]}
+    assert len(saved["streamed"]["messages"]) == 2  # the turn, cut short, is kept
+
+
 # ----------------------------------------------------------------------- budget
 
 

@@ -315,11 +315,11 @@ class Engine:
             self._tmp.cleanup()
 
     def drain(self) -> None:
-        """Stop taking requests (503 from now on), end the running ones (a stream gets
-        its end, cut short) and save resident sessions to the state folder so a
-        restart continues them. Any thread, a signal handler included; returns at once."""
+        """Stop taking requests (503 from now on) and end the running ones at the
+        worker's next round (a stream gets its end, cut short); :meth:`stop` then
+        saves the resident sessions. Any thread, a signal handler included: it only
+        sets a flag (a lock taken here could be held by the code it interrupted)."""
         self._closing = True
-        self.call(self._drain)
 
     def submit(self, request: Request) -> None:
         """Queue a generation request (any thread)."""
@@ -402,6 +402,8 @@ class Engine:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     item = False
+            if self._closing:
+                self._end_all()
             self._round()
 
     def _quiesce(self) -> None:
@@ -605,18 +607,9 @@ class Engine:
         job.request.emit(("end", usage, finish or "stop"))
 
     def _drain(self) -> None:
-        """End every running request: one that has sent tokens keeps its reply so far
-        (its stream ends with ``length``), one still prefilling goes back to its
-        checkpoint (503); queued ones are refused as they come. Then save every
-        resident session to the state folder."""
-        self._closing = True
-        for job in list(self._active):
-            if job.sent:
-                job.tokens.close()  # the reply so far joins the transcript and cache
-                self._finish(job, cut=True)
-            else:
-                self._end(job, rollback=True)
-                job.request.emit(("error", 503, "the server is shutting down", None))
+        """End every running request (:meth:`_end_all`), then save every resident
+        session to the state folder."""
+        self._end_all()
         if self._tmp is not None or self.cluster is not None:
             return  # a temporary folder outlives nothing; ranks save only in step
         for entry in [e for e in self.entries.values() if e.session and not e.transient]:
@@ -626,6 +619,19 @@ class Engine:
                 import sys
 
                 sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
+
+    def _end_all(self) -> None:
+        """End every running request: one that has sent tokens keeps its reply so far
+        (its stream ends with ``length``), one still prefilling goes back to its
+        checkpoint (503); queued ones are refused as they come."""
+        self._closing = True
+        for job in list(self._active):
+            if job.sent:
+                job.tokens.close()  # the reply so far joins the transcript and cache
+                self._finish(job, cut=True)
+            else:
+                self._end(job, rollback=True)
+                job.request.emit(("error", 503, "the server is shutting down", None))
 
     def _end(self, job: _Job, rollback: bool) -> None:
         """Close the request's generator; on ``rollback`` its session goes back to the
