@@ -315,6 +315,18 @@ def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tm
         a.stop()
 
 
+def test_a_restart_with_another_cache_shape_drops_the_saved_sessions(loaded, tmp_path):
+    a = make_engine(loaded, tmp_path, {"window": 64})
+    ask(a, [{"role": "user", "content": "hello"}], session_id="s")
+    a.stop()  # saved
+    assert list(tmp_path.glob("session-*.safetensors"))
+    b = make_engine(loaded, tmp_path, {"window": 128})
+    try:
+        assert not b.entries and not list(tmp_path.glob("session-*"))
+    finally:
+        b.stop()
+
+
 def test_a_missing_state_folder_is_recreated(loaded, tmp_path):
     import shutil
 

@@ -897,8 +897,19 @@ class Engine:
         from mlx_stream.generate.session import write_text_atomic
 
         records = sorted(self._stored.values(), key=lambda r: r["saved"])
-        text = json.dumps({"version": 1, "sessions": records}, ensure_ascii=False)
-        write_text_atomic(self.state_dir / INDEX, text + "\n")
+        index = {"version": 1, "config": self._config(), "sessions": records}
+        write_text_atomic(self.state_dir / INDEX, json.dumps(index, ensure_ascii=False) + "\n")
+
+    def _config(self) -> dict[str, Any]:
+        """What saved caches depend on: a restart with another model or cache shape
+        finds none of them (they would load with sizes the budget does not count)."""
+        s = self.settings
+        return {
+            "model": self.model_id, "weights_bytes": self.weights, "sinks": s.sinks,
+            "window": s.window, "kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size,
+            "kv_key_bits": s.kv_key_bits, "keep_system": self.keep_system,
+            "draft_model": self.draft_model is not None,
+        }  # fmt: skip
 
     def _load_index(self) -> None:
         """Find the sessions a previous run saved: each index record whose files are
@@ -911,9 +922,11 @@ class Engine:
         with contextlib.suppress(OSError):
             self.state_dir.mkdir(parents=True, exist_ok=True)
         try:
-            records = json.loads((self.state_dir / INDEX).read_text("utf-8"))["sessions"]
-            records = list(records)[-MAX_STORED:]
-        except (OSError, ValueError, KeyError, TypeError):
+            index = json.loads((self.state_dir / INDEX).read_text("utf-8"))
+            records = list(index["sessions"])[-MAX_STORED:]
+            if index.get("config") != self._config():
+                records = []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             records = []
         if self.cluster is not None:  # the ranks' folders may disagree after a kill
             records = []
