@@ -429,6 +429,35 @@ def test_sigterm_ends_streams_saves_sessions_and_a_restart_continues_them(tiny_m
     assert (state / "notes.txt").exists()
 
 
+def test_a_client_that_leaves_a_plain_request_stops_it(tiny_model_dir):
+    """Not streamed: the server notices the closed connection, the request stops
+    (between prefill chunks) and its session rolls back."""
+    import socket
+
+    from tests.test_server import Server
+
+    s = Server(tiny_model_dir, "--sinks", "2", "--window", "64", "--max-tokens", "100000")
+    try:
+        long = "the sea " * 8000  # 16,000 tokens: 250 prefill chunks
+        body = json.dumps({"messages": [{"role": "user", "content": long}]}).encode()
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Session-ID: gone\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(head.encode() + body)
+            deadline = time.monotonic() + 30
+            while "gone" not in s.sessions() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while s.sessions()["gone"]["busy"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        info = s.sessions()["gone"]
+        assert not info["busy"] and info["turns"] == 0, info
+    finally:
+        s.stop()
+
+
 def test_bad_max_prompt_tokens_is_one_line_exit_2(tiny_model_dir):
     from typer.testing import CliRunner
 

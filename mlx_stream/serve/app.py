@@ -371,7 +371,10 @@ def create_app(
         try:
             texts, logprobs, end = [], [], None
             while end is None:
-                event = await job.events.get()
+                event = await _next_event(job, http)
+                if event is None:  # the client left: its request stops (mid-prefill too)
+                    request.cancelled.set()
+                    return error(499, "the client closed the connection")
                 if event[0] == "text":
                     texts.append(event[1])
                     if event[2] is not None:
@@ -480,6 +483,21 @@ class _Shape:
 
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": usage}
+
+
+async def _next_event(job: _Job, http: Request) -> tuple | None:
+    """The job's next event, or ``None`` once the client has gone away (a plain
+    response's handler is not cancelled when its client leaves: ask every 0.25 s)."""
+    get = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=0.25)
+            if done:
+                return get.result()
+            if await http.is_disconnected():
+                return None
+    finally:
+        get.cancel()  # a no-op once it is done
 
 
 def _event(data: dict[str, Any]) -> str:
