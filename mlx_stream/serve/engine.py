@@ -519,7 +519,12 @@ class Engine:
         the others meanwhile); :class:`TooLarge` over the limit. Without a fast
         tokenizer (not safe off the worker) the worker alone checks."""
         if getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None):
-            self._bound(request)
+            try:
+                self._bound(request)
+            except TooLarge:
+                raise
+            except Exception:  # noqa: BLE001 - the worker checks again and says why
+                pass
 
     def _round(self) -> None:
         """One scheduler round: newcomers start (their prefill interleaved with the
