@@ -23,7 +23,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlx_stream.errors import UserError
 from mlx_stream.logprobs import MAX_TOP
+from mlx_stream.serve.fields import field_of, openai_fields
 from mlx_stream.server import Engine
 from mlx_stream.server import Request as EngineRequest
 
@@ -39,13 +41,24 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def engine(self) -> dict[str, Any]:
+        """The message as the engine takes it (tool calls and results kept)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -56,12 +69,7 @@ class StreamOptions(BaseModel):
 # request that sets one otherwise is refused (400 naming it), never answered as if it
 # had not been set; fields that change no output (user, metadata, ...) are ignored.
 UNSUPPORTED: dict[str, tuple] = {
-    "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -83,6 +91,12 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or ``None``."""
@@ -277,18 +291,23 @@ def create_app(
         field = body.unsupported()
         if field is not None:
             return error(400, f"{field}: not supported by this server (leave it out)", field)
+        try:
+            agents = openai_fields(body)
+        except UserError as exc:
+            return error(400, str(exc), field_of(str(exc)))
         job = _Job(asyncio.get_running_loop())
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         request = EngineRequest(
             emit=job.emit, stop=stop or None, temp=body.temperature, top_p=body.top_p,
-            seed=body.seed, logprobs=body.alternatives(), **make,
+            seed=body.seed, logprobs=body.alternatives(), **agents, **make,
         )  # fmt: skip
         engine.submit(request)
         first = await job.events.get()
         if first[0] == "error":
             _, status, message, retry = first
             headers = {"Retry-After": str(retry)} if retry else None
-            return error(status, message, headers=headers)
+            param = field_of(message) if status == 400 else None
+            return error(status, message, param, headers=headers)
         session_id = first[1].get("session_id")
         headers = {"X-Session-ID": session_id} if session_id else None
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -302,13 +321,15 @@ def create_app(
                 headers=headers,
             )
         try:
-            texts, logprobs, end = [], [], None
+            texts, logprobs, end, calls = [], [], None, []
             while end is None:
                 event = await job.events.get()
                 if event[0] == "text":
                     texts.append(event[1])
                     if event[2] is not None:
                         logprobs.append(event[1:])
+                elif event[0] == "tool_call":
+                    calls.append(event[2])
                 elif event[0] == "end":
                     end = event
                 else:
@@ -316,7 +337,7 @@ def create_app(
         except asyncio.CancelledError:
             request.cancelled.set()
             raise
-        whole = shape.whole("".join(texts), end[2], end[1], logprobs)
+        whole = shape.whole("".join(texts), end[2], end[1], logprobs, calls)
         return JSONResponse(whole, headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -327,7 +348,7 @@ def create_app(
     ):
         if body.top_logprobs and not body.logprobs:
             return error(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.engine() for m in body.messages]
         make = {
             "messages": messages,
             "session_id": x_session_id,
@@ -378,10 +399,13 @@ class _Shape:
         return {"id": self.ident, "object": obj, "created": self.created, "model": self.model}
 
     def whole(
-        self, text: str, finish: str, usage: dict, logprobs: list[tuple[str, dict]]
-    ) -> dict[str, Any]:
+        self, text: str, finish: str, usage: dict, logprobs: list[tuple[str, dict]],
+        calls: list[dict] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            if calls:
+                choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}
             if self.logprobs:
                 choice["logprobs"] = self._logprobs(logprobs)
         else:
@@ -406,6 +430,11 @@ class _Shape:
         choice["finish_reason"] = finish
         return {**self._head(True), "choices": [choice]}
 
+    def call_chunk(self, index: int, call: dict) -> dict[str, Any]:
+        """A streamed tool call: one delta holding the whole call (its ``index``)."""
+        delta = {"tool_calls": [{"index": index, **call}]}
+        return {**self._head(True), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": usage}
 
@@ -422,6 +451,8 @@ async def _sse(job: _Job, cancelled: threading.Event, shape: _Shape, include_usa
             event = await job.events.get()
             if event[0] == "text":
                 yield _event(shape.chunk(event[1], None, logprob=event[2]))
+            elif event[0] == "tool_call":
+                yield _event(shape.call_chunk(event[1], event[2]))
             elif event[0] == "end":
                 _, usage, finish = event
                 yield _event(shape.chunk(None, finish))

@@ -431,6 +431,8 @@ def stream_generate(
     slack: int | None = None,
     state: DecodeState | None = None,
     steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable] | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
@@ -478,7 +480,7 @@ def stream_generate(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
     prompt = _as_tokens(prompt)
-    if seed is not None:
+    if seed is not None and sampler is None:
         mx.random.seed(seed)
     if prompt_cache is None:
         slack = slack or slack_for(num_draft_tokens)
@@ -490,8 +492,8 @@ def stream_generate(
     state = state if state is not None else DecodeState()
     tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
-        make_sampler(temp, top_p, min_p),
-        make_logits_processors(repetition_penalty=repetition_penalty),
+        sampler or make_sampler(temp, top_p, min_p),
+        make_logits_processors(repetition_penalty=repetition_penalty) + list(logits_processors or []),
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
         prompt_progress_callback=prompt_progress_callback, state=state,

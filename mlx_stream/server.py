@@ -108,11 +108,21 @@ class Request:
     stop: list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
+    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
+    # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    grammar: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
-        "logprobs")  # fmt: skip
+        "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "grammar", "tools",
+        "tool_choice")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
@@ -132,6 +142,7 @@ class Entry:
     tokens_seen: int = 0
     sinks: int = 0
     transient: bool = False  # a plain completion: dropped when done
+    tools: Any = None  # its serve.tools.ToolSet (part of what a request must match)
 
 
 @dataclass
@@ -197,6 +208,7 @@ class Engine:
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self._logprobs = TokenLogprobs(tokenizer)
+        self._grammars, self._vocab = None, None
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.cluster, self._ids = cluster, None
         if cluster is not None:
@@ -460,6 +472,8 @@ class Engine:
         session = entry.session
         reply = session.last
         finish = reply.finish_reason if reply is not None else None
+        if hasattr(job.request.emit, "settle"):  # a reply that called tools: its transcript
+            job.request.emit.settle(session)
         self._end(job, rollback=False)
         sinks, window = session.sinks, session.settings.window
         seen = cache_count(session.caches)
@@ -551,18 +565,15 @@ class Engine:
                 with contextlib.suppress(OSError):
                     entry.path.with_name(entry.path.name + suffix).unlink()
 
-    def _new_session(self, system: str | None) -> ChatSession:
-        """A session for ``system`` whose caches are not allocated yet."""
+    def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
+        """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
         settings = dataclasses.replace(self.settings, keep_system=self.keep_system)
+        kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
         try:
-            session = ChatSession(
-                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
-            )
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
         except UserError:  # keep_system without any system prompt: plain sinks
             settings.keep_system = False
-            session = ChatSession(
-                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
-            )
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
         if session.sinks > settings.window:
             raise BadRequest(
                 f"the system prompt has {session.sinks} tokens; the server pins at most "
@@ -592,7 +603,7 @@ class Engine:
         """Make ``entry`` resident: admitted by bytes, then loaded from disk or new."""
         if entry.session is not None:
             return
-        session = self._new_session(entry.system)
+        session = self._new_session(entry.system, entry.tools)
         need = self.session_bytes(session.sinks)
         self._make_room(need, entry)
         if entry.path is not None:
@@ -608,8 +619,10 @@ class Engine:
         if request.messages is None:
             self._admit_completion(request)
             return
+        plan, extra = self._agents(request)
         system, history, user = split_messages(request.messages)
-        entry, mode = self._find(request.session_id, system, history)
+        toolset = plan.toolset if plan is not None else None
+        entry, mode = self._find(request.session_id, system, history, toolset)
         if entry.busy:
             raise Busy(f"session {entry.id} is answering another request; retry shortly")
         try:
@@ -631,14 +644,46 @@ class Engine:
         tokens = session.stream(
             user, tail=tail, max_tokens=request.max_tokens, temp=request.temp,
             top_p=request.top_p, stop=request.stop, seed=request.seed,
-            steps=self._steps(request, box),
+            steps=self._steps(request, box), **extra,
         )  # fmt: skip
         box.append(self._start(request, entry, tokens, cached, batched=self._batch is not None))
+
+    def _agents(self, request: Request) -> tuple[Any, dict]:
+        """A request's tool plan and sampling arguments (mlx_stream.serve), checked
+        before any session is touched; with tools, its ``emit`` becomes a
+        :class:`~mlx_stream.serve.tools.CallStream`."""
+        from mlx_stream.serve import sampling, tools
+        from mlx_stream.serve.structured import Grammars
+
+        plan = None
+        if request.messages is not None:
+            request.messages = [tools.canonical_message(m, i) for i, m in enumerate(request.messages)]
+            tools.check_results(request.messages)
+            plan = tools.ToolPlan.make(request.tools, request.tool_choice, self.tokenizer)
+        elif request.tools:
+            raise BadRequest("tools: only chat requests take tools")
+        grammar = plan.grammar if plan is not None and plan.grammar else request.grammar
+        if self._vocab is None:
+            self._vocab = len(self.tokenizer.get_vocab())
+        constraint = None
+        if grammar is not None:
+            self._grammars = self._grammars or Grammars(self.tokenizer)
+            constraint = self._grammars.constraint(grammar)
+        s = self.settings
+        extra = sampling.overrides(
+            request, s.temp if request.temp is None else request.temp,
+            s.top_p if request.top_p is None else request.top_p, self._vocab, constraint,
+            batched=self._batch is not None, draft=self.draft_model is not None,
+        )  # fmt: skip
+        if plan is not None and not isinstance(request.emit, tools.CallStream):
+            salt = json.dumps(request.messages[-1], sort_keys=True) + str(len(request.messages))
+            request.emit = tools.CallStream(plan, request.emit, salt=salt)
+        return plan, extra
 
     def _rebuild(self, entry: Entry, system: str | None, history: list[dict]) -> None:
         """Start ``entry`` over from its system prompt's snapshot with ``history`` as
         its transcript (the next turn feeds the tail of it that fits the window)."""
-        session = self._new_session(system)
+        session = self._new_session(system, entry.tools)
         need = self.session_bytes(session.sinks)
         if need > entry.bytes:
             self._make_room(need - entry.bytes, entry)
@@ -647,30 +692,34 @@ class Engine:
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.checkpoint = session.checkpoint()
 
-    def _find(self, session_id: str | None, system: str | None, history: list) -> tuple:
+    def _find(
+        self, session_id: str | None, system: str | None, history: list, tools: Any = None
+    ) -> tuple:
         """The entry for a chat request and how to continue it: ``append`` (the history
         is its transcript), ``restore`` (its transcript minus the last turn),
         ``rebuild`` (anything else) or ``new``."""
         if session_id is not None:
             entry = self.entries.get(session_id)
             if entry is None:
-                entry = self.entries[session_id] = Entry(id=session_id, system=system)
+                entry = Entry(id=session_id, system=system, tools=tools)
+                self.entries[session_id] = entry
                 return entry, "new"
             candidates = [entry]
         else:
             candidates = [e for e in self.entries.values() if not e.busy and not e.transient]
             candidates.sort(key=lambda e: -e.last_used)
         for entry in candidates:
-            if entry.system == system and entry.messages == history:
+            if (entry.system, entry.tools) == (system, tools) and entry.messages == history:
                 return entry, "append"
         for entry in candidates:
-            if entry.system == system and entry.messages[:-2] == history and entry.messages:
+            same = (entry.system, entry.tools) == (system, tools)
+            if same and entry.messages[:-2] == history and entry.messages:
                 return entry, "restore"
         if session_id is not None:
             entry = candidates[0]
-            entry.system = system
+            entry.system, entry.tools = system, tools
             return entry, "rebuild"
-        entry = Entry(id=self._new_id(16), system=system)
+        entry = Entry(id=self._new_id(16), system=system, tools=tools)
         self.entries[entry.id] = entry
         return entry, "new" if not history else "rebuild"
 
@@ -692,17 +741,23 @@ class Engine:
             self._drop(entry)
             raise BadRequest("prompt: must not be empty")
         box: list = []
-        generator = self._completion(session, tokens, request, self._steps(request, box))
+        try:
+            _, extra = self._agents(request)
+        except BaseException:
+            self._drop(entry)
+            raise
+        generator = self._completion(session, tokens, request, self._steps(request, box), extra)
         box.append(self._start(request, entry, generator, 0, batched=self._batch is not None))
 
     @staticmethod
     def _completion(
-        session: ChatSession, tokens: list[int], request: Request, steps: Any = None
-    ) -> Iterator[Any]:
+        session: ChatSession, tokens: list[int], request: Request, steps: Any = None,
+        extra: dict | None = None,
+    ) -> Iterator[Any]:  # fmt: skip
         """A plain completion of ``tokens`` on ``session``'s caches; sets ``session.last``."""
         generator = session.generate(
             tokens, max_tokens=request.max_tokens, temp=request.temp, top_p=request.top_p,
-            stop=request.stop, seed=request.seed, steps=steps,
+            stop=request.stop, seed=request.seed, steps=steps, **(extra or {}),
         )  # fmt: skip
         last, generated = None, 0
         try:
@@ -785,13 +840,18 @@ class Engine:
 def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
     """``(system, history, user)`` of a chat request: a leading system message, the
     turns before the last, and the last (a user message). Text is decoded leniently."""
-    messages = [{"role": m["role"], "content": clean_text(m["content"])} for m in messages]
+    messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if not messages:
         raise BadRequest("messages: must hold at least one message")
     system = None
     if messages[0]["role"] in ("system", "developer"):
         system = messages[0]["content"]
         messages = messages[1:]
-    if not messages or messages[-1]["role"] != "user":
-        raise BadRequest("messages: the last message must be from the user")
-    return system, messages[:-1], messages[-1]["content"]
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise BadRequest("messages: the last message must be from the user or a tool result")
+    if messages[-1]["role"] == "user" and (len(messages) < 2 or messages[-2]["role"] != "tool"):
+        return system, messages[:-1], messages[-1]["content"]
+    from mlx_stream.serve.tools import split_new
+
+    history, new = split_new(messages)  # tool results: a turn of several messages
+    return system, history, new
