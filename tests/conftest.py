@@ -312,3 +312,33 @@ def real_model(real_model_path):
     from mlx_stream import loader
 
     return loader.load(real_model_path, return_info=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_model_dir(tmp_path_factory):
+    """A tiny llama with a byte-level BPE tokenizer (what llguidance needs: any JSON
+    can be written), ChatML specials and template, saved as an mlx-lm folder."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-bpe") / "tiny-bpe"
+    path.mkdir()
+    bpe = _tiny_bpe()
+    vocab = bpe.get_vocab_size()
+    model = tiny.make_model("llama", vocab_size=vocab)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = tiny.make_config("llama", vocab_size=vocab)
+    config["eos_token_id"] = [bpe.token_to_id("<|im_end|>"), bpe.token_to_id("<|endoftext|>")]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None,
+        additional_special_tokens=["<|im_start|>", "<|endoftext|>"], chat_template=template,
+    ).save_pretrained(str(path))  # fmt: skip
+    return path

@@ -323,12 +323,7 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     "path, extra, field",
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
-        ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-        ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),

@@ -74,7 +74,9 @@ def check_logit_bias(logit_bias: dict | None, vocab: int) -> dict[int, float] | 
         except (TypeError, ValueError):
             raise UserError(f"logit_bias: {key!r} is not a token id") from None
         if not 0 <= token < vocab:
-            raise UserError(f"logit_bias: token id {token} is not in the vocabulary (0-{vocab - 1})")
+            raise UserError(
+                f"logit_bias: token id {token} is not in the vocabulary (0-{vocab - 1})"
+            )
         out[token] = float(value)
     return out
 
@@ -96,7 +98,9 @@ def overrides(
     """``stream_generate`` arguments for one engine request: its logits processors
     (``logit_bias``, penalties, then ``constraint``) and, when it decodes alone with a
     ``seed``, a sampler with its own key (a batch row keys itself from the seed)."""
-    procs = processors(request.logit_bias, request.presence_penalty, request.frequency_penalty, vocab)
+    procs = processors(
+        request.logit_bias, request.presence_penalty, request.frequency_penalty, vocab
+    )
     if constraint is not None:
         procs.append(constraint)
     if procs and draft:

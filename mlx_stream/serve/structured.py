@@ -139,7 +139,9 @@ class Constraint:
         if self.calls:
             token = int(tokens.reshape(-1)[-1].item())
             if not self.matcher.consume_token(token):
-                raise RuntimeFailure(f"the grammar refused token {token}: {self.matcher.get_error()}")
+                raise RuntimeFailure(
+                    f"the grammar refused token {token}: {self.matcher.get_error()}"
+                )
             self.text_tokens.append(token)
         self.calls += 1
         fill_next_token_bitmask(self.matcher, self.mask)

@@ -121,7 +121,11 @@ def function_tools(tools: list[dict] | None) -> list[dict]:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise UserError(f"tools.{i}.function.parameters: must be a JSON Schema object")
-        spec = {"name": fn["name"], "description": fn.get("description") or "", "parameters": params}
+        spec = {
+            "name": fn["name"],
+            "description": fn.get("description") or "",
+            "parameters": params,
+        }
         out.append({"type": "function", "function": spec})
     return out
 
@@ -232,7 +236,9 @@ def _choice(choice: Any) -> str:
         return "auto"
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise UserError(f"tool_choice: must be auto, none, required or a function, not {choice!r}")
+            raise UserError(
+                f"tool_choice: must be auto, none, required or a function, not {choice!r}"
+            )
         return choice
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") or choice.get("name")
@@ -293,7 +299,10 @@ class CallStream:
             at = self.held.find(self.plan.start)
             if at < 0:
                 keep = _partial(self.held, self.plan.start)
-                out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+                out, self.held = (
+                    self.held[: len(self.held) - keep],
+                    self.held[len(self.held) - keep :],
+                )
                 if out or logprob is not None:
                     self._text(out, logprob)
                 return
