@@ -142,6 +142,15 @@ def error(status: int, message: str, param: str | None = None, headers=None) -> 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def error_at(path: str, status: int, message: str, param=None, headers=None) -> JSONResponse:
+    """:func:`error` in the shape of the API that ``path`` belongs to."""
+    from mlx_stream.serve import anthropic
+
+    if path.startswith(anthropic.PREFIX):
+        return anthropic.error(status, message, headers)
+    return error(status, message, param, headers)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -180,7 +189,8 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope, receive, send):
-        response = error(413, f"the request body is larger than {self.limit:,} bytes")
+        message = f"the request body is larger than {self.limit:,} bytes"
+        response = error_at(scope.get("path", ""), 413, message)
         await response(scope, receive, send)
 
 
@@ -189,18 +199,21 @@ class _TooLarge(Exception):
 
 
 class BearerKey:
-    """401 for a ``/v1`` request without ``Authorization: Bearer KEY`` (compared in
-    constant time); ``/health`` stays open for probes."""
+    """401 for a ``/v1`` request without ``Authorization: Bearer KEY`` or ``x-api-key:
+    KEY`` (Anthropic's clients), compared in constant time; ``/health`` stays open."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                response = error(401, "a valid API key is required (Authorization: Bearer KEY)")
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+            keyed = hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
+            if not (bearer or keyed):
+                message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+                response = error_at(scope["path"], 401, message)
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -251,11 +264,11 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error(400, message, param)
+        return error_at(request.url.path, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail))
+        return error_at(request.url.path, exc.status_code, str(exc.detail))
 
     def check_model(name: str | None) -> JSONResponse | None:
         if name is None or name in names:
@@ -359,6 +372,10 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         return await run(body, {"prompt": body.prompt, "max_tokens": body.max_tokens}, "text", http)
+
+    from mlx_stream.serve import anthropic
+
+    anthropic.register(app, engine, check_model)  # POST /v1/messages (Claude Code)
 
     return app
 

@@ -117,12 +117,13 @@ class Request:
     grammar: str | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
+    top_k: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
         "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "grammar", "tools",
-        "tool_choice")  # fmt: skip
+        "tool_choice", "top_k")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 

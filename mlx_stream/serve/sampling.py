@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from mlx_stream.errors import UserError
 
@@ -82,12 +82,16 @@ def check_logit_bias(logit_bias: dict | None, vocab: int) -> dict[int, float] | 
 
 
 def processors(
-    logit_bias: dict | None, presence: float | None, frequency: float | None, vocab: int
-) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    """The logits processors of one reply (empty when nothing is asked)."""
+    logit_bias: dict | None, presence: float | None, frequency: float | None, vocab: int,
+    top_k: int | None = None,
+) -> list[Callable[[mx.array, mx.array], mx.array]]:  # fmt: skip
+    """The logits processors of one reply (empty when nothing is asked); ``top_k``
+    keeps the k most likely tokens (mlx-lm's ``apply_top_k``, before the sampler)."""
     out: list[Any] = make_logits_processors(logit_bias=check_logit_bias(logit_bias, vocab))
     if presence or frequency:
         out.append(ReplyPenalties(presence or 0.0, frequency or 0.0))
+    if top_k and top_k < vocab:
+        out.append(lambda _, logits: apply_top_k(logits, top_k))
     return out
 
 

@@ -27,6 +27,7 @@ session is touched.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -119,8 +120,7 @@ def function_tools(tools: list[dict] | None) -> list[dict]:
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise UserError(f"tools.{i}.function.name: required")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise UserError(f"tools.{i}.function.parameters: must be a JSON Schema object")
+        _check_schema(json.dumps(params, sort_keys=True), f"tools.{i}.function.parameters")
         spec = {
             "name": fn["name"],
             "description": fn.get("description") or "",
@@ -128,6 +128,15 @@ def function_tools(tools: list[dict] | None) -> list[dict]:
         }
         out.append({"type": "function", "function": spec})
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _check_schema(schema: str, field: str) -> None:
+    """A tool's parameters must be a schema llguidance can enforce (a forced call is
+    constrained by it); agents send the same tools every turn, hence the cache."""
+    from mlx_stream.serve.structured import json_schema_grammar
+
+    json_schema_grammar(json.loads(schema), field)
 
 
 @dataclass(frozen=True)
