@@ -373,9 +373,10 @@ def create_app(
     async def completions(body: CompletionRequest, http: Request):
         return await run(body, {"prompt": body.prompt, "max_tokens": body.max_tokens}, "text", http)
 
-    from mlx_stream.serve import anthropic
+    from mlx_stream.serve import anthropic, responses
 
     anthropic.register(app, engine, check_model)  # POST /v1/messages (Claude Code)
+    responses.register(app, engine, check_model)  # POST /v1/responses (Codex)
 
     return app
 
