@@ -257,15 +257,16 @@ class ChatSession:
         self.system = text or None
         self.reset()
 
-    def reply(self, user_text: str, write: Callable[[str], None]) -> Reply:
+    def reply(self, user_text: str, write: Callable[[str], None], **overrides: Any) -> Reply:
         """Stream a reply to ``user_text`` through ``write``; Ctrl-C stops it early.
 
         The reply, finished or not, joins the transcript and the cache; an exception
         raised by ``write`` stops it the same way and is raised again afterwards.
+        ``overrides``: per-call settings, see :meth:`generate`.
         """
         from mlx_stream.decode import StopOnInterrupt
 
-        turn = self.stream(user_text)
+        turn = self.stream(user_text, **overrides)
         with StopOnInterrupt() as ctrl_c:
             try:
                 for response in turn:

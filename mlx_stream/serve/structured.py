@@ -19,6 +19,7 @@ The bitmask is computed with llguidance's numpy path (its MLX kernel needs Metal
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,22 +36,36 @@ def _check(grammar: str, field: str) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         why = messages[0].strip() if messages else "invalid"
-        raise UserError(f"{field}: not a schema this server can enforce ({why})")
+        raise UserError(f"{field}: not a schema llguidance can enforce ({why})")
     return grammar
 
 
-def json_schema_grammar(schema: Any, field: str) -> str:
+def json_schema_grammar(schema: Any, field: str, lenient: bool = False) -> str:
     """The grammar of JSON matching ``schema`` (a JSON Schema object), or a
-    :class:`UserError` naming ``field``."""
+    :class:`UserError` naming ``field``. ``lenient``: keywords llguidance does not
+    implement are ignored instead of refused (tool schemas written for other servers)."""
     import llguidance
 
     if not isinstance(schema, dict):
         raise UserError(f"{field}: must be a JSON Schema object")
+    options = {**JSON_OPTIONS, "lenient": lenient}
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except (ValueError, TypeError) as exc:
         raise UserError(f"{field}: not a JSON Schema ({exc})") from exc
     return _check(grammar, field)
+
+
+def schema_file_grammar(path: str | Path) -> str:
+    """The grammar of a JSON Schema file (``chat`` / ``stream-run --json-schema``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a JSON file ({exc})") from exc
+    return json_schema_grammar(schema, str(path))
 
 
 def lark_grammar(lark: str, field: str) -> str:

@@ -136,7 +136,7 @@ def _check_schema(schema: str, field: str) -> None:
     constrained by it); agents send the same tools every turn, hence the cache."""
     from mlx_stream.serve.structured import json_schema_grammar
 
-    json_schema_grammar(json.loads(schema), field)
+    json_schema_grammar(json.loads(schema), field, lenient=True)
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def call_grammar(defs: list[dict], start: str, end: str) -> str:
         for t in defs
     ]  # fmt: skip
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
     lark = f"start: {json.dumps(start + chr(10))} call {json.dumps(chr(10) + end)}\n"
     lark += f"call: %json {json.dumps(schema)}\n"
     return lark_grammar(lark, "tools")
