@@ -15,7 +15,8 @@ one :class:`mlx_stream.batch.Batch` (one row per session on its own sink cache, 
 Both sets of rows exist at once and decode in alternating blocks of ``--block`` steps
 (noise on this shared machine falls on both alike); only decode steps are timed. One
 JSON line per (mode, B) with aggregate tok/s (steps over total time) and the median
-step time, and a summary line with the schema/plain speed ratio per B from both
+step time (the schema line also: the constraint's own CPU time per row and token,
+replayed on ready logits), and a summary line with the schema/plain speed ratio per B from both
 (target: at least 0.90, i.e. at most 10% slower; the median resists load spikes).
 
     python benchmarks/structured.py --batches 1,8 --tokens 48
@@ -86,10 +87,26 @@ def run(model, tokenizer, prompts, args) -> dict[str, list[float]]:
                 modes[name].step()
             mx.synchronize()
             times[name] += [(time.perf_counter() - tic) / steps] * steps
-    sample = tokenizer.decode(modes["schema"].tokens[0])
+    sample = modes["schema"].tokens[0]
     for m in modes.values():
         m.close()
     return times, sample
+
+
+def mask_cost(tokenizer, tokens: list[int], vocab: int) -> float:
+    """Milliseconds the constraint itself takes per token (grammar step, mask, its
+    MLX array), replaying ``tokens`` on ready logits: the CPU work it adds to a step."""
+    import mlx.core as mx
+
+    from mlx_stream.serve.structured import Grammars, json_schema_grammar
+
+    constraint = Grammars(tokenizer).constraint(json_schema_grammar(SCHEMA, "schema"))
+    logits = mx.zeros((1, vocab))
+    mx.eval(logits)
+    tic = time.perf_counter()
+    for token in [0, *tokens]:
+        mx.eval(constraint(mx.array([token]), logits))
+    return 1e3 * (time.perf_counter() - tic) / (len(tokens) + 1)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tokens = common.book_tokens(tokenizer, args.context * B)
         prompts = [tokens[i * args.context : (i + 1) * args.context] for i in range(B)]
         times, sample = run(model, tokenizer, prompts, args)
+        mask_ms = mask_cost(tokenizer, sample, len(tokenizer.get_vocab()))
         rate = {m: B * len(t) / sum(t) for m, t in times.items()}
         ratios[B] = round(rate["schema"] / rate["plain"], 3)
         p50 = {m: common.percentile(t, 50) for m, t in times.items()}
@@ -123,7 +141,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 context=args.context, window=args.window, tokens=args.tokens,
                 tok_s=round(rate[mode], 2),
                 p50_ms=round(1e3 * common.percentile(t, 50), 2),
-                **({"sample": sample[:80]} if mode == "schema" else {}),
+                **({"mask_ms_per_row": round(mask_ms, 3),
+                    "sample": tokenizer.decode(sample)[:80]} if mode == "schema" else {}),
             )  # fmt: skip
             records.append(common.emit(record, args.out))
     summary = {"bench": "structured", "summary": True, "schema_over_plain": ratios,

@@ -343,3 +343,33 @@ def test_tool_call_text_is_parsed_from_a_stream_of_pieces():
     (call,) = [e[2] for e in events if e[0] == "tool_call"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "rome", "days": 2}'}
     assert events[-1] == ("end", {}, "tool_calls")
+
+
+def test_a_template_with_tool_support_gets_the_tools_and_its_own_parser(tiny_tools_model_dir):
+    """mlx-lm infers the template's parser (json_tools); the tools go to the template
+    (tools=) and a forced call, rendered back by the template, matches what the
+    model wrote, so the tool result alone is fed."""
+    from mlx_stream.loader import load
+
+    _, tok = load(str(tiny_tools_model_dir))
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"
+    s = Server(tiny_tools_model_dir, "--sinks", "2", "--window", "2048", "--max-tokens", "200")
+    try:
+        ask = [{"role": "user", "content": "weather in rome"}]
+        plain = chat(s, ask, max_tokens=1, extra_headers={"X-Session-ID": "n0"})
+        first = chat(s, ask, tools=[WEATHER], tool_choice="required",
+                     extra_headers={"X-Session-ID": "n1"})  # fmt: skip
+        assert first.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # the definitions
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        messages = ask + [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "clear"},
+        ]
+        second = chat(s, messages, tools=[WEATHER], max_tokens=4,
+                      extra_headers={"X-Session-ID": "n1"})  # fmt: skip
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.total_tokens - 1
+        assert 0 < second.usage.prompt_tokens - cached < 100
+    finally:
+        s.stop()

@@ -100,13 +100,13 @@ def overrides(
     batched: bool = False, draft: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """``stream_generate`` arguments for one engine request: its logits processors
-    (``logit_bias``, penalties, then ``constraint``) and, when it decodes alone with a
+    (``constraint``, then ``logit_bias``, penalties, ``top_k``) and, when it decodes alone with a
     ``seed``, a sampler with its own key (a batch row keys itself from the seed)."""
     procs = processors(
         request.logit_bias, request.presence_penalty, request.frequency_penalty, vocab
     )
-    if constraint is not None:
-        procs.append(constraint)
+    if constraint is not None:  # first: the processors after it only move allowed tokens
+        procs.insert(0, constraint)
     if procs and draft:
         raise UserError(
             "logit_bias, penalties, response_format and forced tool calls are not "

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.errors import UserError
 
 # JSON written like json.dumps(): no free whitespace, ", " and ": " separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -136,8 +136,9 @@ class Grammars:
 
 class Constraint:
     """An mlx-lm style logits processor for one reply: ``-inf`` wherever the grammar
-    forbids the next token. Each call after the first first feeds the grammar the
-    token sampled by the call before (``tokens[-1]``; reading it waits for that step)."""
+    forbids the next token. Each call after the first feeds the grammar the token
+    sampled by the call before (``tokens[-1]``; reading it waits for that step). It
+    must come first among a reply's processors (a later one may not unmask)."""
 
     def __init__(self, matcher: Any, vocab: int):
         from llguidance.numpy import allocate_token_bitmask
@@ -145,19 +146,19 @@ class Constraint:
         self.matcher, self.vocab = matcher, vocab
         self.mask = allocate_token_bitmask(1, vocab)
         self.calls = 0
-        self.text_tokens: list[int] = []
+        self.failed = False
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
         from llguidance.numpy import fill_next_token_bitmask
 
-        if self.calls:
+        if self.calls and not self.failed:
             token = int(tokens.reshape(-1)[-1].item())
-            if not self.matcher.consume_token(token):
-                raise RuntimeFailure(
-                    f"the grammar refused token {token}: {self.matcher.get_error()}"
-                )
-            self.text_tokens.append(token)
+            # Sampling only draws allowed tokens, so this cannot fail; if it does, the
+            # reply goes on unconstrained: raising here would stop every row's step.
+            self.failed = not self.matcher.consume_token(token)
+        if self.failed:
+            return logits
         self.calls += 1
         fill_next_token_bitmask(self.matcher, self.mask)
         allowed = np.unpackbits(self.mask.view(np.uint8), bitorder="little")[: self.vocab]
