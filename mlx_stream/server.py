@@ -674,7 +674,7 @@ class Engine:
         extra = sampling.overrides(
             request, s.temp if request.temp is None else request.temp,
             s.top_p if request.top_p is None else request.top_p, self._vocab, constraint,
-            batched=self._batch is not None, draft=self.draft_model is not None,
+            draft=self.draft_model is not None,
         )  # fmt: skip
         if plan is not None and not isinstance(request.emit, tools.CallStream):
             salt = json.dumps(request.messages[-1], sort_keys=True) + str(len(request.messages))

@@ -146,3 +146,21 @@ def test_x_api_key_is_accepted_as_well_as_bearer(tiny_model_dir):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     finally:
         s.stop()
+
+
+def test_top_k_one_samples_the_greedy_reply(server):
+    """Sampling fields arrive as extra body fields (this SDK has no arguments for them)."""
+    kw = {"model": "default", "max_tokens": 8, "messages": ask("the old captain")}
+
+    def create(session, **sampling):
+        return (
+            server.claude.messages.create(
+                **kw, extra_body=sampling, extra_headers={"X-Session-ID": session}
+            )
+            .content[0]
+            .text
+        )
+
+    greedy = create("k0", temperature=0)
+    assert create("k1", temperature=1.0, top_k=1) == greedy
+    assert any(create(f"k{i + 2}", temperature=1.0) != greedy for i in range(3))  # it samples

@@ -97,14 +97,15 @@ def processors(
 
 def overrides(
     request: Any, temp: float, top_p: float, vocab: int, constraint: Any = None,
-    batched: bool = False, draft: bool = False,
+    draft: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """``stream_generate`` arguments for one engine request: its logits processors
-    (``constraint``, then ``logit_bias``, penalties, ``top_k``) and, when it decodes alone with a
-    ``seed``, a sampler with its own key (a batch row keys itself from the seed)."""
+    (``constraint``, then ``logit_bias``, penalties, ``top_k``) and, with a ``seed``,
+    a sampler with its own key, so the process's random state is never touched."""
     procs = processors(
-        request.logit_bias, request.presence_penalty, request.frequency_penalty, vocab
-    )
+        request.logit_bias, request.presence_penalty, request.frequency_penalty, vocab,
+        request.top_k,
+    )  # fmt: skip
     if constraint is not None:  # first: the processors after it only move allowed tokens
         procs.insert(0, constraint)
     if procs and draft:
@@ -115,6 +116,6 @@ def overrides(
     out: dict[str, Any] = {}
     if procs:
         out["logits_processors"] = procs
-    if request.seed is not None and not batched:
+    if request.seed is not None:  # a batch row keys itself the same way and ignores it
         out["sampler"] = keyed_sampler(temp, top_p, request.seed)
     return out
