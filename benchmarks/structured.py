@@ -2,7 +2,7 @@
 
 B sessions (``--batches``, default 1 and 8) each get a different ``--context``-token
 stretch of Moby-Dick as their prompt, then decode ``--tokens`` greedy steps together in
-one :class:`mlx_stream.batch.Batch` (one row per session on its own sink cache, as
+one :class:`mlx_stream.generate.batch.Batch` (one row per session on its own sink cache, as
 ``serve`` runs them):
 
 - ``plain``: no logits processor;
@@ -44,8 +44,8 @@ class Rows:
     """B rows in their own batch, with or without a constraint each."""
 
     def __init__(self, model, tokenizer, prompts, args, constrained: bool):
-        from mlx_stream.batch import Batch
         from mlx_stream.cache import make_sink_cache
+        from mlx_stream.generate.batch import Batch
         from mlx_stream.serve.structured import Grammars, json_schema_grammar
 
         grammars = Grammars(tokenizer)

@@ -1,7 +1,7 @@
 """``mlx-stream chat``: a terminal chat that never hits a context limit.
 
 The conversation itself (transcript, incremental template rendering, the SinkCache
-kept across turns, checkpoints) is :class:`mlx_stream.session.ChatSession`, shared with
+kept across turns, checkpoints) is :class:`mlx_stream.generate.session.ChatSession`, shared with
 ``mlx-stream serve``; this module holds only the terminal loop and its slash commands.
 """
 
@@ -28,7 +28,7 @@ from cli.common import (
 )
 
 if TYPE_CHECKING:
-    from mlx_stream.session import ChatSession
+    from mlx_stream.generate.session import ChatSession
 
 PROMPT = ">>> "
 HELP = """\
@@ -103,7 +103,7 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
         if not arg:
             fail(f"/{name} needs a path")
         if name == "save":
-            from mlx_stream.session import checkpoint_paths
+            from mlx_stream.generate.session import checkpoint_paths
 
             for path in checkpoint_paths(arg):
                 check_output_path(path)
@@ -120,7 +120,7 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
 def read_line(interactive: bool) -> str:
     """One input line, bytes that are not UTF-8 made U+FFFD (raises EOFError at the end
     of input / Ctrl-D)."""
-    from mlx_stream.session import clean_text
+    from mlx_stream.generate.session import clean_text
 
     if interactive:
         return clean_text(input(PROMPT))
@@ -234,7 +234,7 @@ def chat(
         import mlx.core as mx
 
         mx.random.seed(seed)
-    from mlx_stream.session import ChatSession, Settings
+    from mlx_stream.generate.session import ChatSession, Settings
 
     settings = Settings(
         sinks=sinks,

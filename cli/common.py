@@ -316,7 +316,7 @@ def load_model(name: str | None, dtype: str = "auto", what: str = "model", prepa
     Returns:
         ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
     """
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     console = stderr_console()
 

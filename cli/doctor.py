@@ -52,7 +52,8 @@ def collect(speed: bool = True) -> dict:
 
     import mlx.core as mx
 
-    from mlx_stream import __version__, loader, registry
+    from mlx_stream import __version__
+    from mlx_stream.models import loader, registry
 
     active = blas.active_blas()
     report = {

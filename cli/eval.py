@@ -171,9 +171,9 @@ def divergence(
     checked = check_text_file(path)
 
     target, tokenizer, spec = load_model(model, dtype)
-    from mlx_stream.divergence import Policy, sample_points
-    from mlx_stream.divergence import divergence as run_divergence
-    from mlx_stream.evaluate import iter_tokens
+    from mlx_stream.eval.divergence import Policy, sample_points
+    from mlx_stream.eval.divergence import divergence as run_divergence
+    from mlx_stream.eval.perplexity import iter_tokens
 
     default_sinks, default_window = sizes(spec, None, None)
     context = model_context(target)
@@ -276,8 +276,8 @@ def recall(
     check_positive(answer_tokens, "--answer-tokens")
 
     target, tokenizer, spec = load_model(model, dtype)
-    from mlx_stream.recall import check_prompts
-    from mlx_stream.recall import recall as run_recall
+    from mlx_stream.eval.passkey import check_prompts
+    from mlx_stream.eval.passkey import recall as run_recall
 
     sinks, _ = sizes(spec, sinks, None)
     context = model_context(target)

@@ -70,7 +70,7 @@ def _size(folder: Path) -> int:
 
 
 def _rows() -> list[dict[str, Any]]:
-    from mlx_stream import loader, registry
+    from mlx_stream.models import loader, registry
 
     reg = registry.load_registry()
     rows = []
@@ -124,7 +124,7 @@ def list_models(
 @handle_errors
 def info(name: Name) -> None:
     """Show a model's registry entry, sources and, once pulled, its folder and config."""
-    from mlx_stream import loader, registry
+    from mlx_stream.models import loader, registry
 
     spec = registry.get(name)
     lines = [
@@ -141,7 +141,7 @@ def info(name: Name) -> None:
         config = json.loads((folder / "config.json").read_text())
         quant = config.get("quantization")
         stored = f"{quant['bits']}-bit, group {quant['group_size']}" if quant else "float"
-        from mlx_stream.estimate import describe, folder_estimate
+        from mlx_stream.cache.estimate import describe, folder_estimate
 
         policy = loader.resolve_dtype("auto")
         estimate = folder_estimate(folder, policy, spec.sinks, spec.window)
@@ -172,7 +172,7 @@ def pull(
     """Download (and convert) a model into the user cache."""
     import time
 
-    from mlx_stream import loader, registry
+    from mlx_stream.models import loader, registry
 
     spec = registry.get(name)
     if loader.is_pulled(spec.name) and not force:
@@ -192,8 +192,8 @@ def import_gguf(
     description: Annotated[str | None, typer.Option(help="One line for `models list`.")] = None,
 ) -> None:
     """Convert a GGUF file into the user cache and register it in the user models.yaml."""
-    from mlx_stream import gguf, registry
     from mlx_stream.errors import UserError
+    from mlx_stream.models import gguf, registry
 
     if name in registry.load_registry().models:
         raise UserError(f"'{name}' is already a model (choose another --name or `models rm` it)")
@@ -216,8 +216,8 @@ def import_gguf(
 @handle_errors
 def remove(name: Name) -> None:
     """Delete a pulled model from the user cache (and an imported model's entry)."""
-    from mlx_stream import loader, registry
     from mlx_stream.errors import UserError
+    from mlx_stream.models import loader, registry
 
     spec = registry.get(name)
     was_default = registry.load_registry().default == name
@@ -246,8 +246,8 @@ def check(
     from mlx_lm.models import cache as mlx_cache
 
     from cli.common import load_model
-    from mlx_stream.cache import make_sink_cache
-    from mlx_stream.positions import check_model, model_type
+    from mlx_stream.cache.positions import check_model, model_type
+    from mlx_stream.cache.sink import make_sink_cache
 
     net, _, spec = load_model(model)
     caches = mlx_cache.make_prompt_cache(net)

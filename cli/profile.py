@@ -77,7 +77,7 @@ def make_caches(model: Any, kind: str, sinks: int, window: int, kv: dict | None 
     from mlx_lm.models import cache as mlx_cache
 
     if kind == "sink":
-        from mlx_stream.estimate import make_checked_sink_cache
+        from mlx_stream.cache.estimate import make_checked_sink_cache
 
         return make_checked_sink_cache(model, sinks, window, **(kv or {}))
     if kind == "full":
@@ -115,8 +115,8 @@ def run_setting(
     """Decode ``tokens`` tokens under ``setting``; one row per yielded token."""
     import mlx.core as mx
 
-    from mlx_stream.decode import stream_generate
-    from mlx_stream.reclaim import ReclaimSchedule, memory_snapshot
+    from mlx_stream.cache.reclaim import ReclaimSchedule, memory_snapshot
+    from mlx_stream.generate.decode import stream_generate
 
     caches = make_caches(model, setting.cache, sinks, window, kv)
     if setting.draft:
@@ -383,7 +383,7 @@ def profile(
         typer.echo(json_line(summaries if compare else summaries[0]))
     else:
         print_report(summaries, runs)
-        from mlx_stream.estimate import describe
+        from mlx_stream.cache.estimate import describe
 
         typer.echo(f"estimate (sink cache): {describe(estimate)}")
     failures = []
@@ -403,7 +403,7 @@ def memory_estimate(target: Any, draft: Any, sinks: int, window: int, kv: dict) 
     """Weights (as loaded) and the full sink cache at this window, for the report."""
     from mlx.utils import tree_flatten
 
-    from mlx_stream.estimate import cache_bytes, model_layout, summary
+    from mlx_stream.cache.estimate import cache_bytes, model_layout, summary
 
     weights = cache = 0
     for m in (target, draft):

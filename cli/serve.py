@@ -1,5 +1,5 @@
 """``mlx-stream serve``: an OpenAI-compatible server where every session lives in fixed
-memory (the engine is :mod:`mlx_stream.server`, the routes :mod:`mlx_stream.api`)."""
+memory (the engine is :mod:`mlx_stream.serve.engine`, the routes :mod:`mlx_stream.serve.app`)."""
 
 from __future__ import annotations
 
@@ -57,8 +57,25 @@ ApiKey = Annotated[
         "--api-key",
         envvar="MLX_STREAM_API_KEY",
         show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on /v1 routes (OpenAI clients send their "
-        "api_key so). Default: none (anyone who can reach the port may use it).",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (OpenAI "
+        "clients send their api_key so). Default: none (anyone who can reach the port may "
+        "use it).",
+    ),
+]
+ApiKeys = Annotated[
+    Path | None,
+    typer.Option(
+        "--api-keys",
+        help="A file of API keys, one per line ('#' comments): each key has its own "
+        "sessions, and sees and continues only those.",
+    ),
+]
+Isolate = Annotated[
+    bool,
+    typer.Option(
+        "--isolate",
+        help="Never match a request without X-Session-ID to an existing session by its "
+        "transcript (for one key shared by several people).",
     ),
 ]
 StateDir = Annotated[
@@ -111,6 +128,8 @@ def serve(
     kv_key_bits: opt.KvKeyBits = None,
     batch: Batching = True,
     api_key: ApiKey = None,
+    api_keys: ApiKeys = None,
+    isolate: Isolate = False,
     distributed: opt.Distributed = "auto",
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
@@ -135,6 +154,11 @@ def serve(
     budget = parse_bytes(memory_budget)
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
+    from mlx_stream.serve.app import read_api_keys
+
+    keys = ([api_key.strip()] if api_key is not None else []) + (
+        read_api_keys(api_keys) if api_keys is not None else []
+    )
     if state_dir is not None and not state_dir.is_dir():
         fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
     if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
@@ -151,9 +175,9 @@ def serve(
 
     import uvicorn
 
-    from mlx_stream.api import create_app
-    from mlx_stream.server import Engine
-    from mlx_stream.session import Settings
+    from mlx_stream.generate.session import Settings
+    from mlx_stream.serve.app import create_app
+    from mlx_stream.serve.engine import Engine
 
     settings = Settings(
         sinks=sinks,
@@ -167,7 +191,7 @@ def serve(
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
-        cluster=cluster,
+        cluster=cluster, isolate=isolate,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:
@@ -188,7 +212,7 @@ def serve(
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine, api_key=api_key),
+            create_app(engine, api_keys=keys),
             host=host,
             port=port,
             log_level="warning",

@@ -153,9 +153,9 @@ def evaluate(
     import signal
     import time
 
-    from mlx_stream.decode import StopOnInterrupt
-    from mlx_stream.estimate import make_checked_sink_cache
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.cache.estimate import make_checked_sink_cache
+    from mlx_stream.eval.perplexity import stream_perplexity
+    from mlx_stream.generate.decode import StopOnInterrupt
 
     caches = None
     if resume is None:
@@ -201,7 +201,7 @@ def answer(
     """Ask ``prompt`` of what the window holds (the document's last token, still
     pending, goes first) and stream the reply through ``write`` (``processors``: e.g.
     a ``--json-schema`` constraint)."""
-    from mlx_stream.decode import stream_generate
+    from mlx_stream.generate.decode import stream_generate
 
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
@@ -350,8 +350,8 @@ def stream_run(
             from mlx_stream.serve.structured import Grammars, schema_file_grammar
 
             constraint = Grammars(tokenizer).constraint(schema_file_grammar(json_schema))
-        from mlx_stream.evaluate import iter_tokens
-        from mlx_stream.loader import resolve_dtype
+        from mlx_stream.eval.perplexity import iter_tokens
+        from mlx_stream.models.loader import resolve_dtype
 
         reader = CountingReader(f)
         tokens = Tracked(iter_tokens(reader, tokenizer))

@@ -79,7 +79,7 @@ def save(path: str | os.PathLike, caches: list, state: dict, identity: dict) -> 
         state (dict): The evaluation state (JSON-able).
         identity (dict): What it belongs to, ``text_sha256`` included (JSON-able).
     """
-    from mlx_stream.cache import save_cache
+    from mlx_stream.cache.sink import save_cache
 
     path = Path(path)
     files.remove_stale(path)  # a save killed midway leaves its temporary
@@ -168,7 +168,7 @@ def load(
         UserError: Another model, setting or segment size, or arrays that do not match
             their checksum.
     """
-    from mlx_stream.cache import load_cache
+    from mlx_stream.cache.sink import load_cache
 
     meta = read_metadata(path)
     if identity is not None:

@@ -557,7 +557,7 @@ def join(mode: str, name: str | None) -> Cluster | None:
     cluster = start(mode)
     if cluster is not None:
         if cluster.is_root:
-            from mlx_stream import loader
+            from mlx_stream.models import loader
 
             loader.resolve(name)
         cluster.barrier()

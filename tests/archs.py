@@ -395,7 +395,7 @@ def _close(a: mx.array, b: mx.array, tol: float = 1e-3) -> bool:
 
 
 def _feed(model, cache, tokens, chunk, aligned=True):
-    from mlx_stream.cache import max_call_tokens
+    from mlx_stream.cache.sink import max_call_tokens
 
     out, i = [], 0
     while i < len(tokens):
@@ -413,7 +413,7 @@ def classify(arch: str, variant: str | None = None) -> tuple[str, str]:
 
     from mlx_lm.models import cache as mlx_cache
 
-    from mlx_stream.cache import SinkCache, make_sink_cache
+    from mlx_stream.cache.sink import SinkCache, make_sink_cache
     from mlx_stream.errors import Unsupported
 
     if arch in PROCESS_KILLERS:

@@ -9,8 +9,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_stream import gguf, loader, registry
 from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.models import gguf, loader, registry
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from mlx_stream import registry
 from mlx_stream.errors import UserError
+from mlx_stream.models import registry
 
 
 def write_user(data):
@@ -147,7 +147,7 @@ def test_atomic_folder_removes_what_a_killed_pull_left(tmp_path):
 
 
 def test_registry_does_not_import_mlx():
-    code = "import sys, mlx_stream.registry as r; r.load_registry(); print('mlx' in sys.modules)"
+    code = "import sys, mlx_stream.models.registry as r; r.load_registry(); print('mlx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -349,7 +349,7 @@ def test_a_template_with_tool_support_gets_the_tools_and_its_own_parser(tiny_too
     """mlx-lm infers the template's parser (json_tools); the tools go to the template
     (tools=) and a forced call, rendered back by the template, matches what the
     model wrote, so the tool result alone is fed."""
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     _, tok = load(str(tiny_tools_model_dir))
     assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"

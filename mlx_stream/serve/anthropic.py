@@ -27,12 +27,13 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
+from mlx_stream.serve.fields import sampling_args, session_header
 
 PREFIX = "/v1/messages"
 KINDS = {
@@ -206,8 +207,15 @@ def _tool_use(call: dict) -> dict[str, Any]:
 def register(app: FastAPI, engine: Any, check_model) -> None:
     """Add the Messages API routes to ``app`` (served by ``engine``)."""
 
+    from mlx_stream.serve.app import owner_of
+
     @app.post(PREFIX)
-    async def messages(body: MessagesRequest, x_session_id: Annotated[str | None, Header()] = None):
+    async def messages(
+        body: MessagesRequest, http: Request, x_session_id: Annotated[str | None, Header()] = None
+    ):
+        bad_id = session_header(x_session_id)
+        if bad_id is not None:
+            return error(400, bad_id)
         if check_model(body.model) is not None:
             return error(404, f"model {body.model!r} is not served here ({engine.model_id!r} is)")
         try:
@@ -215,8 +223,9 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         except UserError as exc:
             return error(400, str(exc))
         job, request, first = await events.start(
-            engine, session_id=x_session_id, max_tokens=body.max_tokens, temp=body.temperature,
-            top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences or None, **fields,
+            engine, session_id=x_session_id, max_tokens=body.max_tokens, top_k=body.top_k,
+            stop=body.stop_sequences or None, owner=owner_of(http),
+            **sampling_args(body.temperature, body.top_p), **fields,
         )  # fmt: skip
         if first[0] == "error":
             _, status, message, retry = first

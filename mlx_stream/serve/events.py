@@ -1,6 +1,6 @@
 """The HTTP side of one engine request, shared by the APIs of :mod:`mlx_stream.serve`.
 
-Contract: :func:`start` builds an engine :class:`~mlx_stream.server.Request` whose
+Contract: :func:`start` builds an engine :class:`~mlx_stream.serve.engine.Request` whose
 events (emitted on the engine's worker thread) arrive on an asyncio queue, submits it
 and waits for the first event: ``("start", info)`` or ``("error", status, message,
 retry_after)``. :func:`drain` collects a whole reply; a caller streaming the events
@@ -29,7 +29,7 @@ class Job:
 
 async def start(engine: Any, **fields: Any) -> tuple[Job, Any, tuple]:
     """Submit an engine request with ``fields``; returns (job, request, first event)."""
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     job = Job(asyncio.get_running_loop())
     request = Request(emit=job.emit, **fields)

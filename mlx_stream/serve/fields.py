@@ -1,4 +1,4 @@
-"""The agent fields of an OpenAI request body, as :class:`mlx_stream.server.Request`
+"""The agent fields of an OpenAI request body, as :class:`mlx_stream.serve.engine.Request`
 arguments (shared by chat completions, completions and the Responses API).
 
 Contract: :func:`openai_fields` reads ``logit_bias``, the penalties,
@@ -35,3 +35,22 @@ def openai_fields(body: Any) -> dict[str, Any]:
         "tools": getattr(body, "tools", None) or None,
         "tool_choice": getattr(body, "tool_choice", None),
     }
+
+
+def sampling_args(temp: float | None, top_p: float | None) -> dict[str, float | None]:
+    """``temp`` and ``top_p`` for the engine: greedy where they ask for it (what chat
+    completions' bodies do, for the other APIs)."""
+    from mlx_stream.serve.app import MIN_TEMPERATURE, MIN_TOP_P
+
+    if (temp is not None and temp < MIN_TEMPERATURE) or (top_p is not None and top_p < MIN_TOP_P):
+        return {"temp": 0.0, "top_p": None}
+    return {"temp": temp, "top_p": top_p}
+
+
+def session_header(value: str | None) -> str | None:
+    """The error of a malformed ``X-Session-ID`` header, else ``None``."""
+    from mlx_stream.serve.app import SESSION_ID
+
+    if value is not None and not SESSION_ID.fullmatch(value):
+        return "X-Session-ID: must be 1 to 128 visible ASCII characters (no spaces)"
+    return None

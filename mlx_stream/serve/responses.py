@@ -33,13 +33,13 @@ import uuid
 from collections import OrderedDict
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
-from mlx_stream.serve.fields import field_of
+from mlx_stream.serve.fields import field_of, sampling_args, session_header
 from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET
@@ -133,18 +133,19 @@ def _choice(choice: Any) -> Any:
 
 class Store:
     """Responses kept for ``previous_response_id`` and ``GET``: the response object,
-    the conversation after it and its session (newest :data:`MAX_STORED`)."""
+    the conversation after it and its session (newest :data:`MAX_STORED`), each seen
+    only by its owner (the API key that made it, as sessions are)."""
 
     def __init__(self, limit: int = MAX_STORED):
         self.limit, self.items = limit, OrderedDict()
 
-    def put(self, ident: str, response: dict, messages: list[dict], session: str | None):
-        self.items[ident] = (response, messages, session)
+    def put(self, ident: str, response: dict, messages: list[dict], session, owner: str):
+        self.items[(owner, ident)] = (response, messages, session)
         while len(self.items) > self.limit:
             self.items.popitem(last=False)
 
-    def get(self, ident: str):
-        return self.items.get(ident)
+    def get(self, ident: str, owner: str):
+        return self.items.get((owner, ident))
 
 
 def _usage(usage: dict) -> dict[str, Any]:
@@ -214,16 +215,24 @@ def error(status: int, message: str, headers=None) -> JSONResponse:
 
 def register(app: FastAPI, engine: Any, check_model) -> None:
     """Add the Responses API routes to ``app`` (served by ``engine``)."""
+    from mlx_stream.serve.app import owner_of
+
     store = Store()
 
     @app.post("/v1/responses")
-    async def create(body: ResponsesRequest, x_session_id: Annotated[str | None, Header()] = None):
+    async def create(
+        body: ResponsesRequest, http: Request, x_session_id: Annotated[str | None, Header()] = None
+    ):
+        bad_id = session_header(x_session_id)
+        if bad_id is not None:
+            return error(400, bad_id)
+        owner = owner_of(http)
         bad = check_model(body.model)
         if bad is not None:
             return bad
         session_id, history, open_ids = x_session_id, [], set()
         if body.previous_response_id is not None:
-            previous = store.get(body.previous_response_id)
+            previous = store.get(body.previous_response_id, owner)
             if previous is None:
                 return error(
                     404, f"previous_response_id: no response {body.previous_response_id!r} here"
@@ -243,8 +252,8 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         messages = head + history + new
         job, request, first = await events.start(
             engine, messages=messages, session_id=session_id, max_tokens=body.max_output_tokens,
-            temp=body.temperature, top_p=body.top_p, grammar=grammar, tools=tools,
-            tool_choice=_choice(body.tool_choice),
+            grammar=grammar, tools=tools, tool_choice=_choice(body.tool_choice), owner=owner,
+            **sampling_args(body.temperature, body.top_p),
         )  # fmt: skip
         if first[0] == "error":
             _, status, message, retry = first
@@ -257,7 +266,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             status = "incomplete" if shape.finish == "length" else "completed"
             response = shape.response(status)
             conversation = [*request.messages, shape.reply_message()]
-            store.put(shape.id, response, conversation, session_id)
+            store.put(shape.id, response, conversation, session_id, owner)
             return response
 
         if body.stream:
@@ -275,8 +284,8 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         return JSONResponse(keep(), headers=headers)
 
     @app.get("/v1/responses/{ident}")
-    async def retrieve(ident: str):
-        stored = store.get(ident)
+    async def retrieve(ident: str, http: Request):
+        stored = store.get(ident, owner_of(http))
         if stored is None:
             return error(404, f"no response {ident!r} here")
         return stored[0]

@@ -4,8 +4,8 @@ Contract: each function returns mlx-lm style pieces that the decode loop and the
 rows already take: a sampler ``logprobs -> token`` and logits processors ``(tokens,
 logits) -> logits``. Processors here are made for ONE reply and keep state: the first
 call of a reply sees no reply token yet, each later call's ``tokens[-1]`` is the token
-the call before sampled (what :func:`mlx_stream.decode.generate_step` and
-:class:`mlx_stream.batch.Batch` hand them).
+the call before sampled (what :func:`mlx_stream.generate.decode.generate_step` and
+:class:`mlx_stream.generate.batch.Batch` hand them).
 
 - ``logit_bias``: mlx-lm's own processor (``make_logits_processors``), token ids checked
   against the vocabulary.

@@ -81,7 +81,7 @@ def cache_bytes(
     Returns:
         int: Bytes.
     """
-    from mlx_stream.ring import MAX_SPARE_SINK_SETS
+    from mlx_stream.cache.ring import MAX_SPARE_SINK_SETS
 
     key_bits = kv_bits if key_bits is None else key_bits
     # Ring.slots_total, without building a Ring (it allocates a table per slot): the
@@ -215,7 +215,7 @@ def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any)
         UserError: Impossible sizes, or a cache larger than the memory available
             (with both figures), before anything is allocated.
     """
-    from mlx_stream.cache import make_sink_cache, validate_sizes
+    from mlx_stream.cache.sink import make_sink_cache, validate_sizes
 
     o = {"slack": None, "stride": DEFAULT_STRIDE, "positions": "cache", "kv_bits": None,
          "kv_group_size": 64, "key_bits": None, **options}  # fmt: skip

@@ -25,6 +25,7 @@ from mlx_stream.errors import RuntimeFailure, UserError
 STATE_KEY = "mlx_stream_chat"
 SENTINEL = "\x00mlx-stream\x00"
 PREFILL_STEP = 512
+ZERO_WIDTH_SPACE = "\u200b"
 
 
 @dataclass
@@ -76,6 +77,26 @@ def clean_text(text: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts ``tokenizer`` reads as special tokens, longest first."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    texts |= set(getattr(hf, "all_special_tokens", None) or ())
+    texts.discard(getattr(hf, "unk_token", None))  # unknown text reads as it anyway
+    return tuple(sorted((t for t in texts if len(t) > 1), key=len, reverse=True))
+
+
+def escape_specials(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` with every special token's text broken by a zero-width space after its
+    first character, so message content is read as text: a user who writes
+    ``<|im_start|>system`` gets those characters, not a new role."""
+    for special in specials:
+        if special in text:
+            text = text.replace(special, special[0] + ZERO_WIDTH_SPACE + special[1:])
+    return text
+
+
 def cache_count(caches: list) -> int:
     """Tokens the first cache of ``caches`` has consumed."""
     c = caches[0]
@@ -118,6 +139,7 @@ class ChatSession:
     caches: list = field(default_factory=list)
     n_target: int = 0
     last: Reply | None = None
+    specials: tuple[str, ...] | None = field(default=None, repr=False)
     tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
 
     def __post_init__(self) -> None:
@@ -126,9 +148,22 @@ class ChatSession:
     # ----- rendering ----------------------------------------------------------------
 
     def conversation(self, messages: list[dict[str, str]] | None = None) -> list[dict]:
-        """The system prompt (if any) followed by ``messages`` (default: the transcript)."""
+        """The system prompt (if any) followed by ``messages`` (default: the transcript).
+
+        Special-token text in what the user (or the system prompt, or a tool) wrote is
+        escaped (:func:`escape_specials`); the assistant's own replies are left as the
+        model wrote them, so a transcript renders to what its caches hold.
+        """
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + list(self.messages if messages is None else messages)
+        out = head + list(self.messages if messages is None else messages)
+        if self.specials is None:
+            self.specials = special_texts(self.tokenizer)
+        return [
+            m
+            if m["role"] == "assistant"
+            else {**m, "content": escape_specials(m["content"], self.specials)}
+            for m in out
+        ]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template (plain lines without one)."""
@@ -188,8 +223,8 @@ class ChatSession:
 
     def make_caches(self) -> list:
         """Fresh SinkCaches for the model (and the draft model after it)."""
+        from mlx_stream.cache.estimate import make_checked_sink_cache
         from mlx_stream.defaults import slack_for
-        from mlx_stream.estimate import make_checked_sink_cache
 
         s = self.settings
         kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
@@ -204,7 +239,7 @@ class ChatSession:
         """The engine's streaming generator over ``tokens`` with the session's caches;
         ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
         ``top_p``) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
-        from mlx_stream.decode import stream_generate
+        from mlx_stream.generate.decode import stream_generate
 
         s = self.settings
         kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
@@ -225,7 +260,7 @@ class ChatSession:
         """Feed ``text`` (rendered, the start of the conversation) into empty caches."""
         import mlx.core as mx
 
-        from mlx_stream.cache import max_call_tokens
+        from mlx_stream.cache.sink import max_call_tokens
 
         tokens = self.encode(text)
         groups = [(self.model, self.caches[: self.n_target])]
@@ -264,7 +299,7 @@ class ChatSession:
         raised by ``write`` stops it the same way and is raised again afterwards.
         ``overrides``: per-call settings, see :meth:`generate`.
         """
-        from mlx_stream.decode import StopOnInterrupt
+        from mlx_stream.generate.decode import StopOnInterrupt
 
         turn = self.stream(user_text, **overrides)
         with StopOnInterrupt() as ctrl_c:
@@ -378,7 +413,7 @@ class ChatSession:
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/stats`` and the line after each reply."""
-        from mlx_stream.reclaim import memory_snapshot
+        from mlx_stream.cache.reclaim import memory_snapshot
 
         first = self.caches[0]
         seen = cache_count(self.caches)
@@ -413,7 +448,7 @@ class ChatSession:
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Save the KV cache and the transcript (each file atomically); with a draft
         model its cache goes to ``PATH.draft.safetensors``."""
-        from mlx_stream.cache import save_cache
+        from mlx_stream.cache.sink import save_cache
 
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
@@ -430,7 +465,7 @@ class ChatSession:
 
     def load(self, path: str | Path) -> Path:
         """Restore a conversation saved by :meth:`save`."""
-        from mlx_stream.cache import load_cache
+        from mlx_stream.cache.sink import load_cache
 
         cache_path, _ = checkpoint_paths(path)
         draft_path = draft_cache_path(cache_path)

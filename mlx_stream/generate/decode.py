@@ -34,7 +34,9 @@ from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_stream.cache import SinkCache, max_call_tokens
+from mlx_stream.cache.estimate import make_checked_sink_cache
+from mlx_stream.cache.reclaim import ReclaimSchedule, set_wired_limit
+from mlx_stream.cache.sink import SinkCache, max_call_tokens
 from mlx_stream.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -43,8 +45,6 @@ from mlx_stream.defaults import (
     slack_for,
 )
 from mlx_stream.errors import UserError
-from mlx_stream.estimate import make_checked_sink_cache
-from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
 # the whole history, which grows forever in a stream: keep the most recent ones only.

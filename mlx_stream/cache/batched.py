@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import SinkCache, make_sink_cache, max_call_tokens
+from mlx_stream.cache.sink import SinkCache, make_sink_cache, max_call_tokens
 from mlx_stream.errors import Unsupported
 
 #: Largest logit difference between a batched row and the same session alone.

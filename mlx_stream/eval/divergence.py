@@ -30,8 +30,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import make_sink_cache, max_call_tokens, validate_sizes
-from mlx_stream.decode import generate_step
+from mlx_stream.cache.sink import make_sink_cache, max_call_tokens, validate_sizes
+from mlx_stream.generate.decode import generate_step
 
 POSITIONS = ("cache", "absolute", "rotating")
 

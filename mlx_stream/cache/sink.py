@@ -39,10 +39,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream import kvstore
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.positions import Move, check_model, model_type, position_limit
+from mlx_stream.cache.ring import Ring
 from mlx_stream.errors import Unsupported
-from mlx_stream.positions import Move, check_model, model_type, position_limit
-from mlx_stream.ring import Ring
 
 POSITIONS = ("cache", "absolute")
 DEFAULT_SINKS = 4

@@ -31,11 +31,11 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream import checkpoint as ckpt
-from mlx_stream.cache import max_call_tokens
+from mlx_stream.cache.estimate import make_checked_sink_cache
+from mlx_stream.cache.reclaim import ReclaimSchedule
+from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
 from mlx_stream.errors import UserError
-from mlx_stream.estimate import make_checked_sink_cache
-from mlx_stream.reclaim import ReclaimSchedule
 
 DEFAULT_BLOCK_CHARS = 1 << 16
 # Last place in a block where a word ends and whitespace begins.
