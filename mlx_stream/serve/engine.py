@@ -901,7 +901,8 @@ class Engine:
 
 def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
     """``(system, history, user)`` of a chat request: a leading system message, the
-    turns before the last, and the last (a user message). Text is decoded leniently."""
+    turns before the last, and the last (a user message's text; after tool results,
+    the new messages as a list). Text is decoded leniently."""
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if not messages:
         raise BadRequest("messages: must hold at least one message")
