@@ -373,3 +373,33 @@ def test_a_template_with_tool_support_gets_the_tools_and_its_own_parser(tiny_too
         assert 0 < second.usage.prompt_tokens - cached < 100
     finally:
         s.stop()
+
+
+def test_decoding_alone_constrains_the_same_and_a_draft_model_is_refused(tiny_bpe_model_dir):
+    """--no-batch: the constraint runs in the decode loop (same JSON as batched, greedy);
+    with a draft model (speculative decoding) constraints are refused, not ignored."""
+    asks = [{"role": "user", "content": "a color"}]
+    batched = Server(tiny_bpe_model_dir, "--sinks", "2", "--window", "256", "--max-tokens", "60")
+    try:
+        want = batched.client.chat.completions.parse(model="default", messages=asks,
+                                                     response_format=Answer)  # fmt: skip
+    finally:
+        batched.stop()
+    alone = Server(tiny_bpe_model_dir, "--sinks", "2", "--window", "256", "--max-tokens", "60",
+                   "--no-batch")  # fmt: skip
+    try:
+        got = alone.client.chat.completions.parse(model="default", messages=asks,
+                                                  response_format=Answer)  # fmt: skip
+    finally:
+        alone.stop()
+    assert got.choices[0].message.parsed == want.choices[0].message.parsed
+    assert got.choices[0].message.content == want.choices[0].message.content
+    drafted = Server(tiny_bpe_model_dir, "--sinks", "2", "--window", "256",
+                     "--draft-model", str(tiny_bpe_model_dir))  # fmt: skip
+    try:
+        r = post(drafted, {"messages": asks, "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and "draft model" in r.json()["error"]["message"], r.text
+        r = post(drafted, {"messages": asks, "logit_bias": {"5": 3}})
+        assert r.status_code == 400, r.text
+    finally:
+        drafted.stop()
