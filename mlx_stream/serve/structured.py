@@ -167,12 +167,3 @@ class Constraint:
             allowed = np.concatenate([allowed, np.zeros(width - allowed.size, np.uint8)])
         allowed = mx.array(allowed[:width].astype(np.bool_))
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
-
-    @property
-    def done(self) -> bool:
-        return self.matcher.is_accepting()
-
-
-def dumps(value: Any) -> str:
-    """JSON the way constrained output writes it."""
-    return json.dumps(value, ensure_ascii=False)

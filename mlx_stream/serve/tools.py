@@ -17,8 +17,9 @@ Contract:
   model writes), ``none`` (no parsing), ``required`` or a named function (the reply is
   constrained by llguidance to one call's JSON between the markers).
 - :class:`CallStream` wraps a request's event callback: text inside the markers is
-  held back and becomes ``("tool_call", call)`` events, parsed with mlx-lm's parser
-  for the template (``json_tools`` for ours); the end event's finish reason becomes
+  held back and becomes ``("tool_call", index, call)`` events, parsed with mlx-lm's
+  parser for the template (``json_tools`` for ours and for a forced call, whose JSON
+  the grammar wrote); the end event's finish reason becomes
   ``tool_calls``; :meth:`CallStream.settle` rewrites the transcript's reply.
 Bad input (a ``tool_choice`` naming a missing tool, a tool result without its call)
 is a :class:`~mlx_stream.errors.UserError` naming the field, raised before any
@@ -237,6 +238,11 @@ class ToolPlan:
         if name not in ("auto", "none"):
             chosen = [t for t in defs if name == "required" or t["function"]["name"] == name]
             plan.grammar = call_grammar(chosen, plan.start, plan.end)
+            from mlx_lm.tool_parsers import json_tools
+
+            plan.parser = (
+                json_tools.parse_tool_call
+            )  # the grammar wrote JSON, whatever the template's format
         return plan
 
 
