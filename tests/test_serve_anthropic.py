@@ -164,3 +164,20 @@ def test_top_k_one_samples_the_greedy_reply(server):
     greedy = create("k0", temperature=0)
     assert create("k1", temperature=1.0, top_k=1) == greedy
     assert any(create(f"k{i + 2}", temperature=1.0) != greedy for i in range(3))  # it samples
+
+
+def test_a_stop_sequence_is_reported_by_name(server):
+    kw = {"model": "default", "max_tokens": 12, "messages": ask("the whale and the sea")}
+    whole = server.claude.messages.create(**kw, extra_headers={"X-Session-ID": "q0"})
+    text = whole.content[0].text
+    word = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = text[: text.find(word)]
+    stopped = server.claude.messages.create(**kw, stop_sequences=["\x00never", word],
+                                            extra_headers={"X-Session-ID": "q1"})  # fmt: skip
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", word)
+    assert "".join(b.text for b in stopped.content) == cut
+    with server.claude.messages.stream(**kw, stop_sequences=[word],
+                                       extra_headers={"X-Session-ID": "q2"}) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", word)
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.stop_sequence is None

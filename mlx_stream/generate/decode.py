@@ -384,6 +384,7 @@ class GenerationResponse:
             first SinkCache of the target; None without one.
         reclaims: Pool reclaims so far (``ReclaimSchedule.reclaims``).
         finish_reason: ``"stop"`` (eos or stop string), ``"length"``, or None.
+        stop_string: The stop string that ended the text, on the last response.
     """
 
     text: str
@@ -400,6 +401,7 @@ class GenerationResponse:
     cache_fill: float | None
     reclaims: int
     finish_reason: str | None = None
+    stop_string: str | None = None
 
 
 def _cache_fill(cache: list) -> float | None:
@@ -521,6 +523,7 @@ def stream_generate(
 
     wired = set_wired_limit()  # Metal only, like mlx-lm's wired_limit; None elsewhere
     tic = time.perf_counter()
+    emitted = 0  # characters of text yielded
     try:
         for token, logprobs, from_draft in tokens:
             last = token in eos or state.generated == max_tokens
@@ -529,14 +532,18 @@ def stream_generate(
             if last:
                 detokenizer.finalize()
             text_state, text, name = machine.step(text_state, detokenizer.last_segment)
-            if name is None:  # a stop string ended the text
-                yield response(token, logprobs, from_draft, text, "stop")
+            if name is None:  # a stop string ended the text: the one right after the text
+                at, full = emitted + len(text), detokenizer.text
+                last_response = response(token, logprobs, from_draft, text, "stop")
+                last_response.stop_string = next((s for s in stops if full.startswith(s, at)), None)
+                yield last_response
                 return
             if last:
                 text_state, tail, _ = machine.flush(text_state)
                 reason = "stop" if token in eos else "length"
                 yield response(token, logprobs, from_draft, text + tail, reason)
                 return
+            emitted += len(text)
             yield response(token, logprobs, from_draft, text)
     finally:
         tokens.close()

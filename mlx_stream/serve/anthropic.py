@@ -13,8 +13,9 @@ events back into Anthropic's shapes:
 - ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``max_tokens`` are read
   from the body (recent SDKs send sampling fields as extra body fields).
 - Replies: ``content`` blocks (``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
-  ``max_tokens``, ``tool_use``), ``usage`` (``input_tokens`` = tokens fed this turn,
-  ``cache_read_input_tokens`` = tokens the session's cache already held). Streamed:
+  ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the one that matched),
+  ``usage`` (``input_tokens`` = tokens fed this turn, ``cache_read_input_tokens`` =
+  tokens the session's cache already held). Streamed:
   ``message_start``, ``content_block_start`` / ``content_block_delta`` (``text_delta``,
   ``input_json_delta``) / ``content_block_stop`` per block, ``message_delta`` with the
   stop reason and usage, ``message_stop``.
@@ -194,6 +195,13 @@ def _usage(usage: dict) -> dict[str, int]:
     }
 
 
+def _stop(finish: str, request: Any) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a reply that ended with ``finish``."""
+    if finish == "stop" and request.matched_stop is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": request.matched_stop}
+    return {"stop_reason": STOP.get(finish, "end_turn"), "stop_sequence": None}
+
+
 def _tool_use(call: dict) -> dict[str, Any]:
     fn = call["function"]
     return {
@@ -244,8 +252,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         ]
         whole = {
             "id": ident, "type": "message", "role": "assistant", "model": engine.model_id,
-            "content": content, "stop_reason": STOP.get(reply.finish, "end_turn"),
-            "stop_sequence": None, "usage": _usage(reply.usage),
+            "content": content, **_stop(reply.finish, request), "usage": _usage(reply.usage),
         }  # fmt: skip
         return JSONResponse(whole, headers=headers)
 
@@ -314,7 +321,7 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
             elif event[0] == "end":
                 if text_open:
                     yield _sse("content_block_stop", {"index": index})
-                delta = {"stop_reason": STOP.get(event[2], "end_turn"), "stop_sequence": None}
+                delta = _stop(event[2], request)
                 yield _sse("message_delta", {"delta": delta, "usage": _usage(event[1])})
                 yield _sse("message_stop", {})
                 break

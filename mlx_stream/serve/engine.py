@@ -128,6 +128,7 @@ class Request:
     tools: list[dict] | None = None
     tool_choice: Any = None
     top_k: int | None = None
+    matched_stop: str | None = None  # set by the engine: the stop string that ended it
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -471,6 +472,8 @@ class Engine:
                 self._finish(job)
                 return
             ending = response.finish_reason is not None
+            if ending and getattr(response, "stop_string", None):
+                job.request.matched_stop = response.stop_string
             logprob = None
             top = job.request.logprobs
             if top is not None and not (ending and response.token in self._eos):
