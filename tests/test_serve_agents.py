@@ -403,3 +403,30 @@ def test_decoding_alone_constrains_the_same_and_a_draft_model_is_refused(tiny_bp
         assert r.status_code == 400, r.text
     finally:
         drafted.stop()
+
+
+def test_auto_without_template_support_allows_text_or_only_valid_calls(tiny_bpe_model_dir):
+    """The auto grammar (a template without tool support): free text, or text then
+    calls of the declared tools with valid arguments; nothing else."""
+    import llguidance
+
+    from mlx_stream.models.loader import load
+    from mlx_stream.serve.structured import Grammars
+    from mlx_stream.serve.tools import ToolPlan
+
+    _, tok = load(str(tiny_bpe_model_dir))
+    plan = ToolPlan.make([WEATHER, CLOCK], "auto", tok)
+    ll = Grammars(tok).ll_tokenizer()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "days": 2}}\n</tool_call>'
+    cases = {
+        "just text (with a.b (c) [d])": True,
+        "sure. " + call: True,
+        call + "\n" + call.replace("rome", "paris"): True,
+        call.replace("rome", "oslo"): False,  # not in the enum
+        call.replace("get_weather", "get_wether"): False,  # no such tool
+        "<tool_call>\nnot json": False,
+    }
+    for text, ok in cases.items():
+        matcher = llguidance.LLMatcher(ll, plan.grammar, log_level=0)
+        fed = all(matcher.consume_token(t) for t in ll.tokenize_str(text))
+        assert (fed and matcher.is_accepting()) == ok, text

@@ -124,3 +124,16 @@ def test_responses_previous_response_id_reports_cached_tokens(server):
                                             previous_response_id=first.id, max_output_tokens=20)  # fmt: skip
     assert first.output_text and second.output_text
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
+
+
+def test_auto_gives_text_or_a_valid_call(server):
+    """tool_choice auto on a template without tool support: whatever the model
+    chooses, a call it writes is a valid one and text never holds a broken call."""
+    reply = chat(server, [{"role": "user", "content": "What is the weather in Paris?"}],
+                 tools=[WEATHER], max_tokens=60)  # fmt: skip
+    choice = reply.choices[0]
+    for call in choice.message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and args["city"] in ("paris", "rome")
+    if choice.finish_reason != "tool_calls":
+        assert "<tool_call>" not in (choice.message.content or "")

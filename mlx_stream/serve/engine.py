@@ -692,7 +692,9 @@ class Engine:
             plan = tools.ToolPlan.make(request.tools, request.tool_choice, self.tokenizer)
         elif request.tools:
             raise BadRequest("tools: only chat requests take tools")
-        grammar = plan.grammar if plan is not None and plan.grammar else request.grammar
+        grammar = request.grammar  # a response_format outranks an auto call's grammar
+        if plan is not None and plan.grammar and (grammar is None or plan.choice != "auto"):
+            grammar = plan.grammar
         if self._vocab is None:
             self._vocab = len(self.tokenizer.get_vocab())
         constraint = None

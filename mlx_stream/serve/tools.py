@@ -14,8 +14,9 @@ Contract:
   appended to the system prompt, calls as ``<tool_call>`` JSON in the assistant's
   text and results as ``<tool_response>`` user turns (Qwen2.5's and Hermes' format).
 - :class:`ToolPlan` (one request) adds ``tool_choice``: ``auto`` (parse calls the
-  model writes), ``none`` (no parsing), ``required`` or a named function (the reply is
-  constrained by llguidance to one call's JSON between the markers).
+  model writes; without template support the reply is constrained to free text or
+  text then valid calls), ``none`` (no parsing), ``required`` or a named function (the
+  reply is constrained by llguidance to one call's JSON between the markers).
 - :class:`CallStream` wraps a request's event callback: text inside the markers is
   held back and becomes ``("tool_call", index, call)`` events, parsed with mlx-lm's
   parser for the template (``json_tools`` for ours and for a forced call, whose JSON
@@ -189,7 +190,7 @@ class ToolSet:
             elif m.get("tool_calls"):
                 calls = [call_text(c["function"]["name"], c["function"]["arguments"])
                          for c in m["tool_calls"]]  # fmt: skip
-                text = "\n".join(([m["content"]] if m["content"] else []) + calls)
+                text = m["content"] + "\n".join(calls)  # as the auto grammar writes it
                 out.append({"role": "assistant", "content": text})
             else:
                 out.append({"role": m["role"], "content": m["content"]})
@@ -240,9 +241,10 @@ class ToolPlan:
             plan.grammar = call_grammar(chosen, plan.start, plan.end)
             from mlx_lm.tool_parsers import json_tools
 
-            plan.parser = (
-                json_tools.parse_tool_call
-            )  # the grammar wrote JSON, whatever the template's format
+            # The grammar wrote JSON, whatever the template's own call format.
+            plan.parser = json_tools.parse_tool_call
+        elif name == "auto" and not toolset.native:
+            plan.grammar = call_grammar(defs, plan.start, plan.end, optional=True)
         return plan
 
 
@@ -262,8 +264,11 @@ def _choice(choice: Any) -> str:
     raise UserError("tool_choice: must be auto, none, required or {'type': 'function', ...}")
 
 
-def call_grammar(defs: list[dict], start: str, end: str) -> str:
-    """The llguidance grammar of exactly one call of one of ``defs``."""
+def call_grammar(defs: list[dict], start: str, end: str, optional: bool = False) -> str:
+    """The llguidance grammar of exactly one call of one of ``defs``; ``optional``:
+    of free text without ``start``, or text then one or more calls (``auto`` for a
+    template without tool support: whatever the model writes, a call it begins is a
+    valid one)."""
     from mlx_stream.serve.structured import JSON_OPTIONS, lark_grammar
 
     options = [
@@ -275,9 +280,23 @@ def call_grammar(defs: list[dict], start: str, end: str) -> str:
     ]  # fmt: skip
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
-    lark = f"start: {json.dumps(start + chr(10))} call {json.dumps(chr(10) + end)}\n"
+    head, tail = json.dumps(start + "\n"), json.dumps("\n" + end)
+    if not optional:
+        lark = f"start: {head} call {tail}\n"
+    else:
+        text, marker = json.dumps(start)[1:-1], json.dumps(start + "\n")[1:-1]
+        lark = (
+            f"start: TEXT | prefix call {tail} ({json.dumps(chr(10) + start + chr(10))} call {tail})*\n"
+            f"prefix[lazy]: /(?s:.*){_regex(marker)}/\n"  # text up to the first call
+            f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex(text)}.*)/\n"  # text that begins none
+        )
     lark += f"call: %json {json.dumps(schema)}\n"
     return lark_grammar(lark, "tools")
+
+
+def _regex(text: str) -> str:
+    """``text`` (JSON-escaped, as Lark reads it) as a regex matching it literally."""
+    return "".join("\\" + c if c in ".^$*+?()[]{}|/" else c for c in text)
 
 
 @dataclass
