@@ -268,7 +268,9 @@ class ApiKeys:
                 if hmac.compare_digest(keyed, key):  # Anthropic's clients send x-api-key
                     owner = name
             if owner is None:
-                message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+                message = (
+                    "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+                )
                 response = error_at(scope["path"], 401, message)
                 return await response(scope, receive, send)
             scope = {**scope, "state": {**scope.get("state", {}), "owner": owner}}
@@ -491,7 +493,8 @@ class _Shape:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
             if calls:
-                choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                choice["message"] = message
             if self.logprobs:
                 choice["logprobs"] = self._logprobs(logprobs)
         else:
@@ -519,7 +522,8 @@ class _Shape:
     def call_chunk(self, index: int, call: dict) -> dict[str, Any]:
         """A streamed tool call: one delta holding the whole call (its ``index``)."""
         delta = {"tool_calls": [{"index": index, **call}]}
-        return {**self._head(True), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {**self._head(True), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": usage}

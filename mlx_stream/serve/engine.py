@@ -687,7 +687,8 @@ class Engine:
 
         plan = None
         if request.messages is not None:
-            request.messages = [tools.canonical_message(m, i) for i, m in enumerate(request.messages)]
+            messages = request.messages
+            request.messages = [tools.canonical_message(m, i) for i, m in enumerate(messages)]
             tools.check_results(request.messages)
             plan = tools.ToolPlan.make(request.tools, request.tool_choice, self.tokenizer)
         elif request.tools:

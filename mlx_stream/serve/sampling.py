@@ -50,6 +50,7 @@ class ReplyPenalties:
 
 def keyed_sampler(temp: float, top_p: float, seed: int) -> Callable[[mx.array], mx.array]:
     """A sampler drawing with its own key from ``seed`` (greedy at ``temp == 0``)."""
+    # By hand: mlx-lm's make_sampler draws from the process's global random state.
     if temp == 0:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
     state = [mx.random.key(seed)]

@@ -303,6 +303,9 @@ def _regex(text: str) -> str:
 class CallStream:
     """A request's event callback that turns tool-call text into call events."""
 
+    # By hand: mlx-lm splits call text from replies inside its server's loop (token
+    # markers), not in a function it exports; its parsers then read each call.
+
     plan: ToolPlan
     emit: Any
     salt: str = ""
