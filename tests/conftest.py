@@ -328,8 +328,8 @@ TOOLS_TEMPLATE = (
     "<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
     "{% elif m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
     "{{ m['content'] }}{% for tool_call in m.tool_calls %}{% set tool_call = "
-    "tool_call.function %}<tool_call>\n{\"name\": \"{{ tool_call.name }}\", "
-    "\"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    'tool_call.function %}<tool_call>\n{"name": "{{ tool_call.name }}", '
+    '"arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}'
     "<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
