@@ -106,6 +106,14 @@ def test_bad_input_is_400_naming_the_field(server, body, field):
     assert r.json()["error"]["param"] == field, r.text
 
 
+def test_store_false_keeps_nothing(server):
+    done = server.client.responses.create(model="default", input="hi", max_output_tokens=3,
+                                          store=False)  # fmt: skip
+    assert done.output_text is not None
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.retrieve(done.id)
+
+
 def test_unknown_ids_are_404(server):
     with pytest.raises(openai.NotFoundError):
         server.client.responses.retrieve("resp_nope")

@@ -10,7 +10,8 @@ back into Responses shapes; nothing here runs the model.
   ``input.I.call_id``). ``instructions`` is the system message (not carried over
   from a previous response, as OpenAI defines it).
 - ``previous_response_id``: the conversation of that response (kept here, in memory,
-  the newest :data:`MAX_STORED`) followed by the new input, on the same engine
+  the newest :data:`MAX_STORED`, unless it was made with ``store: false``) followed
+  by the new input, on the same engine
   session: the session's cache goes on and only the new input is fed.
 - ``tools`` (function tools, flat: ``name``, ``parameters``), ``tool_choice``,
   ``text.format`` (``json_object`` / ``json_schema``: structured output),
@@ -60,6 +61,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     max_output_tokens: int | None = Field(None, ge=1)
     metadata: dict[str, Any] | None = None
+    store: bool = True
 
 
 def _parts_text(content: Any, where: str) -> str:
@@ -265,8 +267,9 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         def keep() -> dict[str, Any]:
             status = "incomplete" if shape.finish == "length" else "completed"
             response = shape.response(status)
-            conversation = [*request.messages, shape.reply_message()]
-            store.put(shape.id, response, conversation, session_id, owner)
+            if body.store:  # store: false (Codex sends it) keeps nothing, as OpenAI does
+                conversation = [*request.messages, shape.reply_message()]
+                store.put(shape.id, response, conversation, session_id, owner)
             return response
 
         if body.stream:
