@@ -38,6 +38,11 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("MLX_STREAM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLX_STREAM_MODEL", raising=False)
+    # The user's own Hugging Face cache and LM Studio folder stay out of every test.
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LMSTUDIO_MODELS_DIR", str(tmp_path / "lmstudio"))
 
 
 @pytest.fixture(scope="session")

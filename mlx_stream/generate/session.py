@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import RuntimeFailure, UserError
 
 STATE_KEY = "mlx_stream_chat"
@@ -30,18 +31,21 @@ ZERO_WIDTH_SPACE = "\u200b"
 
 @dataclass
 class Settings:
-    """Per-session generation settings (``stream_generate``'s names and defaults)."""
+    """Per-session settings: the cache policy, and generation's (``stream_generate``'s
+    names and defaults)."""
 
-    sinks: int
-    window: int
+    cache: CacheSpec
     keep_system: bool = False
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
     num_draft_tokens: int = 3
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    kv_key_bits: int | None = None
+
+    def cache_spec(self, sinks: int | None = None) -> CacheSpec:
+        """The policy of a session's caches: ``cache`` with ``sinks`` (the rendered
+        system prompt under ``keep_system``) and room for a speculative verify block."""
+        spec = self.cache if sinks is None else self.cache.replace(sinks=sinks)
+        return spec.for_draft(self.num_draft_tokens)
 
 
 @dataclass
@@ -223,16 +227,11 @@ class ChatSession:
 
     def make_caches(self) -> list:
         """Fresh SinkCaches for the model (and the draft model after it)."""
-        from mlx_stream.cache.estimate import make_checked_sink_cache
-        from mlx_stream.defaults import slack_for
-
-        s = self.settings
-        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
-        kv["slack"] = slack_for(s.num_draft_tokens)  # a verify block and its rollback
-        caches = make_checked_sink_cache(self.model, self.sinks, s.window, **kv)
+        spec = self.settings.cache_spec(self.sinks)
+        caches = spec.build(self.model)
         self.n_target = len(caches)
         if self.draft_model is not None:
-            caches += make_checked_sink_cache(self.draft_model, self.sinks, s.window, **kv)
+            caches += spec.build(self.draft_model)
         return caches
 
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
@@ -249,7 +248,7 @@ class ChatSession:
             self.tokenizer,
             tokens,
             sinks=self.sinks,
-            window=s.window,
+            window=s.cache.window,
             draft_model=self.draft_model,
             num_draft_tokens=s.num_draft_tokens,
             prompt_cache=self.caches,
@@ -280,7 +279,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation; keep the model, settings and system prompt."""
         self.messages, self.fed_text, self.pending, self.last = [], "", [], None
-        self.sinks = self.settings.sinks
+        self.sinks = self.settings.cache.sinks
         if self.settings.keep_system:
             self.sinks = self.system_tokens()
             if self.sinks == 0:
@@ -422,9 +421,9 @@ class ChatSession:
             "turns": len(self.messages) // 2,
             "tokens_seen": seen,
             "sinks": self.sinks,
-            "window": self.settings.window,
+            "window": self.settings.cache.window,
             "sinks_used": min(seen, self.sinks),
-            "window_used": min(max(0, seen - self.sinks), self.settings.window),
+            "window_used": min(max(0, seen - self.sinks), self.settings.cache.window),
             "cache_bytes": sum(int(getattr(c, "nbytes", 0) or 0) for c in self.caches),
             "capacity": getattr(first, "capacity", None),
             "active_memory": mem.active,
@@ -441,7 +440,7 @@ class ChatSession:
             "fed_text": self.fed_text,
             "pending": self.pending,
             "sinks": self.sinks,
-            "window": self.settings.window,
+            "window": self.settings.cache.window,
             "keep_system": self.settings.keep_system,
         }
 
@@ -491,7 +490,7 @@ class ChatSession:
         self.fed_text = state["fed_text"]
         self.pending = state["pending"]
         self.sinks = state["sinks"]
-        self.settings.window = state["window"]
+        self.settings.cache = self.settings.cache.replace(window=state["window"])
         self.last = None
         return cache_path
 

@@ -309,17 +309,22 @@ class _Job:
 
 
 def create_app(
-    engine: Engine, max_body: int = DEFAULT_MAX_BODY, api_keys: list[str] | None = None
+    engine: Engine,
+    max_body: int = DEFAULT_MAX_BODY,
+    api_keys: list[str] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_keys``, every
     route but ``/health`` answers only requests that carry ``Authorization: Bearer KEY``
-    for one of them, and each key sees only its own sessions."""
+    for one of them, and each key sees only its own sessions. A request's ``model`` may
+    be the served id, ``default`` or one of ``aliases`` (the model's registry name and
+    Hugging Face id)."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
     if api_keys:
         app.add_middleware(ApiKeys, keys=list(api_keys))
-    names = {engine.model_id, "default"}
+    names = {engine.model_id, "default", *aliases}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -274,7 +274,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
-        need = self.call(lambda: self.weights + self.session_bytes(self.settings.sinks)).result()
+        sinks = self.settings.cache.sinks
+        need = self.call(lambda: self.weights + self.session_bytes(sinks)).result()
         self.call(self._publish).result()
         if need > self.budget:
             self.stop()
@@ -321,7 +322,7 @@ class Engine:
             return
         if self.draft_model is not None:
             self.batch_refusal = "a draft model: each request decodes alone, interleaved"
-        elif self.settings.kv_bits is not None:
+        elif self.settings.cache.kv_bits is not None:
             self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
         else:
             try:
@@ -503,7 +504,7 @@ class Engine:
         if hasattr(job.request.emit, "settle"):  # a reply that called tools: its transcript
             job.request.emit.settle(session)
         self._end(job, rollback=False)
-        sinks, window = session.sinks, session.settings.window
+        sinks, window = session.sinks, session.settings.cache.window
         seen = cache_count(session.caches)
         prompt = reply.prompt_tokens if reply is not None else 0
         usage = {
@@ -543,9 +544,10 @@ class Engine:
         if sinks not in self._bytes_by_sinks:
             import mlx.core as mx
 
+            policy = self.settings.cache.replace(sinks=sinks)
+            settings = dataclasses.replace(self.settings, cache=policy)
             probe = ChatSession(
-                self.model, self.tokenizer, dataclasses.replace(self.settings, sinks=sinks),
-                draft_model=self.draft_model,
+                self.model, self.tokenizer, settings, draft_model=self.draft_model
             )  # fmt: skip
             probe.prefill(self.tokenizer.decode([0]) or " ")
             mx.eval([c.state for c in probe.caches])
@@ -603,10 +605,10 @@ class Engine:
         except UserError:  # keep_system without any system prompt: plain sinks
             settings.keep_system = False
             session = ChatSession(self.model, self.tokenizer, settings, **kw)
-        if session.sinks > settings.window:
+        if session.sinks > settings.cache.window:
             raise BadRequest(
                 f"the system prompt has {session.sinks} tokens; the server pins at most "
-                f"--window ({settings.window}) tokens of it"
+                f"--window ({settings.cache.window}) tokens of it"
             )
         return session
 
@@ -665,7 +667,7 @@ class Engine:
         elif mode == "rebuild":
             self._rebuild(entry, system, history, toolset)
             session = entry.session
-            tail = self.settings.window if history else None
+            tail = self.settings.cache.window if history else None
         else:
             entry.checkpoint = session.checkpoint()
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
@@ -794,7 +796,7 @@ class Engine:
         )
         self._add(entry)
         try:
-            self._make_room(self.session_bytes(self.settings.sinks) // 2, entry)
+            self._make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
@@ -863,7 +865,7 @@ class Engine:
             if e.transient:
                 continue
             seen = cache_count(e.session.caches) if e.session else e.tokens_seen
-            window = self.settings.window
+            window = self.settings.cache.window
             sessions.append(
                 {
                     "id": e.id,
@@ -874,6 +876,7 @@ class Engine:
                     "tokens_evicted": max(0, seen - e.sinks - window),
                     "sinks": e.sinks,
                     "window": window,
+                    "cache": self.settings.cache_spec(e.sinks).to_json(),
                     "cache_bytes": e.bytes if e.session else 0,
                     "idle_s": round(now - e.last_used, 3),
                     "busy": e.busy,
@@ -885,7 +888,7 @@ class Engine:
                 "budget_bytes": self.budget,
                 "used_bytes": self.used_bytes(),
                 "weights_bytes": self.weights,
-                "session_bytes": self._bytes_by_sinks.get(self.settings.sinks),
+                "session_bytes": self._bytes_by_sinks.get(self.settings.cache.sinks),
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
