@@ -471,6 +471,10 @@ def stream_generate(
         cache_spec (CacheSpec, optional): The policy of new SinkCaches, in place of
             ``sinks``, ``window`` and ``slack`` (with a draft model, given room for a
             verify block: ``CacheSpec.for_draft``).
+        sampler (Callable, optional): Replaces the sampler made from ``temp`` and
+            ``top_p`` (e.g. one with its own random key); ``seed`` is then not applied.
+        logits_processors (list[Callable], optional): More processors, after the
+            repetition penalty's (each called once per sampled token, in order).
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
