@@ -362,16 +362,17 @@ class CallStream:
     def _call(self, body: str) -> None:
         try:
             parsed = self.plan.parser(body, self.plan.toolset.definitions)
-        except (ValueError, KeyError, TypeError):
+            items = parsed if isinstance(parsed, list) else [parsed]
+            # Arguments as the echo of the call will read (canonical_message).
+            items = [(i["name"], _arguments(i.get("arguments", {}), "arguments")) for i in items]
+        except (ValueError, KeyError, TypeError, AttributeError, UserError):
             self._text(self.plan.start + body + self.plan.end, None)  # not a call: text
             return
-        for item in parsed if isinstance(parsed, list) else [parsed]:
-            args = item.get("arguments", {})
-            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        for name, args in items:
             index = len(self.calls)
-            digest = hashlib.sha256(f"{self.salt}|{index}|{item['name']}|{args}".encode())
+            digest = hashlib.sha256(f"{self.salt}|{index}|{name}|{args}".encode())
             call = {"id": "call_" + digest.hexdigest()[:24], "type": "function",
-                    "function": {"name": item["name"], "arguments": args}}  # fmt: skip
+                    "function": {"name": name, "arguments": args}}  # fmt: skip
             self.calls.append(call)
             self.emit(("tool_call", index, call))
 
