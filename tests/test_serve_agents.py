@@ -430,3 +430,24 @@ def test_auto_without_template_support_allows_text_or_only_valid_calls(tiny_bpe_
         matcher = llguidance.LLMatcher(ll, plan.grammar, log_level=0)
         fed = all(matcher.consume_token(t) for t in ll.tokenize_str(text))
         assert (fed and matcher.is_accepting()) == ok, text
+
+
+def test_a_parsers_arguments_are_stored_as_their_echo_reads():
+    """Whatever spacing a template's parser returns, the call carries one canonical
+    JSON text (what canonical_message makes of the client's echo), so the follow-up
+    matches the session; output a parser cannot read stays text."""
+    from mlx_stream.serve.tools import CallStream, ToolPlan, canonical_message
+    from tests.tiny import make_tokenizer
+
+    plan = ToolPlan.make([WEATHER], "auto", make_tokenizer())
+    plan.parser = lambda text, tools: {"name": "get_weather", "arguments": text.strip()}
+    events = []
+    stream = CallStream(plan, events.append)
+    stream(("text", '<tool_call>{ "city" :"rome",\n "days": 2 }</tool_call>', None))
+    stream(("text", "<tool_call>[1, 2]</tool_call>", None))  # not an object: text
+    stream(("end", {}, "stop"))
+    (call,) = [e[2] for e in events if e[0] == "tool_call"]
+    echo = canonical_message({"role": "assistant", "tool_calls": [call]})
+    assert call["function"]["arguments"] == '{"city": "rome", "days": 2}'
+    assert echo["tool_calls"][0]["function"] == call["function"]
+    assert "".join(e[1] for e in events if e[0] == "text") == "<tool_call>[1, 2]</tool_call>"
