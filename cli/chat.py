@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from cli import options as opt
 from cli.common import (
-    check_kv_bits,
+    cache_spec,
+    check_cache,
     check_output_path,
     check_positive,
     check_sampling,
@@ -24,7 +25,6 @@ from cli.common import (
     handle_errors,
     is_interactive,
     load_model,
-    sizes,
 )
 
 if TYPE_CHECKING:
@@ -136,11 +136,12 @@ def read_line(interactive: bool) -> str:
     return raw.decode("utf-8", "replace").rstrip("\r\n")
 
 
-def run(session: ChatSession, interactive: bool, console) -> None:
+def run(session: ChatSession, interactive: bool, console, per_reply=None) -> None:
     """The read-reply loop until /quit or end of input.
 
     A failing command or reply ends only itself: one line on stderr, then the prompt
     again with the conversation as it was (a reply cut short keeps what it streamed).
+    ``per_reply()`` gives each reply's extra ``stream_generate`` arguments.
     """
 
     def write(text: str) -> None:
@@ -166,7 +167,7 @@ def run(session: ChatSession, interactive: bool, console) -> None:
                 if not handle_command(session, line, say):
                     return
                 continue
-            session.reply(line, write)
+            session.reply(line, write, **(per_reply() if per_reply else {}))
         except Exception as exc:  # noqa: BLE001 - one operation fails, the chat goes on
             from mlx_stream.distributed import is_peer_lost
 
@@ -198,6 +199,7 @@ def chat(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
+    json_schema: opt.JsonSchema = None,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -205,12 +207,12 @@ def chat(
     turns. Type /help for commands; Ctrl-C stops a reply, Ctrl-D exits. With stdin
     not a terminal, every input line is a turn and only the replies are printed.
     """
-    check_positive(sinks, "--sinks", 0)
-    check_positive(window, "--window")
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
-    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
+    if json_schema is not None and draft_model is not None:
+        fail("--json-schema is not available with --draft-model")
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)
@@ -218,14 +220,22 @@ def chat(
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
+    )
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(
             sys.stdin, {"/save": f"/save is {why}", "/load": f"/load is {why}"}
         )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    sinks, window = sizes(spec, sinks, window)
+    cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       key_bits=kv_key_bits)  # fmt: skip
     if seed is not None:
         import mlx.core as mx
 
@@ -233,24 +243,30 @@ def chat(
     from mlx_stream.generate.session import ChatSession, Settings
 
     settings = Settings(
-        sinks=sinks,
-        window=window,
+        cache=cache,
         keep_system=keep_system,
         max_tokens=max_tokens,
         temp=temp,
         top_p=top_p,
         num_draft_tokens=num_draft_tokens,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        kv_key_bits=kv_key_bits,
     )
     session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
     if interactive:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - arrow keys and history for input()
         console.print(
-            f"mlx-stream chat · sinks {session.sinks} + window {settings.window} · "
+            f"mlx-stream chat · sinks {session.sinks} + window {cache.window} · "
             "/help for commands, Ctrl-C stops a reply, Ctrl-D exits",
             style="dim",
         )
-    run(session, interactive, console)
+    per_reply = None
+    if json_schema is not None:
+        from mlx_stream.serve.structured import Grammars, schema_file_grammar
+
+        grammar, grammars = schema_file_grammar(json_schema), Grammars(tokenizer)
+
+        def per_reply() -> dict:
+            return {"logits_processors": [grammars.constraint(grammar)]}
+
+        per_reply()  # a tokenizer llguidance cannot read fails now, not at the first turn
+    run(session, interactive, console, per_reply)

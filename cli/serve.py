@@ -12,12 +12,12 @@ import typer
 
 from cli import options as opt
 from cli.common import (
-    check_kv_bits,
+    cache_spec,
+    check_cache,
     check_positive,
     fail,
     handle_errors,
     load_model,
-    sizes,
     stderr_console,
 )
 from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
@@ -158,8 +158,6 @@ def serve(
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
     """
-    check_positive(sinks, "--sinks", 0)
-    check_positive(window, "--window")
     check_positive(max_tokens, "--max-tokens")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
@@ -167,7 +165,7 @@ def serve(
     check_positive(port, "--port", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
-    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     budget = parse_bytes(memory_budget)
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
@@ -185,10 +183,23 @@ def serve(
     cluster = dist.join(distributed, model)
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
+    )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    sinks, window = sizes(spec, sinks, window)
+    cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       key_bits=kv_key_bits)  # fmt: skip
     model_id = spec.name if spec is not None else Path(model or "default").name
+    aliases: tuple[str, ...] = ()
+    if spec is not None:
+        from mlx_stream.models import hub, registry
+
+        aliases = tuple(sorted(hub.aliases(spec, registry.load_registry()) - {model_id}))
 
     import uvicorn
 
@@ -196,15 +207,7 @@ def serve(
     from mlx_stream.serve.app import create_app
     from mlx_stream.serve.engine import Engine
 
-    settings = Settings(
-        sinks=sinks,
-        window=window,
-        max_tokens=max_tokens,
-        num_draft_tokens=num_draft_tokens,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        kv_key_bits=kv_key_bits,
-    )
+    settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
@@ -218,7 +221,7 @@ def serve(
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
-            f"mlx-stream serve · {model_id} · sinks {sinks} + window {window} · "
+            f"mlx-stream serve · {model_id} · sinks {cache.sinks} + window {cache.window} · "
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
             + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
             f"{per / 1e6:,.2f} MB per session) · "
@@ -229,7 +232,7 @@ def serve(
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine, api_keys=keys),
+            create_app(engine, api_keys=keys, aliases=aliases),
             host=host,
             port=port,
             log_level="warning",

@@ -559,6 +559,6 @@ def join(mode: str, name: str | None) -> Cluster | None:
         if cluster.is_root:
             from mlx_stream.models import loader
 
-            loader.resolve(name)
+            loader.resolve(name, fit=False)  # the model is sharded: no one machine holds it
         cluster.barrier()
     return cluster

@@ -8,6 +8,7 @@ import queue
 
 import pytest
 
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
 
 
@@ -47,7 +48,7 @@ def make_engine(loaded, tmp_path, **kw):
     from mlx_stream.serve.engine import Engine
 
     model, tokenizer = loaded
-    settings = Settings(sinks=2, window=24, max_tokens=40, **kw.pop("settings", {}))
+    settings = Settings(CacheSpec(sinks=2, window=24), max_tokens=40, **kw.pop("settings", {}))
     e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path, **kw)
     e.start()
     return e
@@ -84,14 +85,14 @@ def test_batching_is_refused_with_a_reason_for_quantized_kv_and_a_draft_model(lo
     from mlx_stream.serve.engine import Engine
 
     model, tokenizer = loaded
-    quantized = Settings(sinks=2, window=24, kv_bits=8)
+    quantized = Settings(CacheSpec(sinks=2, window=24, kv_bits=8))
     e = Engine(model, tokenizer, quantized, "tiny", state_dir=tmp_path)
     e._make_batch()
     assert e._batch is None and "kv_bits" in e.batch_refusal
-    e = Engine(model, tokenizer, Settings(2, 24), "tiny", state_dir=tmp_path, draft_model=model)
+    e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path, draft_model=model)
     e._make_batch()
     assert e._batch is None and "draft model" in e.batch_refusal
-    e = Engine(model, tokenizer, Settings(2, 24), "tiny", state_dir=tmp_path)
+    e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path)
     e._make_batch()
     assert e._batch is not None and e.batch_refusal is None
 

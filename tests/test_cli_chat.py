@@ -324,10 +324,11 @@ def loaded(tiny_model_dir):
 
 
 def make_session(loaded, **kw):
+    from mlx_stream.cache.spec import CacheSpec
     from mlx_stream.generate.session import ChatSession, Settings
 
     model, tokenizer = loaded
-    settings = Settings(sinks=kw.pop("sinks", 2), window=kw.pop("window", 64), max_tokens=8)
+    settings = Settings(CacheSpec(kw.pop("sinks", 2), kw.pop("window", 64)), max_tokens=8)
     return ChatSession(model, tokenizer, settings, **kw)
 
 

@@ -116,6 +116,7 @@ def test_import_mlx_stream_loads_neither_mlx_nor_mlx_lm():
 
 def test_each_public_name_resolves_to_its_engine_object():
     from mlx_stream.cache.sink import SinkCache, make_sink_cache
+    from mlx_stream.cache.spec import CacheSpec
     from mlx_stream.generate.decode import stream_generate
     from mlx_stream.generate.session import ChatSession
     from mlx_stream.models.loader import load
@@ -124,6 +125,7 @@ def test_each_public_name_resolves_to_its_engine_object():
         "load": load,
         "make_sink_cache": make_sink_cache,
         "SinkCache": SinkCache,
+        "CacheSpec": CacheSpec,
         "stream_generate": stream_generate,
         "ChatSession": ChatSession,
     }
@@ -148,4 +150,5 @@ def test_the_cache_package_re_exports_the_sink_cache_api():
         "load_cache",
         "max_call_tokens",
         "validate_sizes",
+        "CacheSpec",
     }

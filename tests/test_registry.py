@@ -82,6 +82,9 @@ SHA = "0" * 64
         ({"sources": [{"hf": "not a repo"}]}, "'sources[0].hf'"),
         ({"sources": [{"url": "http://x"}]}, "field 'sources[0]'"),
         ("just a string", "expected a mapping"),
+        ({"sources": [{"hf": "a/b"}], "context": 0}, "field 'context'"),
+        ({"sources": [{"hf": "a/b"}], "size": "2 GB"}, "field 'size'"),
+        ({"sources": [{"hf": "a/b"}], "config": {"hidden_size": 64}}, "field 'config'"),
     ],
 )
 def test_malformed_entry_names_entry_and_field(entry, field):

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
 
 SYSTEM = "you are a captain"
@@ -38,7 +39,7 @@ def engine(loaded, tmp_path):
 
     def make(**kw):
         model, tokenizer = loaded
-        settings = Settings(sinks=2, window=256, max_tokens=6)
+        settings = Settings(CacheSpec(sinks=2, window=256), max_tokens=6)
         e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path / str(len(made)), **kw)
         (tmp_path / str(len(made))).mkdir()
         e.start()

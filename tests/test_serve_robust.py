@@ -29,8 +29,12 @@ def loaded(tiny_model_dir):
 def make_engine(loaded, state_dir, settings=None, **kw):
     from mlx_stream.serve.engine import Engine
 
+    from mlx_stream.cache import CacheSpec
+
     model, tokenizer = loaded
-    settings = Settings(**{"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})})
+    kw_ = {"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})}
+    cache = CacheSpec(sinks=kw_.pop("sinks"), window=kw_.pop("window"))
+    settings = Settings(cache, **kw_)
     e = Engine(model, tokenizer, settings, "tiny", state_dir=state_dir, **kw)
     e.start()
     return e
@@ -353,7 +357,7 @@ def test_a_full_disk_is_507_naming_the_folder_and_the_resident_session_stays(
 
     e = make_engine(loaded, tmp_path, keep_system=False)
     try:
-        per = on_worker(e, lambda: e.session_bytes(e.settings.sinks))
+        per = on_worker(e, lambda: e.session_bytes(e.settings.cache.sinks))
         e.budget = e.weights + per + per // 2  # room for one session
         first = [{"role": "user", "content": "hello the sea"}]
         text, _, error = ask(e, first, session_id="kept")

@@ -8,6 +8,7 @@ import queue
 
 import pytest
 
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
 
 
@@ -42,8 +43,8 @@ def loaded(tiny_model_dir):
 def session(loaded, **kw) -> ChatSession:
     model, tokenizer = loaded
     settings = Settings(
-        sinks=kw.pop("sinks", 2), window=kw.pop("window", 48), max_tokens=kw.pop("max_tokens", 8),
-        keep_system=kw.pop("keep_system", False),
+        CacheSpec(sinks=kw.pop("sinks", 2), window=kw.pop("window", 48)),
+        max_tokens=kw.pop("max_tokens", 8), keep_system=kw.pop("keep_system", False),
     )  # fmt: skip
     return ChatSession(model, tokenizer, settings, **kw)
 
@@ -102,10 +103,10 @@ def engine(loaded, tmp_path):
 
     def make(sessions: int | None = None, **kw):
         model, tokenizer = loaded
-        settings = Settings(sinks=2, window=48, max_tokens=6)
+        settings = Settings(CacheSpec(sinks=2, window=48), max_tokens=6)
         e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path, **kw)
         if sessions is not None:  # a budget that holds exactly this many sessions
-            per = e.session_bytes(settings.sinks)
+            per = e.session_bytes(settings.cache.sinks)
             e.budget = weights_bytes(model) + sessions * per + per // 2
         e.start()
         made.append(e)
@@ -248,7 +249,7 @@ def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_pat
     from mlx_stream.serve.engine import Engine, Request
 
     model, tokenizer = load(str(endless_model))
-    e = Engine(model, tokenizer, Settings(sinks=2, window=48), "endless", state_dir=tmp_path)
+    e = Engine(model, tokenizer, Settings(CacheSpec(sinks=2, window=48)), "endless", state_dir=tmp_path)
     e.start()
     try:
         events: queue.Queue = queue.Queue()

@@ -1,6 +1,7 @@
 """The KV cache: everything that decides what a model keeps of its context.
 
-Lives here: the sink + window cache (``sink``: :class:`SinkCache`, its save and load),
+Lives here: the cache policy as one value (``spec``: :class:`CacheSpec`), the sink +
+window cache (``sink``: :class:`SinkCache`, its save and load),
 its parts (``ring``: slot layout and masks; ``storage``: float or quantized keys and
 values; ``positions``: RoPE moves and the model self-check), the batched cache
 (``batched``), the reclaim schedule for MLX's buffer pool (``reclaim``) and the
@@ -10,7 +11,7 @@ May import: mlx, mlx-lm's cache classes, numpy and the package's base modules
 (``errors``, ``files``, ``defaults``); never ``models``, ``generate``, ``serve`` or
 ``eval``, nor typer or rich (``tests/test_layering.py`` checks).
 
-The names below are re-exported from ``sink`` lazily (PEP 562), so importing
+The names below are re-exported from ``sink`` and ``spec`` lazily (PEP 562), so importing
 ``mlx_stream.cache.estimate`` or ``ring`` does not load mlx-lm.
 """
 
@@ -26,6 +27,7 @@ _EXPORTS = {
     "load_cache": "mlx_stream.cache.sink",
     "max_call_tokens": "mlx_stream.cache.sink",
     "validate_sizes": "mlx_stream.cache.sink",
+    "CacheSpec": "mlx_stream.cache.spec",
 }
 
 __all__ = list(_EXPORTS)

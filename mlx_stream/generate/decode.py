@@ -34,9 +34,9 @@ from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_stream.cache.estimate import make_checked_sink_cache
 from mlx_stream.cache.reclaim import ReclaimSchedule, set_wired_limit
 from mlx_stream.cache.sink import SinkCache, max_call_tokens
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -389,6 +389,7 @@ class GenerationResponse:
             first SinkCache of the target; None without one.
         reclaims: Pool reclaims so far (``ReclaimSchedule.reclaims``).
         finish_reason: ``"stop"`` (eos or stop string), ``"length"``, or None.
+        stop_string: The stop string that ended the text, on the last response.
     """
 
     text: str
@@ -405,6 +406,7 @@ class GenerationResponse:
     cache_fill: float | None
     reclaims: int
     finish_reason: str | None = None
+    stop_string: str | None = None
 
 
 def _cache_fill(cache: list) -> float | None:
@@ -436,6 +438,9 @@ def stream_generate(
     slack: int | None = None,
     state: DecodeState | None = None,
     steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
+    cache_spec: CacheSpec | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable] | None = None,
     poll: bool = False,
 ) -> Generator[GenerationResponse | None, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
@@ -453,7 +458,7 @@ def stream_generate(
         num_draft_tokens (int): Draft tokens per round. Default: ``3``.
         prompt_cache (list, optional): Updated in place: SinkCaches (or mlx-lm
             KVCache / RotatingKVCache lists to compare against), the draft's appended
-            after the target's. Default: new SinkCaches (``estimate.make_checked_sink_cache``).
+            after the target's. Default: new SinkCaches (``CacheSpec.build``).
         prefill_step_size (int): Largest prefill chunk. Default: ``512``.
         reclaim (ReclaimSchedule, optional): Pool reclaim cadence. Default: crossing 256.
         prompt_progress_callback (Callable[[int, int], None], optional): Called with
@@ -469,6 +474,13 @@ def stream_generate(
         steps (Callable, optional): The token generator, called like
             :func:`generate_step` (e.g. a row of ``mlx_stream.batch.Batch``).
             Default: :func:`generate_step`.
+        cache_spec (CacheSpec, optional): The policy of new SinkCaches, in place of
+            ``sinks``, ``window`` and ``slack`` (with a draft model, given room for a
+            verify block: ``CacheSpec.for_draft``).
+        sampler (Callable, optional): Replaces the sampler made from ``temp`` and
+            ``top_p`` (e.g. one with its own random key); ``seed`` is then not applied.
+        logits_processors (list[Callable], optional): More processors, after the
+            repetition penalty's (each called once per sampled token, in order).
         poll (bool): Passed to the token generator: ``None`` is yielded (and passed
             on) while the prompt goes in, a chunk at a time, instead of blocking.
 
@@ -486,20 +498,22 @@ def stream_generate(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
     prompt = _as_tokens(prompt)
-    if seed is not None:
+    if seed is not None and sampler is None:
         mx.random.seed(seed)
     if prompt_cache is None:
-        slack = slack or slack_for(num_draft_tokens)
-        prompt_cache = make_checked_sink_cache(model, sinks, window, slack=slack)
+        if cache_spec is None:
+            cache_spec = CacheSpec(sinks, window, slack or slack_for(num_draft_tokens))
+        spec = cache_spec.for_draft(num_draft_tokens) if draft_model else cache_spec
+        prompt_cache = spec.build(model)  # refused with the bytes when it cannot fit
         if draft_model is not None:
-            prompt_cache += make_checked_sink_cache(draft_model, sinks, window, slack=slack)
+            prompt_cache += spec.build(draft_model)
     target_cache = prompt_cache[: len(model.layers)] if draft_model else prompt_cache
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     state = state if state is not None else DecodeState()
     tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
-        make_sampler(temp, top_p, min_p),
-        make_logits_processors(repetition_penalty=repetition_penalty),
+        sampler or make_sampler(temp, top_p, min_p),
+        make_logits_processors(repetition_penalty=repetition_penalty) + list(logits_processors or []),
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
         prompt_progress_callback=prompt_progress_callback, state=state,
@@ -528,6 +542,7 @@ def stream_generate(
 
     wired = set_wired_limit()  # Metal only, like mlx-lm's wired_limit; None elsewhere
     tic = time.perf_counter()
+    emitted = 0  # characters of text yielded
     try:
         for item in tokens:
             if item is None:  # no token yet (polled): the consumer may do other work
@@ -540,14 +555,18 @@ def stream_generate(
             if last:
                 detokenizer.finalize()
             text_state, text, name = machine.step(text_state, detokenizer.last_segment)
-            if name is None:  # a stop string ended the text
-                yield response(token, logprobs, from_draft, text, "stop")
+            if name is None:  # a stop string ended the text: the one right after the text
+                at, full = emitted + len(text), detokenizer.text
+                last_response = response(token, logprobs, from_draft, text, "stop")
+                last_response.stop_string = next((s for s in stops if full.startswith(s, at)), None)
+                yield last_response
                 return
             if last:
                 text_state, tail, _ = machine.flush(text_state)
                 reason = "stop" if token in eos else "length"
                 yield response(token, logprobs, from_draft, text + tail, reason)
                 return
+            emitted += len(text)
             yield response(token, logprobs, from_draft, text)
     finally:
         tokens.close()

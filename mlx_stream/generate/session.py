@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import RuntimeFailure, UserError
 
 STATE_KEY = "mlx_stream_chat"
@@ -30,18 +31,21 @@ ZERO_WIDTH_SPACE = "\u200b"
 
 @dataclass
 class Settings:
-    """Per-session generation settings (``stream_generate``'s names and defaults)."""
+    """Per-session settings: the cache policy, and generation's (``stream_generate``'s
+    names and defaults)."""
 
-    sinks: int
-    window: int
+    cache: CacheSpec
     keep_system: bool = False
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
     num_draft_tokens: int = 3
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    kv_key_bits: int | None = None
+
+    def cache_spec(self, sinks: int | None = None) -> CacheSpec:
+        """The policy of a session's caches: ``cache`` with ``sinks`` (the rendered
+        system prompt under ``keep_system``) and room for a speculative verify block."""
+        spec = self.cache if sinks is None else self.cache.replace(sinks=sinks)
+        return spec.for_draft(self.num_draft_tokens)
 
 
 @dataclass
@@ -54,6 +58,13 @@ class Reply:
     prompt_tokens: int
     interrupted: bool = False
     finish_reason: str | None = None
+
+
+def _new_messages(user_text: str | list[dict]) -> list[dict]:
+    """A turn's new messages: a user message's text, or messages (tool results)."""
+    if isinstance(user_text, str):
+        return [{"role": "user", "content": user_text}]
+    return [dict(m) for m in user_text]
 
 
 def clean_text(text: str) -> str:
@@ -133,6 +144,7 @@ class ChatSession:
     n_target: int = 0
     last: Reply | None = None
     specials: tuple[str, ...] | None = field(default=None, repr=False)
+    tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
 
     def __post_init__(self) -> None:
         self.reset()
@@ -160,9 +172,12 @@ class ChatSession:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template (plain lines without one)."""
         tok = self.tokenizer
+        extra: dict[str, Any] = {}
+        if self.tools is not None:
+            messages, extra = self.tools.for_template(messages)
         if getattr(tok, "chat_template", None):
             return tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         return "".join(m["content"] + "\n" for m in messages)
 
@@ -193,15 +208,16 @@ class ChatSession:
         text = self.system_text()
         return len(self.encode(text)) if text else 0
 
-    def turn_tokens(self, user_text: str) -> tuple[list[int], str]:
-        """Tokens to feed for a new user message, and the rendered conversation after it."""
-        messages = self.messages + [{"role": "user", "content": user_text}]
+    def turn_tokens(self, user_text: str | list[dict]) -> tuple[list[int], str]:
+        """Tokens to feed for a new user message (or new messages: tool results), and
+        the rendered conversation after it."""
+        messages = self.messages + _new_messages(user_text)
         full = self.render(self.conversation(messages))
         if full.startswith(self.fed_text):
             new = full[len(self.fed_text) :]
         else:
             # The template rewrote earlier turns: render the new message alone.
-            new = self.render([{"role": "user", "content": user_text}])
+            new = self.render(_new_messages(user_text))
             bos = getattr(self.tokenizer, "bos_token", None)
             if bos and new.startswith(bos):
                 new = new[len(bos) :]
@@ -211,16 +227,11 @@ class ChatSession:
 
     def make_caches(self) -> list:
         """Fresh SinkCaches for the model (and the draft model after it)."""
-        from mlx_stream.cache.estimate import make_checked_sink_cache
-        from mlx_stream.defaults import slack_for
-
-        s = self.settings
-        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
-        kv["slack"] = slack_for(s.num_draft_tokens)  # a verify block and its rollback
-        caches = make_checked_sink_cache(self.model, self.sinks, s.window, **kv)
+        spec = self.settings.cache_spec(self.sinks)
+        caches = spec.build(self.model)
         self.n_target = len(caches)
         if self.draft_model is not None:
-            caches += make_checked_sink_cache(self.draft_model, self.sinks, s.window, **kv)
+            caches += spec.build(self.draft_model)
         return caches
 
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
@@ -237,7 +248,7 @@ class ChatSession:
             self.tokenizer,
             tokens,
             sinks=self.sinks,
-            window=s.window,
+            window=s.cache.window,
             draft_model=self.draft_model,
             num_draft_tokens=s.num_draft_tokens,
             prompt_cache=self.caches,
@@ -268,7 +279,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation; keep the model, settings and system prompt."""
         self.messages, self.fed_text, self.pending, self.last = [], "", [], None
-        self.sinks = self.settings.sinks
+        self.sinks = self.settings.cache.sinks
         if self.settings.keep_system:
             self.sinks = self.system_tokens()
             if self.sinks == 0:
@@ -280,15 +291,16 @@ class ChatSession:
         self.system = text or None
         self.reset()
 
-    def reply(self, user_text: str, write: Callable[[str], None]) -> Reply:
+    def reply(self, user_text: str, write: Callable[[str], None], **overrides: Any) -> Reply:
         """Stream a reply to ``user_text`` through ``write``; Ctrl-C stops it early.
 
         The reply, finished or not, joins the transcript and the cache; an exception
         raised by ``write`` stops it the same way and is raised again afterwards.
+        ``overrides``: per-call settings, see :meth:`generate`.
         """
         from mlx_stream.generate.decode import StopOnInterrupt
 
-        turn = self.stream(user_text)
+        turn = self.stream(user_text, **overrides)
         with StopOnInterrupt() as ctrl_c:
             try:
                 for response in turn:
@@ -299,7 +311,9 @@ class ChatSession:
                 turn.close()
         return self.last
 
-    def stream(self, user_text: str, tail: int | None = None, **overrides: Any) -> Iterator[Any]:
+    def stream(
+        self, user_text: str | list[dict], tail: int | None = None, **overrides: Any
+    ) -> Iterator[Any]:
         """Generate a reply to ``user_text``, yielding ``stream_generate``'s responses.
 
         However the generator ends (finished, or ``close()``-d by its consumer), the
@@ -309,7 +323,7 @@ class ChatSession:
         prompt: restore a checkpoint.
 
         Args:
-            user_text (str): The new user message.
+            user_text (str | list[dict]): The new user message, or the new messages.
             tail (int, optional): Feed at most the last ``tail`` new tokens (a rebuilt
                 conversation keeps only what fits the window).
             **overrides: Per-call settings, see :meth:`generate`.
@@ -344,10 +358,7 @@ class ChatSession:
             self._settle(before, len(tokens), generated)
             # The text the consumer saw (a stop string is cut from it).
             text = "".join(texts)
-            self.messages += [
-                {"role": "user", "content": user_text},
-                {"role": "assistant", "content": text},
-            ]
+            self.messages += [*_new_messages(user_text), {"role": "assistant", "content": text}]
             self.fed_text = full + text
             self.last = Reply(
                 text=text,
@@ -416,9 +427,9 @@ class ChatSession:
             "turns": len(self.messages) // 2,
             "tokens_seen": seen,
             "sinks": self.sinks,
-            "window": self.settings.window,
+            "window": self.settings.cache.window,
             "sinks_used": min(seen, self.sinks),
-            "window_used": min(max(0, seen - self.sinks), self.settings.window),
+            "window_used": min(max(0, seen - self.sinks), self.settings.cache.window),
             "cache_bytes": sum(int(getattr(c, "nbytes", 0) or 0) for c in self.caches),
             "capacity": getattr(first, "capacity", None),
             "active_memory": mem.active,
@@ -435,7 +446,7 @@ class ChatSession:
             "fed_text": self.fed_text,
             "pending": self.pending,
             "sinks": self.sinks,
-            "window": self.settings.window,
+            "window": self.settings.cache.window,
             "keep_system": self.settings.keep_system,
         }
 
@@ -485,7 +496,7 @@ class ChatSession:
         self.fed_text = state["fed_text"]
         self.pending = state["pending"]
         self.sinks = state["sinks"]
-        self.settings.window = state["window"]
+        self.settings.cache = self.settings.cache.replace(window=state["window"])
         self.last = None
         return cache_path
 

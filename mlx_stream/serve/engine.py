@@ -141,11 +141,23 @@ class Request:
     seed: int | None = None
     logprobs: int | None = None
     owner: str = ""
+    # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
+    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
+    # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    grammar: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    top_k: int | None = None
+    matched_stop: str | None = None  # set by the engine: the stop string that ended it
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
-        "logprobs", "owner")  # fmt: skip
+        "logprobs", "owner", "logit_bias", "presence_penalty", "frequency_penalty", "grammar",
+        "tools", "tool_choice", "top_k")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
@@ -171,6 +183,7 @@ class Entry:
     sinks: int = 0
     transient: bool = False  # a plain completion: dropped when done
     owner: str = ""
+    tools: Any = None  # its serve.tools.ToolSet (part of what a request must match)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -253,6 +266,7 @@ class Engine:
         self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
         self._stored: dict[tuple, dict] = {}  # index records of saved sessions, by key
         self._logprobs = TokenLogprobs(tokenizer)
+        self._grammars, self._vocab = None, None
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.cluster, self._ids = cluster, None
         if cluster is not None:
@@ -294,7 +308,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
-        need = self.call(lambda: self.weights + self.session_bytes(self.settings.sinks)).result()
+        sinks = self.settings.cache.sinks
+        need = self.call(lambda: self.weights + self.session_bytes(sinks)).result()
         self.call(self._publish).result()
         if need > self.budget:
             self.stop()
@@ -352,7 +367,7 @@ class Engine:
             return
         if self.draft_model is not None:
             self.batch_refusal = "a draft model: each request decodes alone, interleaved"
-        elif self.settings.kv_bits is not None:
+        elif self.settings.cache.kv_bits is not None:
             self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
         else:
             try:
@@ -571,6 +586,8 @@ class Engine:
                 break  # a prefill chunk went in: the others' turn
             job.sent += 1
             ending = response.finish_reason is not None
+            if ending and getattr(response, "stop_string", None):
+                job.request.matched_stop = response.stop_string
             logprob = None
             top = job.request.logprobs
             if top is not None and not (ending and response.token in self._eos):
@@ -597,8 +614,10 @@ class Engine:
         session = entry.session
         reply = session.last
         finish = "length" if cut else reply.finish_reason if reply is not None else None
+        if hasattr(job.request.emit, "settle"):  # a reply that called tools: its transcript
+            job.request.emit.settle(session)
         self._end(job, rollback=False)
-        sinks, window = session.sinks, session.settings.window
+        sinks, window = session.sinks, session.settings.cache.window
         seen = cache_count(session.caches)
         prompt = reply.prompt_tokens if reply is not None else 0
         usage = {
@@ -665,9 +684,10 @@ class Engine:
         if sinks not in self._bytes_by_sinks:
             import mlx.core as mx
 
+            policy = self.settings.cache.replace(sinks=sinks)
+            settings = dataclasses.replace(self.settings, cache=policy)
             probe = ChatSession(
-                self.model, self.tokenizer, dataclasses.replace(self.settings, sinks=sinks),
-                draft_model=self.draft_model,
+                self.model, self.tokenizer, settings, draft_model=self.draft_model
             )  # fmt: skip
             probe.prefill(self.tokenizer.decode([0]) or " ")
             mx.eval([c.state for c in probe.caches])
@@ -748,6 +768,8 @@ class Engine:
                 "id": entry.id,
                 "name": path.name,
                 "system": entry.system,
+                "tools": None if entry.tools is None else list(entry.tools.tools),
+                "native_tools": None if entry.tools is None else entry.tools.native,
                 "messages": session.messages,
                 "sinks": session.sinks,
                 "tokens_seen": cache_count(session.caches),
@@ -788,22 +810,19 @@ class Engine:
             with contextlib.suppress(OSError):  # a stale index names missing files: dropped
                 self._write_index()
 
-    def _new_session(self, system: str | None) -> ChatSession:
-        """A session for ``system`` whose caches are not allocated yet."""
+    def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
+        """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
         settings = dataclasses.replace(self.settings, keep_system=self.keep_system)
+        kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
         try:
-            session = ChatSession(
-                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
-            )
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
         except UserError:  # keep_system without any system prompt: plain sinks
             settings.keep_system = False
-            session = ChatSession(
-                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
-            )
-        if session.sinks > settings.window:
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
+        if session.sinks > settings.cache.window:
             raise BadRequest(
                 f"the system prompt has {session.sinks} tokens; the server pins at most "
-                f"--window ({settings.window}) tokens of it"
+                f"--window ({settings.cache.window}) tokens of it"
             )
         return session
 
@@ -843,7 +862,7 @@ class Engine:
         """
         if entry.session is not None:
             return False
-        session = self._new_session(entry.system)
+        session = self._new_session(entry.system, entry.tools)
         need = self.session_bytes(session.sinks)
         lost = False
         if entry.path is not None:
@@ -854,7 +873,7 @@ class Engine:
                 self.restores += 1
             except UserError:
                 self._forget_files(entry)
-                session, lost = self._new_session(entry.system), True
+                session, lost = self._new_session(entry.system, entry.tools), True
         if entry.path is None:
             self._from_snapshot(session, entry, extra=need)
         entry.session, entry.bytes, entry.sinks = session, need, session.sinks
@@ -908,11 +927,10 @@ class Engine:
     def _config(self) -> dict[str, Any]:
         """What saved caches depend on: a restart with another model or cache shape
         finds none of them (they would load with sizes the budget does not count)."""
-        s = self.settings
         return {
-            "model": self.model_id, "weights_bytes": self.weights, "sinks": s.sinks,
-            "window": s.window, "kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size,
-            "kv_key_bits": s.kv_key_bits, "keep_system": self.keep_system,
+            "model": self.model_id, "weights_bytes": self.weights,
+            "cache": self.settings.cache.to_json(), "keep_system": self.keep_system,
+            "num_draft_tokens": self.settings.num_draft_tokens,
             "draft_model": self.draft_model is not None,
         }  # fmt: skip
 
@@ -923,6 +941,7 @@ class Engine:
         files of any other (and whatever else this server wrote, ``session-*`` and
         temporaries of them, that no record names) are removed."""
         from mlx_stream.generate.session import STATE_FIELDS
+        from mlx_stream.serve.tools import ToolSet
 
         with contextlib.suppress(OSError):
             self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -947,9 +966,12 @@ class Engine:
                     and set(r["sha256"]) <= {path.name + x for x in SUFFIXES}
                     and self._sizes(r) == r["bytes"]
                 )
+                tools = None
+                if r["tools"] is not None:  # its serve.tools.ToolSet
+                    tools = ToolSet(tuple(str(t) for t in r["tools"]), bool(r["native_tools"]))
                 entry = Entry(
                     id=r["id"], owner=r["owner"], system=r["system"], messages=r["messages"],
-                    path=path,
+                    path=path, tools=tools,
                     tokens_seen=int(r["tokens_seen"]), sinks=int(r["sinks"]),
                     last_used=now - max(0.0, wall - float(r["saved"])),
                 )  # fmt: skip
@@ -971,8 +993,10 @@ class Engine:
         if request.messages is None:
             self._admit_completion(request)
             return
+        plan, extra = self._agents(request)
         system, history, user = split_messages(request.messages)
-        entry, mode, source = self._find(request, system, history)
+        toolset = plan.toolset if plan is not None else None
+        entry, mode, source = self._find(request, system, history, toolset)
         checkpoint = source.checkpoint if source is not None else None  # room may evict it
         try:
             if self._resident(entry):  # its saved file was lost: rebuilt from the history
@@ -986,9 +1010,9 @@ class Engine:
             session.restore(checkpoint)
             entry.checkpoint = checkpoint
         elif mode == "rebuild":
-            self._rebuild(entry, system, history)
+            self._rebuild(entry, system, history, toolset)
             session = entry.session
-            tail = self.settings.window if history else None
+            tail = self.settings.cache.window if history else None
         else:
             entry.checkpoint = session.checkpoint()
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
@@ -997,24 +1021,65 @@ class Engine:
         tokens = session.stream(
             user, tail=tail, max_tokens=request.max_tokens, temp=request.temp,
             top_p=request.top_p, stop=request.stop, seed=request.seed,
-            steps=self._steps(request, box),
+            steps=self._steps(request, box), **extra,
         )  # fmt: skip
         box.append(self._start(request, entry, tokens, cached, batched=self._batch is not None))
 
-    def _rebuild(self, entry: Entry, system: str | None, history: list[dict]) -> None:
+    def _agents(self, request: Request) -> tuple[Any, dict]:
+        """A request's tool plan and sampling arguments (mlx_stream.serve), checked
+        before any session is touched; with tools, its ``emit`` becomes a
+        :class:`~mlx_stream.serve.tools.CallStream`."""
+        from mlx_stream.serve import sampling, tools
+        from mlx_stream.serve.structured import Grammars
+
+        plan = None
+        if request.messages is not None:
+            messages = request.messages
+            request.messages = [tools.canonical_message(m, i) for i, m in enumerate(messages)]
+            tools.check_results(request.messages)
+            plan = tools.ToolPlan.make(request.tools, request.tool_choice, self.tokenizer)
+        elif request.tools:
+            raise BadRequest("tools: only chat requests take tools")
+        grammar = request.grammar  # a response_format outranks an auto call's grammar
+        if plan is not None and plan.grammar and (grammar is None or plan.choice != "auto"):
+            grammar = plan.grammar
+        if self._vocab is None:
+            self._vocab = len(self.tokenizer.get_vocab())
+        constraint = None
+        if grammar is not None:
+            self._grammars = self._grammars or Grammars(self.tokenizer)
+            constraint = self._grammars.constraint(grammar)
+        s = self.settings
+        extra = sampling.overrides(
+            request, s.temp if request.temp is None else request.temp,
+            s.top_p if request.top_p is None else request.top_p, self._vocab, constraint,
+            draft=self.draft_model is not None,
+        )  # fmt: skip
+        if plan is not None and not isinstance(request.emit, tools.CallStream):
+            salt = json.dumps(request.messages[-1], sort_keys=True) + str(len(request.messages))
+            request.emit = tools.CallStream(plan, request.emit, salt=salt)
+        return plan, extra
+
+    def _rebuild(
+        self, entry: Entry, system: str | None, history: list[dict], tools: Any = None
+    ) -> None:
         """Start ``entry`` over from its system prompt's snapshot with ``history`` as
         its transcript (the next turn feeds the tail of it that fits the window)."""
-        session = self._new_session(system)
+        session = self._new_session(system, tools)
         need = self.session_bytes(session.sinks)
         if need > entry.bytes:
             self._make_room(need - entry.bytes, entry)
         self._from_snapshot(session, entry)
         session.messages = [dict(m) for m in history]
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
+        entry.tools = tools
         entry.checkpoint = session.checkpoint()
 
-    def _find(self, request: Request, system: str | None, history: list) -> tuple:
-        """``(entry, mode, source)`` for a chat request, among its owner's sessions only.
+    def _find(
+        self, request: Request, system: str | None, history: list, tools: Any = None
+    ) -> tuple:
+        """``(entry, mode, source)`` for a chat request, among its owner's sessions only;
+        ``tools`` (a ToolSet) must match like the system prompt.
 
         ``append``: the entry's transcript is the history. ``restore``: ``source``'s
         checkpoint encodes exactly the history (an edit or a regeneration of the last
@@ -1028,13 +1093,14 @@ class Engine:
         if session_id is not None:
             entry = self.entries.get((owner, session_id))
             if entry is None:
-                entry = self._add(Entry(id=session_id, system=system, owner=owner))
+                entry = self._add(Entry(id=session_id, system=system, owner=owner, tools=tools))
                 return entry, "rebuild" if history else "new", None
             if entry.busy:
                 raise Busy(f"session {entry.id} is answering another request; retry shortly")
-            if entry.system == system and entry.messages == history:
+            same = (entry.system, entry.tools) == (system, tools)
+            if same and entry.messages == history:
                 return entry, "append", None
-            if self._restorable(entry, system, history):
+            if same and self._restorable(entry, system, history):
                 return entry, "restore", entry
             return entry, "rebuild", None
         if history and not self.isolate:
@@ -1043,14 +1109,15 @@ class Engine:
                 if e.owner == owner and not e.busy and not e.transient
             ]  # fmt: skip
             mine.sort(key=lambda e: -e.last_used)
+            mine = [e for e in mine if e.tools == tools]
             for entry in mine:
                 if entry.system == system and entry.messages == history:
                     return entry, "append", None
             for entry in mine:
                 if self._restorable(entry, system, history):
-                    fork = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
-                    return fork, "restore", entry
-        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
+                    fork = Entry(id=self._new_id(16), system=system, owner=owner, tools=tools)
+                    return self._add(fork), "restore", entry
+        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner, tools=tools))
         return entry, "rebuild" if history else "new", None
 
     @staticmethod
@@ -1074,7 +1141,7 @@ class Engine:
         )
         self._add(entry)
         try:
-            self._make_room(self.session_bytes(self.settings.sinks) // 2, entry)
+            self._make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
@@ -1088,17 +1155,23 @@ class Engine:
             self._drop(entry)
             raise BadRequest("prompt: must not be empty")
         box: list = []
-        generator = self._completion(session, tokens, request, self._steps(request, box))
+        try:
+            _, extra = self._agents(request)
+        except BaseException:
+            self._drop(entry)
+            raise
+        generator = self._completion(session, tokens, request, self._steps(request, box), extra)
         box.append(self._start(request, entry, generator, 0, batched=self._batch is not None))
 
     @staticmethod
     def _completion(
-        session: ChatSession, tokens: list[int], request: Request, steps: Any = None
-    ) -> Iterator[Any]:
+        session: ChatSession, tokens: list[int], request: Request, steps: Any = None,
+        extra: dict | None = None,
+    ) -> Iterator[Any]:  # fmt: skip
         """A plain completion of ``tokens`` on ``session``'s caches; sets ``session.last``."""
         generator = session.generate(
             tokens, max_tokens=request.max_tokens, temp=request.temp, top_p=request.top_p,
-            stop=request.stop, seed=request.seed, steps=steps,
+            stop=request.stop, seed=request.seed, steps=steps, **(extra or {}),
         )  # fmt: skip
         last, generated = None, 0
         try:
@@ -1138,7 +1211,7 @@ class Engine:
             if e.transient:
                 continue
             seen = cache_count(e.session.caches) if e.session else e.tokens_seen
-            window = self.settings.window
+            window = self.settings.cache.window
             sessions.append(
                 {
                     "id": e.id,
@@ -1149,6 +1222,7 @@ class Engine:
                     "tokens_evicted": max(0, seen - e.sinks - window),
                     "sinks": e.sinks,
                     "window": window,
+                    "cache": self.settings.cache_spec(e.sinks).to_json(),
                     "cache_bytes": e.bytes if e.session else 0,
                     "idle_s": round(now - e.last_used, 3),
                     "busy": e.busy,
@@ -1160,7 +1234,7 @@ class Engine:
                 "budget_bytes": self.budget,
                 "used_bytes": self.used_bytes(),
                 "weights_bytes": self.weights,
-                "session_bytes": self._bytes_by_sinks.get(self.settings.sinks),
+                "session_bytes": self._bytes_by_sinks.get(self.settings.cache.sinks),
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
@@ -1182,14 +1256,20 @@ class Engine:
 
 def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
     """``(system, history, user)`` of a chat request: a leading system message, the
-    turns before the last, and the last (a user message). Text is decoded leniently."""
-    messages = [{"role": m["role"], "content": clean_text(m["content"])} for m in messages]
+    turns before the last, and the last (a user message's text; after tool results,
+    the new messages as a list). Text is decoded leniently."""
+    messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if not messages:
         raise BadRequest("messages: must hold at least one message")
     system = None
     if messages[0]["role"] in ("system", "developer"):
         system = messages[0]["content"]
         messages = messages[1:]
-    if not messages or messages[-1]["role"] != "user":
-        raise BadRequest("messages: the last message must be from the user")
-    return system, messages[:-1], messages[-1]["content"]
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise BadRequest("messages: the last message must be from the user or a tool result")
+    if messages[-1]["role"] == "user" and (len(messages) < 2 or messages[-2]["role"] != "tool"):
+        return system, messages[:-1], messages[-1]["content"]
+    from mlx_stream.serve.tools import split_new
+
+    history, new = split_new(messages)  # tool results: a turn of several messages
+    return system, history, new
