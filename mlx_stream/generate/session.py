@@ -318,9 +318,10 @@ class ChatSession:
 
         However the generator ends (finished, or ``close()``-d by its consumer), the
         reply so far joins the transcript and the cache, and :attr:`last` describes it.
-        With a polled token source (see :func:`~mlx_stream.generate.decode.stream_generate`) it yields
-        ``None`` between prefill chunks; closed there, the caches hold part of the
-        prompt: restore a checkpoint.
+        With a polled token source (see
+        :func:`~mlx_stream.generate.decode.stream_generate`) it yields ``None`` between
+        prefill chunks; closed there, the caches hold part of the prompt: restore a
+        checkpoint.
 
         Args:
             user_text (str | list[dict]): The new user message, or the new messages.
