@@ -27,14 +27,13 @@ def loaded(tiny_model_dir):
 
 
 def make_engine(loaded, state_dir, settings=None, **kw):
+    from mlx_stream.cache import CacheSpec
     from mlx_stream.serve.engine import Engine
 
-    from mlx_stream.cache import CacheSpec
-
     model, tokenizer = loaded
-    kw_ = {"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})}
-    cache = CacheSpec(sinks=kw_.pop("sinks"), window=kw_.pop("window"))
-    settings = Settings(cache, **kw_)
+    given = {"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})}
+    cache = CacheSpec(sinks=given.pop("sinks"), window=given.pop("window"))
+    settings = Settings(cache, **given)
     e = Engine(model, tokenizer, settings, "tiny", state_dir=state_dir, **kw)
     e.start()
     return e
