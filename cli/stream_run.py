@@ -192,10 +192,11 @@ def evaluate(
 
 def answer(
     model: Any, tokenizer: Any, caches: list, pending: int | None, prompt: str, max_tokens: int,
-    write: Any,
+    write: Any, processors: list | None = None,
 ) -> str:  # fmt: skip
     """Ask ``prompt`` of what the window holds (the document's last token, still
-    pending, goes first) and stream the reply through ``write``."""
+    pending, goes first) and stream the reply through ``write`` (``processors``: e.g.
+    a ``--json-schema`` constraint)."""
     from mlx_stream.generate.decode import stream_generate
 
     if getattr(tokenizer, "chat_template", None):
@@ -212,7 +213,8 @@ def answer(
         tokenizer.encode(text, add_special_tokens=False)
     )
     parts = []
-    for r in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches):
+    for r in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches,
+                             logits_processors=processors):  # fmt: skip
         parts.append(r.text)
         write(r.text)
     return "".join(parts)
@@ -282,6 +284,7 @@ def stream_run(
     segment: opt.Segment = opt.DEFAULT_SEGMENT,
     limit_tokens: opt.LimitTokens = None,
     prompt: opt.Prompt = None,
+    json_schema: opt.JsonSchema = None,
     max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
     json_out: opt.Json = False,
     csv: opt.Csv = None,
@@ -309,6 +312,8 @@ def stream_run(
     check_cache(sinks, window, positions, **kv)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
+    if json_schema is not None and prompt is None:
+        fail("--json-schema constrains the answer to --prompt: pass --prompt too")
     if csv is not None:
         check_output_path(csv)
     if checkpoint is not None:
@@ -336,6 +341,11 @@ def stream_run(
             model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window, kv=kv
         )
         cache = cache_spec(spec, sinks, window, positions=positions, **kv)
+        constraint = None
+        if json_schema is not None:  # checked before the long run, used after it
+            from mlx_stream.serve.structured import Grammars, schema_file_grammar
+
+            constraint = Grammars(tokenizer).constraint(schema_file_grammar(json_schema))
         from mlx_stream.eval.perplexity import iter_tokens
         from mlx_stream.models.loader import resolve_dtype
 
@@ -370,7 +380,10 @@ def stream_run(
             if not json_out:
                 print(text, end="", flush=True)
 
-        extra["answer"] = answer(target, tokenizer, caches, tokens.last, prompt, max_tokens, write)
+        extra["answer"] = answer(
+            target, tokenizer, caches, tokens.last, prompt, max_tokens, write,
+            [constraint] if constraint is not None else None,
+        )  # fmt: skip
         if not json_out:
             print(flush=True)
     if json_out:
