@@ -40,7 +40,7 @@ def test_stream_run_quantized_cache(model_dir, text_file):
 
 def test_profile_quantized_cache_is_smaller(model_dir):
     # Window 448: 4-bit keys keep a float residual of 64 tokens, a large share of a
-    # 32-token window's cache but not of this one's (448 + slack 64 fills their groups).
+    # 32-token window's cache but not of this one's (448 + slack 32 fills their groups).
     args = ["profile", "-m", model_dir, "--sinks", "4", "--window", "448", "--tokens", "60",
             "--json"]  # fmt: skip
     floats = json.loads(runner.invoke(app, args).stdout)

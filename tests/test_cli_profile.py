@@ -55,7 +55,7 @@ def test_compare_runs_sink_full_and_rotating(tiny_model_dir):
     # mlx-lm's KVCache grows in 256-token steps; the sink cache never grows.
     assert kv["full"]["end"] > kv["full"]["start"]
     assert kv["sink"]["end"] == kv["sink"]["start"]
-    assert kv["full"]["end"] > 3 * kv["sink"]["end"]  # 512 slots vs 4 + 24 + 64 slack
+    assert kv["full"]["end"] > 3 * kv["sink"]["end"]  # 512 slots vs 4 + 24
     assert kv["rotating"]["end"] < kv["full"]["end"]
 
 

@@ -467,8 +467,8 @@ def stream_generate(
             Default: greedy.
         repetition_penalty (float, optional): mlx-lm's repetition penalty.
         seed (int, optional): Seed for ``mx.random``.
-        slack (int, optional): Slack of new SinkCaches. Default: at least
-            ``num_draft_tokens + 1`` and 64.
+        slack (int, optional): Slack of new SinkCaches (rollback only). Default: 0,
+            and at least ``num_draft_tokens + 1`` with a draft model.
         state (DecodeState, optional): Filled in by the token generator.
         steps (Callable, optional): The token generator, called like
             :func:`generate_step` (e.g. a row of ``mlx_stream.batch.Batch``).
