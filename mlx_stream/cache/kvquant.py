@@ -17,14 +17,16 @@ Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits
   a group starts at a ring slot that is a multiple of ``GROUP`` past the sinks.
 - Float residual: ``RECENT = 2 * GROUP`` float slots (``recent``), token ``t`` in slot
   ``(t - sinks) % RECENT``, in float16 when the keys are float32 (``residual_dtype``:
-  half the bytes, a rounding 1/100 of 4-bit's). A group is quantized (from these floats, transposed, with
-  ``mx.quantize`` along the tokens) into the ring when its last token is written. A row
+  half the bytes, a rounding far below 4-bit's). A group is quantized (from these
+  floats, transposed, with ``mx.quantize`` along the tokens) into the ring when its
+  last token is written. A row
   ``q`` reads token ``t`` from the ring once ``t``'s group is complete at ``q``, else from
   its float slot: the mask picks, per row, which of the two columns a token is seen
   through, so a chunk or a speculative verify block sees exactly what token-by-token
   decoding sees. The residual must hold every float a call's rows need and those a
-  rollback brings back: ``limit``/``trim_limit`` bound a call and a trim by what fits
-  (at least ``GROUP + 1`` tokens each).
+  rollback brings back: ``call_limit``/``trim_limit`` bound a call and a trim by what
+  fits (at least ``GROUP + 1`` tokens each). Calls are written into the ring before
+  attention (the ring's in-place layout), so the slack is at least ``MIN_SLACK``.
 - Sinks (and the spare sink copies of a call crossing a sink move) are kept in float:
   ``sinks`` tokens, re-derived from the sink copy when they move, so they are never
   re-quantized. A rebase moves the whole ring by re-rotation: dequantize, rotate,
@@ -33,8 +35,9 @@ Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits
 - Bytes: every array here is in the cache's ``state`` (``estimate.cache_bytes`` counts
   them exactly).
 
-Attention reads dequantized float keys (mlx-lm's quantized kernel groups keys along the
-head dimension only): see benchmarks/README.md "Quantized" for what each route costs.
+Attention reads dequantized float keys: mlx-lm's attention calls ``quantized_matmul`` on
+keys grouped along the head dimension only (benchmarks/README.md "Quantized" measures
+what each route costs).
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ import numpy as np
 GROUP = 32
 #: Float slots of the residual: the group being filled and the one before it.
 RECENT = 2 * GROUP
-#: Smallest slack: calls are written into the ring first, and one fills at most
-#: ``RECENT - GROUP + 1`` tokens of the residual (``call_limit``).
+#: Smallest slack: a call of ``N`` tokens written into the ring first needs ``N - 1``
+#: free slots, and the residual admits calls of at least ``GROUP + 1`` (``call_limit``).
 MIN_SLACK = GROUP
 #: Key bits stored per channel (8-bit keys stay per token: they lose nothing measurable).
 CHANNEL_BITS = (4,)
