@@ -47,8 +47,10 @@ def configurations(window: int) -> list[tuple[str, int | None, int | None, int]]
 
 
 def bytes_per_token(cache: list) -> float:
-    """Cache bytes per slot, summed over the layers (after the first update)."""
-    return sum(c.nbytes / c.capacity for c in cache if isinstance(c, SinkCache))
+    """Cache bytes per token the window holds (``sinks + window``), summed over the
+    layers (after the first update): slack, spare sinks and a float residual included,
+    since the caches' layouts differ (4-bit keys need a slack of 32 or more)."""
+    return sum(c.nbytes / (c.sinks + c.window) for c in cache if isinstance(c, SinkCache))
 
 
 def decode_speed(model, cache_factory, prompt: list[int], tokens: int) -> float:
