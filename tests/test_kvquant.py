@@ -208,3 +208,25 @@ def test_a_per_token_four_bit_checkpoint_is_refused(model):
     old = [tuple(mx.quantize(mx.zeros((1, 1, 8, 32)), group_size=32, bits=4))] * 2
     with pytest.raises(Unsupported, match="per-token 4-bit keys"):
         cache[0].state = old
+
+
+@pytest.mark.real_model
+def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model):
+    # The default model drafts for itself on 4-bit caches: it disagrees with the float
+    # target now and then, so the target rolls back (slack 4: no masked slot but the
+    # verify block's) past a 64-token window, and still yields plain greedy's tokens.
+    from tests.conftest import DATA
+
+    model, tokenizer, _ = real_model
+    with open(DATA / "botchan.txt", encoding="utf-8") as f:
+        prompt = tokenizer.encode(f.read(4000))[:100]
+    plain = [
+        t for t, _, _ in generate_step(prompt, model, make_sink_cache(model, 4, 64), max_tokens=80)
+    ]
+    state = DecodeState()
+    caches = make_sink_cache(model, 4, 64, slack=4) + make_sink_cache(model, 4, 64, 4, kv_bits=4)
+    out = generate_step(
+        prompt, model, caches, max_tokens=80, draft_model=model, num_draft_tokens=3, state=state
+    )
+    assert [t for t, _, _ in out] == plain
+    assert state.drafted > state.accepted  # rollbacks happened
