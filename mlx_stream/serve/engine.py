@@ -84,36 +84,23 @@ from mlx_stream.generate.session import (
     cache_count,
     clean_text,
 )
+from mlx_stream.serve import matching
 from mlx_stream.serve.logprobs import TokenLogprobs
+from mlx_stream.serve.matching import Entry, split_messages
+from mlx_stream.serve.refusals import (
+    DEFAULT_RETRY_AFTER,  # noqa: F401 - re-exported
+    BadRequest,
+    Busy,
+    TooLarge,
+    Unsaved,
+)
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
-DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
 MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
 MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
 INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
 SUFFIXES = (".safetensors", ".json", ".draft.safetensors")  # the files of a saved session
-
-
-class Busy(Exception):
-    """No memory for another session now: every resident session is busy (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: int = DEFAULT_RETRY_AFTER):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class BadRequest(UserError):
-    """A request the engine cannot serve as asked (HTTP 400), with one line saying why."""
-
-
-class TooLarge(BadRequest):
-    """A prompt over ``--max-prompt-tokens`` (HTTP 413), refused before any prefill."""
-
-
-class Unsaved(RuntimeFailure):
-    """The state folder is full or cannot be written (HTTP 507): the session that could
-    not be saved stays resident, only the request that needed its room is refused."""
 
 
 @dataclass
@@ -159,35 +146,6 @@ WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop
         "logprobs", "owner", "logit_bias", "presence_penalty", "frequency_penalty", "grammar",
         "tools", "tool_choice", "top_k")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
-
-
-@dataclass
-class Entry:
-    """A session the server knows: resident (``session`` set) or on disk (``path``).
-
-    ``messages`` is the transcript its caches encode; ``checkpoint`` (resident only)
-    encodes ``checkpoint.messages``, a transcript one turn shorter, and is only ever
-    restored for a request whose history is exactly that.
-    """
-
-    id: str
-    system: str | None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    session: ChatSession | None = None
-    checkpoint: Checkpoint | None = None
-    path: Path | None = None
-    bytes: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False
-    tokens_seen: int = 0
-    sinks: int = 0
-    transient: bool = False  # a plain completion: dropped when done
-    owner: str = ""
-    tools: Any = None  # its serve.tools.ToolSet (part of what a request must match)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.owner, self.id)
 
 
 @dataclass
@@ -996,7 +954,10 @@ class Engine:
         plan, extra = self._agents(request)
         system, history, user = split_messages(request.messages)
         toolset = plan.toolset if plan is not None else None
-        entry, mode, source = self._find(request, system, history, toolset)
+        entry, mode, source = matching.find(
+            self.entries, request, system, history, toolset,
+            isolate=self.isolate, new_id=self._new_id,
+        )  # fmt: skip
         checkpoint = source.checkpoint if source is not None else None  # room may evict it
         try:
             if self._resident(entry):  # its saved file was lost: rebuilt from the history
@@ -1074,62 +1035,6 @@ class Engine:
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.tools = tools
         entry.checkpoint = session.checkpoint()
-
-    def _find(
-        self, request: Request, system: str | None, history: list, tools: Any = None
-    ) -> tuple:
-        """``(entry, mode, source)`` for a chat request, among its owner's sessions only;
-        ``tools`` (a ToolSet) must match like the system prompt.
-
-        ``append``: the entry's transcript is the history. ``restore``: ``source``'s
-        checkpoint encodes exactly the history (an edit or a regeneration of the last
-        turn); with the session's own id it restores in place, without one it forks a new
-        session and the original stays for its owner. ``rebuild``: from the history alone
-        (an id whose transcript does not match, or a history no session holds). ``new``:
-        no history. Without an id, only a history that is not empty is matched, and only
-        when the server is not ``isolate``-d.
-        """
-        owner, session_id = request.owner, request.session_id
-        if session_id is not None:
-            entry = self.entries.get((owner, session_id))
-            if entry is None:
-                entry = self._add(Entry(id=session_id, system=system, owner=owner, tools=tools))
-                return entry, "rebuild" if history else "new", None
-            if entry.busy:
-                raise Busy(f"session {entry.id} is answering another request; retry shortly")
-            same = (entry.system, entry.tools) == (system, tools)
-            if same and entry.messages == history:
-                return entry, "append", None
-            if same and self._restorable(entry, system, history):
-                return entry, "restore", entry
-            return entry, "rebuild", None
-        if history and not self.isolate:
-            mine = [
-                e for e in self.entries.values()
-                if e.owner == owner and not e.busy and not e.transient
-            ]  # fmt: skip
-            mine.sort(key=lambda e: -e.last_used)
-            mine = [e for e in mine if e.tools == tools]
-            for entry in mine:
-                if entry.system == system and entry.messages == history:
-                    return entry, "append", None
-            for entry in mine:
-                if self._restorable(entry, system, history):
-                    fork = Entry(id=self._new_id(16), system=system, owner=owner, tools=tools)
-                    return self._add(fork), "restore", entry
-        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner, tools=tools))
-        return entry, "rebuild" if history else "new", None
-
-    @staticmethod
-    def _restorable(entry: Entry, system: str | None, history: list) -> bool:
-        """Whether ``entry``'s checkpoint encodes exactly ``system`` + ``history``."""
-        cp = entry.checkpoint
-        return (
-            entry.session is not None
-            and cp is not None
-            and cp.system == system
-            and cp.messages == history
-        )
 
     def _add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry
@@ -1252,24 +1157,3 @@ class Engine:
                 "active": len(self._active),
             },
         }
-
-
-def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
-    """``(system, history, user)`` of a chat request: a leading system message, the
-    turns before the last, and the last (a user message's text; after tool results,
-    the new messages as a list). Text is decoded leniently."""
-    messages = [{**m, "content": clean_text(m["content"])} for m in messages]
-    if not messages:
-        raise BadRequest("messages: must hold at least one message")
-    system = None
-    if messages[0]["role"] in ("system", "developer"):
-        system = messages[0]["content"]
-        messages = messages[1:]
-    if not messages or messages[-1]["role"] not in ("user", "tool"):
-        raise BadRequest("messages: the last message must be from the user or a tool result")
-    if messages[-1]["role"] == "user" and (len(messages) < 2 or messages[-2]["role"] != "tool"):
-        return system, messages[:-1], messages[-1]["content"]
-    from mlx_stream.serve.tools import split_new
-
-    history, new = split_new(messages)  # tool results: a turn of several messages
-    return system, history, new
