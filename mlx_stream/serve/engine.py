@@ -57,15 +57,12 @@ rank's sessions stay the same.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import queue
 import random
-import tempfile
 import threading
 import time
 import uuid
@@ -94,13 +91,11 @@ from mlx_stream.serve.refusals import (
     TooLarge,
     Unsaved,
 )
+from mlx_stream.serve.store import MAX_STORED, SessionStore
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
-MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
-INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
-SUFFIXES = (".safetensors", ".json", ".draft.safetensors")  # the files of a saved session
 
 
 @dataclass
@@ -222,7 +217,6 @@ class Engine:
         self.max_prompt_tokens = max_prompt_tokens
         self._closing = False  # draining: requests are refused (503)
         self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
-        self._stored: dict[tuple, dict] = {}  # index records of saved sessions, by key
         self._logprobs = TokenLogprobs(tokenizer)
         self._grammars, self._vocab = None, None
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -236,11 +230,7 @@ class Engine:
         self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
         self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
         self.max_sessions, self.chunk, self.isolate = max_sessions, chunk, isolate
-        self._tmp = None
-        if state_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
-            state_dir = self._tmp.name
-        self.state_dir = Path(state_dir)
+        self.store = SessionStore(state_dir, self._config)
         self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
         self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
         self._bytes_by_sinks: dict[int, int] = {}
@@ -262,7 +252,8 @@ class Engine:
         """Start the worker; measure a session's bytes first and refuse a budget
         that cannot hold the weights and one session. Sessions the state folder's
         index lists (and whose files are intact) are found again."""
-        self._load_index()
+        for entry in self.store.load(discard=self.cluster is not None):
+            self.entries[entry.key] = entry  # on disk: loaded on its next request
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
@@ -284,8 +275,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._stopping = True
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        self.store.cleanup()
 
     def drain(self) -> None:
         """Stop taking requests (503 from now on) and end the running ones at the
@@ -592,7 +582,7 @@ class Engine:
         """End every running request (:meth:`_end_all`), then save every resident
         session to the state folder."""
         self._end_all()
-        if self._tmp is not None or self.cluster is not None:
+        if self.store.temporary or self.cluster is not None:
             return  # a temporary folder outlives nothing; ranks save only in step
         for entry in [e for e in self.entries.values() if e.session and not e.transient]:
             try:
@@ -716,36 +706,7 @@ class Engine:
         """Save a resident session to disk (listed in the state folder's index) and
         free its memory; :class:`Unsaved` when the folder cannot take it (the
         session then stays resident)."""
-        path = self._session_path(entry.owner, entry.id)
-        session, before = entry.session, self._stored.get(entry.key)
-        try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)  # deleted under us
-            session.save(path)
-            self._stored[entry.key] = record = {
-                "owner": entry.owner,
-                "id": entry.id,
-                "name": path.name,
-                "system": entry.system,
-                "tools": None if entry.tools is None else list(entry.tools.tools),
-                "native_tools": None if entry.tools is None else entry.tools.native,
-                "messages": session.messages,
-                "sinks": session.sinks,
-                "tokens_seen": cache_count(session.caches),
-                "saved": time.time(),
-                "sha256": self._checksums(path),
-            }
-            record["bytes"] = self._sizes(record)
-            self._write_index()
-        except (OSError, RuntimeError, RuntimeFailure) as exc:  # mlx: RuntimeError "[write]
-            if before is None:
-                self._stored.pop(entry.key, None)
-            else:
-                self._stored[entry.key] = before
-            cause = str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
-            raise Unsaved(
-                f"the state folder {self.state_dir} is full or unwritable: "
-                + (cause.splitlines() or ["?"])[0]
-            ) from exc
+        path, record = self.store.save(entry)
         entry.path, entry.session, entry.checkpoint = path, None, None
         entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
@@ -756,17 +717,7 @@ class Engine:
     def _drop(self, entry: Entry) -> None:
         self.entries.pop(entry.key, None)
         if entry.path is not None:
-            self._forget_files(entry)
-
-    def _forget_files(self, entry: Entry) -> None:
-        """Remove ``entry``'s saved files and its index record."""
-        for suffix in SUFFIXES:
-            with contextlib.suppress(OSError):
-                entry.path.with_name(entry.path.name + suffix).unlink()
-        entry.path = None
-        if self._stored.pop(entry.key, None) is not None:
-            with contextlib.suppress(OSError):  # a stale index names missing files: dropped
-                self._write_index()
+            self.store.forget(entry)
 
     def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
         """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
@@ -826,11 +777,11 @@ class Engine:
         if entry.path is not None:
             self._make_room(need, entry)
             try:
-                self._check_files(entry)
+                self.store.check(entry)
                 session.load(entry.path)
                 self.restores += 1
             except UserError:
-                self._forget_files(entry)
+                self.store.forget(entry)
                 session, lost = self._new_session(entry.system, entry.tools), True
         if entry.path is None:
             self._from_snapshot(session, entry, extra=need)
@@ -838,49 +789,6 @@ class Engine:
         return lost
 
     # ----- the state folder -------------------------------------------------------------
-
-    def _session_path(self, owner: str, session_id: str) -> Path:
-        """Where a session is saved (``PATH.safetensors``, ``PATH.json``)."""
-        # The id may come from the client (X-Session-ID): the file is named by its hash,
-        # so no id reads as a path out of the state folder.
-        name = f"{owner}\0{session_id}".encode()
-        return self.state_dir / ("session-" + hashlib.sha256(name).hexdigest()[:32])
-
-    @staticmethod
-    def _checksums(path: Path) -> dict[str, str]:
-        """sha256 of each file of a saved session, by file name."""
-        sums = {}
-        for suffix in SUFFIXES:
-            file = path.with_name(path.name + suffix)
-            if suffix == ".safetensors" or file.exists():
-                digest = hashlib.sha256()
-                with open(file, "rb") as f:
-                    for block in iter(lambda f=f: f.read(1 << 20), b""):
-                        digest.update(block)
-                sums[file.name] = digest.hexdigest()
-        return sums
-
-    def _sizes(self, record: dict) -> dict[str, int]:
-        """Bytes of each file a record names (``OSError`` if one is missing)."""
-        return {name: (self.state_dir / name).stat().st_size for name in record["sha256"]}
-
-    def _check_files(self, entry: Entry) -> None:
-        """:class:`UserError` unless ``entry``'s files are what its index record says."""
-        record = self._stored.get(entry.key)
-        try:
-            intact = record is not None and self._checksums(entry.path) == record["sha256"]
-        except OSError as exc:
-            raise UserError(f"{entry.path}: {exc.strerror or exc}") from exc
-        if not intact:
-            raise UserError(f"{entry.path}: changed since it was saved")
-
-    def _write_index(self) -> None:
-        """Write ``index.json`` (atomically): every saved session, oldest first."""
-        from mlx_stream.generate.session import write_text_atomic
-
-        records = sorted(self._stored.values(), key=lambda r: r["saved"])
-        index = {"version": 1, "config": self._config(), "sessions": records}
-        write_text_atomic(self.state_dir / INDEX, json.dumps(index, ensure_ascii=False) + "\n")
 
     def _config(self) -> dict[str, Any]:
         """What saved caches depend on: a restart with another model or cache shape
@@ -891,59 +799,6 @@ class Engine:
             "num_draft_tokens": self.settings.num_draft_tokens,
             "draft_model": self.draft_model is not None,
         }  # fmt: skip
-
-    def _load_index(self) -> None:
-        """Find the sessions a previous run saved: each index record whose files are
-        there, with their sizes, comes back on disk (loaded on its next request,
-        after their checksums: reading every file here would slow every start); the
-        files of any other (and whatever else this server wrote, ``session-*`` and
-        temporaries of them, that no record names) are removed."""
-        from mlx_stream.generate.session import STATE_FIELDS
-        from mlx_stream.serve.tools import ToolSet
-
-        with contextlib.suppress(OSError):
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            index = json.loads((self.state_dir / INDEX).read_text("utf-8"))
-            records = list(index["sessions"])[-MAX_STORED:]
-            if index.get("config") != self._config():
-                records = []
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            records = []
-        if self.cluster is not None:  # the ranks' folders may disagree after a kill
-            records = []
-        wall, now, named = time.time(), time.monotonic(), set()
-        for r in records:
-            try:
-                path = self._session_path(r["owner"], r["id"])
-                ok = (
-                    r["name"] == path.name
-                    and STATE_FIELDS["system"][1](r["system"])
-                    and STATE_FIELDS["messages"][1](r["messages"])
-                    and path.name + ".safetensors" in r["sha256"]
-                    and set(r["sha256"]) <= {path.name + x for x in SUFFIXES}
-                    and self._sizes(r) == r["bytes"]
-                )
-                tools = None
-                if r["tools"] is not None:  # its serve.tools.ToolSet
-                    tools = ToolSet(tuple(str(t) for t in r["tools"]), bool(r["native_tools"]))
-                entry = Entry(
-                    id=r["id"], owner=r["owner"], system=r["system"], messages=r["messages"],
-                    path=path, tools=tools,
-                    tokens_seen=int(r["tokens_seen"]), sinks=int(r["sinks"]),
-                    last_used=now - max(0.0, wall - float(r["saved"])),
-                )  # fmt: skip
-            except (OSError, KeyError, TypeError, ValueError, AttributeError):
-                ok = False
-            if ok:
-                self.entries[entry.key], self._stored[entry.key] = entry, r
-                named.update(r["sha256"])
-        with contextlib.suppress(OSError):
-            for file in self.state_dir.iterdir():
-                ours = file.name.startswith(("session-", ".session-", f".{INDEX}."))
-                if ours and file.name not in named and file.is_file():
-                    file.unlink()
-            self._write_index()
 
     # ----- requests -------------------------------------------------------------------
 
