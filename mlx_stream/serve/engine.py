@@ -82,6 +82,7 @@ from mlx_stream.generate.session import (
     clean_text,
 )
 from mlx_stream.serve import matching
+from mlx_stream.serve.admission import Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
 from mlx_stream.serve.matching import Entry, split_messages
 from mlx_stream.serve.refusals import (
@@ -94,7 +95,6 @@ from mlx_stream.serve.refusals import (
 from mlx_stream.serve.store import MAX_STORED, SessionStore
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
-MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
 
 
@@ -156,21 +156,6 @@ class _Job:
     sent: int = 0  # tokens its consumer got
 
 
-def weights_bytes(model: Any) -> int:
-    """Bytes of a model's parameters."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def physical_memory() -> int:
-    """Bytes of memory of this machine (0 when unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 class Engine:
     """Sessions, admission by bytes and the one MLX worker thread.
 
@@ -216,7 +201,6 @@ class Engine:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.max_prompt_tokens = max_prompt_tokens
         self._closing = False  # draining: requests are refused (503)
-        self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
         self._logprobs = TokenLogprobs(tokenizer)
         self._grammars, self._vocab = None, None
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -227,13 +211,13 @@ class Engine:
                 state_dir = Path(state_dir) / f"rank-{cluster.rank}"
                 state_dir.mkdir(exist_ok=True)
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
-        self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
-        self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
-        self.max_sessions, self.chunk, self.isolate = max_sessions, chunk, isolate
+        weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
+        self.chunk, self.isolate = chunk, isolate
         self.store = SessionStore(state_dir, self._config)
         self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
-        self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
-        self._bytes_by_sinks: dict[int, int] = {}
+        self.admission = Admission(
+            self.entries, weights, budget, max_sessions, measure=self._measure, evict=self._evict
+        )
         self._active: list[_Job] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -626,81 +610,47 @@ class Engine:
 
     # ----- admission --------------------------------------------------------------------
 
-    def session_bytes(self, sinks: int) -> int:
-        """Bytes of one resident session with ``sinks`` sinks: its caches and its
-        checkpoint, measured once from real caches (after their one allocation)."""
-        if sinks not in self._bytes_by_sinks:
-            import mlx.core as mx
+    @property
+    def budget(self) -> int:
+        """The memory budget in bytes (settable)."""
+        return self.admission.budget
 
-            policy = self.settings.cache.replace(sinks=sinks)
-            settings = dataclasses.replace(self.settings, cache=policy)
-            probe = ChatSession(
-                self.model, self.tokenizer, settings, draft_model=self.draft_model
-            )  # fmt: skip
-            probe.prefill(self.tokenizer.decode([0]) or " ")
-            mx.eval([c.state for c in probe.caches])
-            cache = sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
-            self._bytes_by_sinks[sinks] = 2 * cache
-        return self._bytes_by_sinks[sinks]
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.admission.budget = value
+
+    @property
+    def weights(self) -> int:
+        """Bytes of the weights (and the draft model's)."""
+        return self.admission.weights
+
+    @property
+    def snapshots(self) -> dict[str, tuple[Checkpoint, int]]:
+        """The shared system-prompt snapshots: ``(checkpoint, bytes)`` by prompt."""
+        return self.admission.snapshots
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks (its caches and its
+        checkpoint), see :meth:`Admission.session_bytes`."""
+        return self.admission.session_bytes(sinks)
 
     def used_bytes(self) -> int:
         """Weights + snapshots + resident sessions."""
-        snaps = sum(b for _, b in self.snapshots.values())
-        return self.weights + snaps + sum(e.bytes for e in self.entries.values() if e.session)
+        return self.admission.used_bytes()
 
-    def _make_room(self, need: int, keep: Entry, head: str | None = None) -> None:
-        """Evict idle sessions and shared snapshots, least recently used first, until
-        ``need`` more bytes fit the budget (and, while ``keep`` is not resident, one
-        more session fits the count). Never what is in use: busy sessions, ``keep``,
-        the snapshot of the system prompt ``head``. Nothing is evicted when even all
-        of that would not make room: :class:`Busy` if a session is busy (room comes
-        back), else :class:`BadRequest` (the budget can never hold it)."""
-        if not self._room(need, keep, self._evictable(keep, head)):
-            busy = sum(e.busy for e in self.entries.values() if e.session is not None)
-            if not busy:
-                raise BadRequest(
-                    f"no memory for this session: it needs {need:,} bytes and the "
-                    f"--memory-budget ({self.budget:,} bytes) cannot hold them"
-                )
-            raise Busy(
-                f"no memory for another session: {busy} sessions are busy "
-                f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
-            )
-        while not self._room(need, keep, []):
-            _, what = min(self._evictable(keep, head), key=lambda t: t[0])
-            if isinstance(what, Entry):
-                self._evict(what)
-            else:
-                self._forget_snapshot(what)
+    def _measure(self, sinks: int) -> int:
+        """Bytes of one session's caches with ``sinks`` sinks, from real caches (after
+        their one allocation)."""
+        import mlx.core as mx
 
-    def _evictable(self, keep: Entry, head: str | None) -> list[tuple[float, Any]]:
-        """``(last used, entry or snapshot key)`` of what may be evicted now."""
-        out: list[tuple[float, Any]] = [
-            (e.last_used, e)
-            for e in self.entries.values()
-            if e.session is not None and not e.busy and e is not keep
-        ]
-        out += [(self._snapshot_used.get(h, 0.0), h) for h in self.snapshots if h != head]
-        return out
-
-    def _room(self, need: int, keep: Entry, gone: list[tuple[float, Any]]) -> bool:
-        """Whether ``need`` more bytes (and ``keep``, if not resident) fit once
-        ``gone`` (from :meth:`_evictable`) is evicted."""
-        freed = sessions = 0
-        for _, what in gone:
-            if isinstance(what, Entry):
-                freed, sessions = freed + what.bytes, sessions + 1
-            else:
-                freed += self.snapshots[what][1]
-        resident = sum(e.session is not None for e in self.entries.values()) - sessions
-        count = resident + (keep.session is None)
-        if self.max_sessions is not None and count > self.max_sessions:
-            return False
-        return self.used_bytes() - freed + need <= self.budget
-
-    def _forget_snapshot(self, head: str) -> None:
-        self.snapshots.pop(head, None)
-        self._snapshot_used.pop(head, None)
+        policy = self.settings.cache.replace(sinks=sinks)
+        settings = dataclasses.replace(self.settings, cache=policy)
+        probe = ChatSession(
+            self.model, self.tokenizer, settings, draft_model=self.draft_model
+        )  # fmt: skip
+        probe.prefill(self.tokenizer.decode([0]) or " ")
+        mx.eval([c.state for c in probe.caches])
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
 
     def _evict(self, entry: Entry) -> None:
         """Save a resident session to disk (listed in the state folder's index) and
@@ -740,26 +690,23 @@ class Engine:
         and admitted by bytes, on first use), making room for ``extra`` more bytes
         too (the session itself, not counted yet). Without room for a shared copy
         (or none is busy to free it), the session prefills its own."""
+        admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
         if not head:
-            self._make_room(extra, keep)
+            admission.make_room(extra, keep)
             return
-        snap = self.snapshots.get(head)
+        snap = admission.snapshots.get(head)
         if snap is not None:
-            self._make_room(extra, keep, head)
+            admission.make_room(extra, keep, head)
             session.restore(snap[0])
+            admission.touch_snapshot(head)
         else:
             size = self.session_bytes(session.sinks) // 2
-            shared = self._room(extra + size, keep, self._evictable(keep, head))
-            self._make_room(extra + size if shared else extra, keep, head)
+            shared = admission.fits(extra + size, keep, head)
+            admission.make_room(extra + size if shared else extra, keep, head)
             session.prefill(head)
-            if not shared:
-                return
-            self.snapshots[head] = (session.checkpoint(), size)
-        self.snapshots[head] = self.snapshots.pop(head)  # most recently used last
-        self._snapshot_used[head] = time.monotonic()
-        while len(self.snapshots) > MAX_SNAPSHOTS:
-            self._forget_snapshot(next(iter(self.snapshots)))
+            if shared:
+                admission.add_snapshot(head, session.checkpoint(), size)
 
     def _resident(self, entry: Entry) -> bool:
         """Make ``entry`` resident: admitted by bytes, then loaded from disk or new.
@@ -775,7 +722,7 @@ class Engine:
         need = self.session_bytes(session.sinks)
         lost = False
         if entry.path is not None:
-            self._make_room(need, entry)
+            self.admission.make_room(need, entry)
             try:
                 self.store.check(entry)
                 session.load(entry.path)
@@ -884,7 +831,7 @@ class Engine:
         session = self._new_session(system, tools)
         need = self.session_bytes(session.sinks)
         if need > entry.bytes:
-            self._make_room(need - entry.bytes, entry)
+            self.admission.make_room(need - entry.bytes, entry)
         self._from_snapshot(session, entry)
         session.messages = [dict(m) for m in history]
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
@@ -901,7 +848,7 @@ class Engine:
         )
         self._add(entry)
         try:
-            self._make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
+            self.admission.make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
@@ -994,7 +941,7 @@ class Engine:
                 "budget_bytes": self.budget,
                 "used_bytes": self.used_bytes(),
                 "weights_bytes": self.weights,
-                "session_bytes": self._bytes_by_sinks.get(self.settings.cache.sinks),
+                "session_bytes": self.admission.bytes_by_sinks.get(self.settings.cache.sinks),
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
