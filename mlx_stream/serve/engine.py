@@ -45,6 +45,14 @@ Contract:
   reply). A cancelled request (a client that went away) stops at the next token or
   prefill chunk and its session goes back to the checkpoint from before the turn.
 
+Parts, one concern each: :mod:`~mlx_stream.serve.admission` (the byte budget: what a
+session and a snapshot cost, what to evict), :mod:`~mlx_stream.serve.store` (the state
+folder), :mod:`~mlx_stream.serve.matching` (which session a request continues, and
+how), :mod:`~mlx_stream.serve.refusals` (the errors a request is refused with). This
+module composes them: the worker thread, its scheduler and the sessions' lifecycle;
+it re-exports the names the HTTP side imports (:class:`Entry`, :func:`split_messages`,
+the refusals).
+
 The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
 objects and events back into responses.
 
@@ -157,7 +165,9 @@ class _Job:
 
 
 class Engine:
-    """Sessions, admission by bytes and the one MLX worker thread.
+    """Sessions and the one MLX worker thread that runs them, admitted by bytes
+    (:class:`~mlx_stream.serve.admission.Admission`), saved to the state folder
+    (:class:`~mlx_stream.serve.store.SessionStore`).
 
     Args:
         model, tokenizer: The loaded model.
