@@ -388,12 +388,14 @@ class Engine:
                     item = cluster.share_text(None)
                     self._queue.put(FOLLOW)
                     if item is None:
+                        self._quiesce()
                         return
                     item = Request(emit=lambda event: None, **json.loads(item))
                 elif item is None or isinstance(item, Request):
                     wire = None if item is None else {k: getattr(item, k) for k in WIRE}
                     cluster.share_text(None if wire is None else json.dumps(wire))
                     if item is None:
+                        self._quiesce()
                         return
                 self._handle(item)
                 while self._active:
