@@ -2,7 +2,7 @@
 all model work on one MLX thread.
 
 Contract:
-- Every session is a :class:`~mlx_stream.session.ChatSession` whose SinkCaches have a
+- Every session is a :class:`~mlx_stream.generate.session.ChatSession` whose SinkCaches have a
   fixed size, so a session costs a known number of bytes (its caches plus the
   checkpoint taken before its current turn, measured from real caches). Admission:
   ``weights + snapshots + resident sessions x bytes <= budget``. A session that does
@@ -34,7 +34,7 @@ Contract:
   sinks; sessions with the same system prompt start from one prefilled snapshot.
 - One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
   session with decode work steps together in ONE batched model call
-  (:class:`~mlx_stream.batch.Batch`: one row per session, each in its own fixed-size
+  (:class:`~mlx_stream.generate.batch.Batch`: one row per session, each in its own fixed-size
   cache, its own sampling parameters and stop strings); a newcomer's prompt is
   prefilled a chunk per round meanwhile (batched or not: token sources are polled),
   so running sessions keep streaming and new requests are admitted; a prompt over
@@ -53,7 +53,7 @@ module composes them: the worker thread, its scheduler and the sessions' lifecyc
 it re-exports the names the HTTP side imports (:class:`Entry`, :func:`split_messages`,
 the refusals).
 
-The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
+The HTTP side (:mod:`mlx_stream.serve.app`) only translates requests into :class:`Request`
 objects and events back into responses.
 
 Sharded (``cluster``: ``serve --distributed``): rank 0 owns HTTP; its worker takes one
@@ -114,7 +114,7 @@ class Request:
     namespace of sessions (a hash of its API key; ``""`` without keys): a request only
     ever sees and continues sessions of its own owner. Events reach ``emit`` from the
     worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
-    token's entry from :class:`~mlx_stream.logprobs.TokenLogprobs` when ``logprobs``
+    token's entry from :class:`~mlx_stream.serve.logprobs.TokenLogprobs` when ``logprobs``
     is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
     status, message, retry_after)``. Setting ``cancelled`` stops the request at its
     next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
@@ -159,7 +159,7 @@ class _Job:
     cached: int
     started: float = field(default_factory=time.perf_counter)
     batched: bool = False
-    row: Any = None  # its mlx_stream.batch.Row, once its first token was asked for
+    row: Any = None  # its mlx_stream.generate.batch.Row, once its first token was asked for
     running: bool = False  # inside next(tokens): never re-entered
     sent: int = 0  # tokens its consumer got
 
