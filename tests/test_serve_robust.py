@@ -296,7 +296,7 @@ def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tm
         text, _, _ = ask(a, messages, session_id=sid)
         talks[sid] = messages + [{"role": "assistant", "content": text}]
         on_worker(a, lambda sid=sid: a._evict(a.entries[("", sid)]))
-    name = {sid: a._session_path("", sid).name + ".safetensors" for sid in talks}
+    name = {sid: a.store.path("", sid).name + ".safetensors" for sid in talks}
     # no a.stop(): as after a kill -9
     (tmp_path / name["truncated"]).write_bytes((tmp_path / name["truncated"]).read_bytes()[:-8])
     data = bytearray((tmp_path / name["flipped"]).read_bytes())
@@ -305,7 +305,7 @@ def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tm
     b = make_engine(loaded, tmp_path, settings, keep_system=False)
     try:
         assert set(b.entries) == {("", "kept"), ("", "flipped")}
-        assert not list(tmp_path.glob(a._session_path("", "truncated").name + "*"))
+        assert not list(tmp_path.glob(a.store.path("", "truncated").name + "*"))
         for sid in ("kept", "flipped"):
             messages = talks[sid] + [{"role": "user", "content": "ship"}]
             _, usage, error = ask(b, messages, session_id=sid)

@@ -4,15 +4,15 @@ Contract: a :class:`Batch` holds the rows of one model. A row is a session's pro
 cache (its SinkCaches) plus what it still has to do. :meth:`Batch.step` does one round:
 every newcomer feeds one prefill chunk on its own cache (so running rows keep
 streaming while a long prompt goes in), a newcomer whose prompt is in joins the
-batch (its caches copied into the :class:`~mlx_stream.batch_cache.BatchSinkCache`
+batch (its caches copied into the :class:`~mlx_stream.cache.batched.BatchSinkCache`
 rows), then every batched row feeds its pending token in ONE model call and samples
 its next token with its own parameters (temperature, top-p, seed). Pipelined like
 mlx-lm's loops: a step's call is built on the previous step's tokens before they are
 read, so a sampled token reaches the row's ``inbox`` one step later, already fed; it
 waits there until the row's consumer takes it.
 
-:func:`Batch.tokens` is a token source with :func:`mlx_stream.decode.generate_step`'s
-signature, so :func:`mlx_stream.decode.stream_generate` (detokenizing, stop strings,
+:func:`Batch.tokens` is a token source with :func:`mlx_stream.generate.decode.generate_step`'s
+signature, so :func:`mlx_stream.generate.decode.stream_generate` (detokenizing, stop strings,
 eos) and a session's turn bookkeeping run unchanged on top of a batch. When the source
 stops (finished or closed), the row leaves the batch: its caches are copied back out
 and hold the prompt and every token its inbox received (every yielded token, as

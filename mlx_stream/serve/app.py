@@ -2,8 +2,8 @@
 
 Contract: request bodies are validated by pydantic models (bad JSON or a bad field is
 a 400 naming the field, in OpenAI's error shape); every model call happens on the
-:class:`~mlx_stream.server.Engine`'s worker thread, this side only turns requests into
-:class:`~mlx_stream.server.Request` objects and the worker's events into JSON or
+:class:`~mlx_stream.serve.engine.Engine`'s worker thread, this side only turns requests into
+:class:`~mlx_stream.serve.engine.Request` objects and the worker's events into JSON or
 server-sent events. A streaming client that disconnects cancels its request.
 """
 

@@ -2,7 +2,7 @@
 all model work on one MLX thread.
 
 Contract:
-- Every session is a :class:`~mlx_stream.session.ChatSession` whose SinkCaches have a
+- Every session is a :class:`~mlx_stream.generate.session.ChatSession` whose SinkCaches have a
   fixed size, so a session costs a known number of bytes (its caches plus the
   checkpoint taken before its current turn, measured from real caches). Admission:
   ``weights + snapshots + resident sessions x bytes <= budget``. A session that does
@@ -34,7 +34,7 @@ Contract:
   sinks; sessions with the same system prompt start from one prefilled snapshot.
 - One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
   session with decode work steps together in ONE batched model call
-  (:class:`~mlx_stream.batch.Batch`: one row per session, each in its own fixed-size
+  (:class:`~mlx_stream.generate.batch.Batch`: one row per session, each in its own fixed-size
   cache, its own sampling parameters and stop strings); a newcomer's prompt is
   prefilled a chunk per round meanwhile (batched or not: token sources are polled),
   so running sessions keep streaming and new requests are admitted; a prompt over
@@ -45,7 +45,15 @@ Contract:
   reply). A cancelled request (a client that went away) stops at the next token or
   prefill chunk and its session goes back to the checkpoint from before the turn.
 
-The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
+Parts, one concern each: :mod:`~mlx_stream.serve.admission` (the byte budget: what a
+session and a snapshot cost, what to evict), :mod:`~mlx_stream.serve.store` (the state
+folder), :mod:`~mlx_stream.serve.matching` (which session a request continues, and
+how), :mod:`~mlx_stream.serve.refusals` (the errors a request is refused with). This
+module composes them: the worker thread, its scheduler and the sessions' lifecycle;
+it re-exports the names the HTTP side imports (:class:`Entry`, :func:`split_messages`,
+the refusals).
+
+The HTTP side (:mod:`mlx_stream.serve.app`) only translates requests into :class:`Request`
 objects and events back into responses.
 
 Sharded (``cluster``: ``serve --distributed``): rank 0 owns HTTP; its worker takes one
@@ -57,15 +65,12 @@ rank's sessions stay the same.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import queue
 import random
-import tempfile
 import threading
 import time
 import uuid
@@ -84,36 +89,21 @@ from mlx_stream.generate.session import (
     cache_count,
     clean_text,
 )
+from mlx_stream.serve import matching
+from mlx_stream.serve.admission import Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
+from mlx_stream.serve.matching import Entry, split_messages
+from mlx_stream.serve.refusals import (
+    DEFAULT_RETRY_AFTER,  # noqa: F401 - re-exported
+    BadRequest,
+    Busy,
+    TooLarge,
+    Unsaved,
+)
+from mlx_stream.serve.store import MAX_STORED, SessionStore
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
-DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
-MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
-MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
-INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
-SUFFIXES = (".safetensors", ".json", ".draft.safetensors")  # the files of a saved session
-
-
-class Busy(Exception):
-    """No memory for another session now: every resident session is busy (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: int = DEFAULT_RETRY_AFTER):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class BadRequest(UserError):
-    """A request the engine cannot serve as asked (HTTP 400), with one line saying why."""
-
-
-class TooLarge(BadRequest):
-    """A prompt over ``--max-prompt-tokens`` (HTTP 413), refused before any prefill."""
-
-
-class Unsaved(RuntimeFailure):
-    """The state folder is full or cannot be written (HTTP 507): the session that could
-    not be saved stays resident, only the request that needed its room is refused."""
 
 
 @dataclass
@@ -124,7 +114,7 @@ class Request:
     namespace of sessions (a hash of its API key; ``""`` without keys): a request only
     ever sees and continues sessions of its own owner. Events reach ``emit`` from the
     worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
-    token's entry from :class:`~mlx_stream.logprobs.TokenLogprobs` when ``logprobs``
+    token's entry from :class:`~mlx_stream.serve.logprobs.TokenLogprobs` when ``logprobs``
     is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
     status, message, retry_after)``. Setting ``cancelled`` stops the request at its
     next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
@@ -162,35 +152,6 @@ FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
 @dataclass
-class Entry:
-    """A session the server knows: resident (``session`` set) or on disk (``path``).
-
-    ``messages`` is the transcript its caches encode; ``checkpoint`` (resident only)
-    encodes ``checkpoint.messages``, a transcript one turn shorter, and is only ever
-    restored for a request whose history is exactly that.
-    """
-
-    id: str
-    system: str | None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    session: ChatSession | None = None
-    checkpoint: Checkpoint | None = None
-    path: Path | None = None
-    bytes: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False
-    tokens_seen: int = 0
-    sinks: int = 0
-    transient: bool = False  # a plain completion: dropped when done
-    owner: str = ""
-    tools: Any = None  # its serve.tools.ToolSet (part of what a request must match)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.owner, self.id)
-
-
-@dataclass
 class _Job:
     request: Request
     entry: Entry
@@ -198,28 +159,15 @@ class _Job:
     cached: int
     started: float = field(default_factory=time.perf_counter)
     batched: bool = False
-    row: Any = None  # its mlx_stream.batch.Row, once its first token was asked for
+    row: Any = None  # its mlx_stream.generate.batch.Row, once its first token was asked for
     running: bool = False  # inside next(tokens): never re-entered
     sent: int = 0  # tokens its consumer got
 
 
-def weights_bytes(model: Any) -> int:
-    """Bytes of a model's parameters."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def physical_memory() -> int:
-    """Bytes of memory of this machine (0 when unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 class Engine:
-    """Sessions, admission by bytes and the one MLX worker thread.
+    """Sessions and the one MLX worker thread that runs them, admitted by bytes
+    (:class:`~mlx_stream.serve.admission.Admission`), saved to the state folder
+    (:class:`~mlx_stream.serve.store.SessionStore`).
 
     Args:
         model, tokenizer: The loaded model.
@@ -263,8 +211,6 @@ class Engine:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.max_prompt_tokens = max_prompt_tokens
         self._closing = False  # draining: requests are refused (503)
-        self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
-        self._stored: dict[tuple, dict] = {}  # index records of saved sessions, by key
         self._logprobs = TokenLogprobs(tokenizer)
         self._grammars, self._vocab = None, None
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -275,17 +221,13 @@ class Engine:
                 state_dir = Path(state_dir) / f"rank-{cluster.rank}"
                 state_dir.mkdir(exist_ok=True)
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
-        self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
-        self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
-        self.max_sessions, self.chunk, self.isolate = max_sessions, chunk, isolate
-        self._tmp = None
-        if state_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
-            state_dir = self._tmp.name
-        self.state_dir = Path(state_dir)
+        weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
+        self.chunk, self.isolate = chunk, isolate
+        self.store = SessionStore(state_dir, self._config)
         self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
-        self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
-        self._bytes_by_sinks: dict[int, int] = {}
+        self.admission = Admission(
+            self.entries, weights, budget, max_sessions, measure=self._measure, evict=self._evict
+        )
         self._active: list[_Job] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -304,7 +246,8 @@ class Engine:
         """Start the worker; measure a session's bytes first and refuse a budget
         that cannot hold the weights and one session. Sessions the state folder's
         index lists (and whose files are intact) are found again."""
-        self._load_index()
+        for entry in self.store.load(discard=self.cluster is not None):
+            self.entries[entry.key] = entry  # on disk: loaded on its next request
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
@@ -326,8 +269,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._stopping = True
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        self.store.cleanup()
 
     def drain(self) -> None:
         """Stop taking requests (503 from now on) and end the running ones at the
@@ -446,12 +388,14 @@ class Engine:
                     item = cluster.share_text(None)
                     self._queue.put(FOLLOW)
                     if item is None:
+                        self._quiesce()
                         return
                     item = Request(emit=lambda event: None, **json.loads(item))
                 elif item is None or isinstance(item, Request):
                     wire = None if item is None else {k: getattr(item, k) for k in WIRE}
                     cluster.share_text(None if wire is None else json.dumps(wire))
                     if item is None:
+                        self._quiesce()
                         return
                 self._handle(item)
                 while self._active:
@@ -634,7 +578,7 @@ class Engine:
         """End every running request (:meth:`_end_all`), then save every resident
         session to the state folder."""
         self._end_all()
-        if self._tmp is not None or self.cluster is not None:
+        if self.store.temporary or self.cluster is not None:
             return  # a temporary folder outlives nothing; ranks save only in step
         for entry in [e for e in self.entries.values() if e.session and not e.transient]:
             try:
@@ -678,116 +622,53 @@ class Engine:
 
     # ----- admission --------------------------------------------------------------------
 
-    def session_bytes(self, sinks: int) -> int:
-        """Bytes of one resident session with ``sinks`` sinks: its caches and its
-        checkpoint, measured once from real caches (after their one allocation)."""
-        if sinks not in self._bytes_by_sinks:
-            import mlx.core as mx
+    @property
+    def budget(self) -> int:
+        """The memory budget in bytes (settable)."""
+        return self.admission.budget
 
-            policy = self.settings.cache.replace(sinks=sinks)
-            settings = dataclasses.replace(self.settings, cache=policy)
-            probe = ChatSession(
-                self.model, self.tokenizer, settings, draft_model=self.draft_model
-            )  # fmt: skip
-            probe.prefill(self.tokenizer.decode([0]) or " ")
-            mx.eval([c.state for c in probe.caches])
-            cache = sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
-            self._bytes_by_sinks[sinks] = 2 * cache
-        return self._bytes_by_sinks[sinks]
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.admission.budget = value
+
+    @property
+    def weights(self) -> int:
+        """Bytes of the weights (and the draft model's)."""
+        return self.admission.weights
+
+    @property
+    def snapshots(self) -> dict[str, tuple[Checkpoint, int]]:
+        """The shared system-prompt snapshots: ``(checkpoint, bytes)`` by prompt."""
+        return self.admission.snapshots
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks (its caches and its
+        checkpoint), see :meth:`Admission.session_bytes`."""
+        return self.admission.session_bytes(sinks)
 
     def used_bytes(self) -> int:
         """Weights + snapshots + resident sessions."""
-        snaps = sum(b for _, b in self.snapshots.values())
-        return self.weights + snaps + sum(e.bytes for e in self.entries.values() if e.session)
+        return self.admission.used_bytes()
 
-    def _make_room(self, need: int, keep: Entry, head: str | None = None) -> None:
-        """Evict idle sessions and shared snapshots, least recently used first, until
-        ``need`` more bytes fit the budget (and, while ``keep`` is not resident, one
-        more session fits the count). Never what is in use: busy sessions, ``keep``,
-        the snapshot of the system prompt ``head``. Nothing is evicted when even all
-        of that would not make room: :class:`Busy` if a session is busy (room comes
-        back), else :class:`BadRequest` (the budget can never hold it)."""
-        if not self._room(need, keep, self._evictable(keep, head)):
-            busy = sum(e.busy for e in self.entries.values() if e.session is not None)
-            if not busy:
-                raise BadRequest(
-                    f"no memory for this session: it needs {need:,} bytes and the "
-                    f"--memory-budget ({self.budget:,} bytes) cannot hold them"
-                )
-            raise Busy(
-                f"no memory for another session: {busy} sessions are busy "
-                f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
-            )
-        while not self._room(need, keep, []):
-            _, what = min(self._evictable(keep, head), key=lambda t: t[0])
-            if isinstance(what, Entry):
-                self._evict(what)
-            else:
-                self._forget_snapshot(what)
+    def _measure(self, sinks: int) -> int:
+        """Bytes of one session's caches with ``sinks`` sinks, from real caches (after
+        their one allocation)."""
+        import mlx.core as mx
 
-    def _evictable(self, keep: Entry, head: str | None) -> list[tuple[float, Any]]:
-        """``(last used, entry or snapshot key)`` of what may be evicted now."""
-        out: list[tuple[float, Any]] = [
-            (e.last_used, e)
-            for e in self.entries.values()
-            if e.session is not None and not e.busy and e is not keep
-        ]
-        out += [(self._snapshot_used.get(h, 0.0), h) for h in self.snapshots if h != head]
-        return out
-
-    def _room(self, need: int, keep: Entry, gone: list[tuple[float, Any]]) -> bool:
-        """Whether ``need`` more bytes (and ``keep``, if not resident) fit once
-        ``gone`` (from :meth:`_evictable`) is evicted."""
-        freed = sessions = 0
-        for _, what in gone:
-            if isinstance(what, Entry):
-                freed, sessions = freed + what.bytes, sessions + 1
-            else:
-                freed += self.snapshots[what][1]
-        resident = sum(e.session is not None for e in self.entries.values()) - sessions
-        count = resident + (keep.session is None)
-        if self.max_sessions is not None and count > self.max_sessions:
-            return False
-        return self.used_bytes() - freed + need <= self.budget
-
-    def _forget_snapshot(self, head: str) -> None:
-        self.snapshots.pop(head, None)
-        self._snapshot_used.pop(head, None)
+        policy = self.settings.cache.replace(sinks=sinks)
+        settings = dataclasses.replace(self.settings, cache=policy)
+        probe = ChatSession(
+            self.model, self.tokenizer, settings, draft_model=self.draft_model
+        )  # fmt: skip
+        probe.prefill(self.tokenizer.decode([0]) or " ")
+        mx.eval([c.state for c in probe.caches])
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
 
     def _evict(self, entry: Entry) -> None:
         """Save a resident session to disk (listed in the state folder's index) and
         free its memory; :class:`Unsaved` when the folder cannot take it (the
         session then stays resident)."""
-        path = self._session_path(entry.owner, entry.id)
-        session, before = entry.session, self._stored.get(entry.key)
-        try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)  # deleted under us
-            session.save(path)
-            self._stored[entry.key] = record = {
-                "owner": entry.owner,
-                "id": entry.id,
-                "name": path.name,
-                "system": entry.system,
-                "tools": None if entry.tools is None else list(entry.tools.tools),
-                "native_tools": None if entry.tools is None else entry.tools.native,
-                "messages": session.messages,
-                "sinks": session.sinks,
-                "tokens_seen": cache_count(session.caches),
-                "saved": time.time(),
-                "sha256": self._checksums(path),
-            }
-            record["bytes"] = self._sizes(record)
-            self._write_index()
-        except (OSError, RuntimeError, RuntimeFailure) as exc:  # mlx: RuntimeError "[write]
-            if before is None:
-                self._stored.pop(entry.key, None)
-            else:
-                self._stored[entry.key] = before
-            cause = str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
-            raise Unsaved(
-                f"the state folder {self.state_dir} is full or unwritable: "
-                + (cause.splitlines() or ["?"])[0]
-            ) from exc
+        path, record = self.store.save(entry)
         entry.path, entry.session, entry.checkpoint = path, None, None
         entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
@@ -798,17 +679,7 @@ class Engine:
     def _drop(self, entry: Entry) -> None:
         self.entries.pop(entry.key, None)
         if entry.path is not None:
-            self._forget_files(entry)
-
-    def _forget_files(self, entry: Entry) -> None:
-        """Remove ``entry``'s saved files and its index record."""
-        for suffix in SUFFIXES:
-            with contextlib.suppress(OSError):
-                entry.path.with_name(entry.path.name + suffix).unlink()
-        entry.path = None
-        if self._stored.pop(entry.key, None) is not None:
-            with contextlib.suppress(OSError):  # a stale index names missing files: dropped
-                self._write_index()
+            self.store.forget(entry)
 
     def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
         """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
@@ -831,26 +702,23 @@ class Engine:
         and admitted by bytes, on first use), making room for ``extra`` more bytes
         too (the session itself, not counted yet). Without room for a shared copy
         (or none is busy to free it), the session prefills its own."""
+        admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
         if not head:
-            self._make_room(extra, keep)
+            admission.make_room(extra, keep)
             return
-        snap = self.snapshots.get(head)
+        snap = admission.snapshots.get(head)
         if snap is not None:
-            self._make_room(extra, keep, head)
+            admission.make_room(extra, keep, head)
             session.restore(snap[0])
+            admission.touch_snapshot(head)
         else:
             size = self.session_bytes(session.sinks) // 2
-            shared = self._room(extra + size, keep, self._evictable(keep, head))
-            self._make_room(extra + size if shared else extra, keep, head)
+            shared = admission.fits(extra + size, keep, head)
+            admission.make_room(extra + size if shared else extra, keep, head)
             session.prefill(head)
-            if not shared:
-                return
-            self.snapshots[head] = (session.checkpoint(), size)
-        self.snapshots[head] = self.snapshots.pop(head)  # most recently used last
-        self._snapshot_used[head] = time.monotonic()
-        while len(self.snapshots) > MAX_SNAPSHOTS:
-            self._forget_snapshot(next(iter(self.snapshots)))
+            if shared:
+                admission.add_snapshot(head, session.checkpoint(), size)
 
     def _resident(self, entry: Entry) -> bool:
         """Make ``entry`` resident: admitted by bytes, then loaded from disk or new.
@@ -866,13 +734,13 @@ class Engine:
         need = self.session_bytes(session.sinks)
         lost = False
         if entry.path is not None:
-            self._make_room(need, entry)
+            self.admission.make_room(need, entry)
             try:
-                self._check_files(entry)
+                self.store.check(entry)
                 session.load(entry.path)
                 self.restores += 1
             except UserError:
-                self._forget_files(entry)
+                self.store.forget(entry)
                 session, lost = self._new_session(entry.system, entry.tools), True
         if entry.path is None:
             self._from_snapshot(session, entry, extra=need)
@@ -880,49 +748,6 @@ class Engine:
         return lost
 
     # ----- the state folder -------------------------------------------------------------
-
-    def _session_path(self, owner: str, session_id: str) -> Path:
-        """Where a session is saved (``PATH.safetensors``, ``PATH.json``)."""
-        # The id may come from the client (X-Session-ID): the file is named by its hash,
-        # so no id reads as a path out of the state folder.
-        name = f"{owner}\0{session_id}".encode()
-        return self.state_dir / ("session-" + hashlib.sha256(name).hexdigest()[:32])
-
-    @staticmethod
-    def _checksums(path: Path) -> dict[str, str]:
-        """sha256 of each file of a saved session, by file name."""
-        sums = {}
-        for suffix in SUFFIXES:
-            file = path.with_name(path.name + suffix)
-            if suffix == ".safetensors" or file.exists():
-                digest = hashlib.sha256()
-                with open(file, "rb") as f:
-                    for block in iter(lambda f=f: f.read(1 << 20), b""):
-                        digest.update(block)
-                sums[file.name] = digest.hexdigest()
-        return sums
-
-    def _sizes(self, record: dict) -> dict[str, int]:
-        """Bytes of each file a record names (``OSError`` if one is missing)."""
-        return {name: (self.state_dir / name).stat().st_size for name in record["sha256"]}
-
-    def _check_files(self, entry: Entry) -> None:
-        """:class:`UserError` unless ``entry``'s files are what its index record says."""
-        record = self._stored.get(entry.key)
-        try:
-            intact = record is not None and self._checksums(entry.path) == record["sha256"]
-        except OSError as exc:
-            raise UserError(f"{entry.path}: {exc.strerror or exc}") from exc
-        if not intact:
-            raise UserError(f"{entry.path}: changed since it was saved")
-
-    def _write_index(self) -> None:
-        """Write ``index.json`` (atomically): every saved session, oldest first."""
-        from mlx_stream.generate.session import write_text_atomic
-
-        records = sorted(self._stored.values(), key=lambda r: r["saved"])
-        index = {"version": 1, "config": self._config(), "sessions": records}
-        write_text_atomic(self.state_dir / INDEX, json.dumps(index, ensure_ascii=False) + "\n")
 
     def _config(self) -> dict[str, Any]:
         """What saved caches depend on: a restart with another model or cache shape
@@ -934,59 +759,6 @@ class Engine:
             "draft_model": self.draft_model is not None,
         }  # fmt: skip
 
-    def _load_index(self) -> None:
-        """Find the sessions a previous run saved: each index record whose files are
-        there, with their sizes, comes back on disk (loaded on its next request,
-        after their checksums: reading every file here would slow every start); the
-        files of any other (and whatever else this server wrote, ``session-*`` and
-        temporaries of them, that no record names) are removed."""
-        from mlx_stream.generate.session import STATE_FIELDS
-        from mlx_stream.serve.tools import ToolSet
-
-        with contextlib.suppress(OSError):
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            index = json.loads((self.state_dir / INDEX).read_text("utf-8"))
-            records = list(index["sessions"])[-MAX_STORED:]
-            if index.get("config") != self._config():
-                records = []
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            records = []
-        if self.cluster is not None:  # the ranks' folders may disagree after a kill
-            records = []
-        wall, now, named = time.time(), time.monotonic(), set()
-        for r in records:
-            try:
-                path = self._session_path(r["owner"], r["id"])
-                ok = (
-                    r["name"] == path.name
-                    and STATE_FIELDS["system"][1](r["system"])
-                    and STATE_FIELDS["messages"][1](r["messages"])
-                    and path.name + ".safetensors" in r["sha256"]
-                    and set(r["sha256"]) <= {path.name + x for x in SUFFIXES}
-                    and self._sizes(r) == r["bytes"]
-                )
-                tools = None
-                if r["tools"] is not None:  # its serve.tools.ToolSet
-                    tools = ToolSet(tuple(str(t) for t in r["tools"]), bool(r["native_tools"]))
-                entry = Entry(
-                    id=r["id"], owner=r["owner"], system=r["system"], messages=r["messages"],
-                    path=path, tools=tools,
-                    tokens_seen=int(r["tokens_seen"]), sinks=int(r["sinks"]),
-                    last_used=now - max(0.0, wall - float(r["saved"])),
-                )  # fmt: skip
-            except (OSError, KeyError, TypeError, ValueError, AttributeError):
-                ok = False
-            if ok:
-                self.entries[entry.key], self._stored[entry.key] = entry, r
-                named.update(r["sha256"])
-        with contextlib.suppress(OSError):
-            for file in self.state_dir.iterdir():
-                ours = file.name.startswith(("session-", ".session-", f".{INDEX}."))
-                if ours and file.name not in named and file.is_file():
-                    file.unlink()
-            self._write_index()
-
     # ----- requests -------------------------------------------------------------------
 
     def _admit(self, request: Request) -> None:
@@ -996,7 +768,10 @@ class Engine:
         plan, extra = self._agents(request)
         system, history, user = split_messages(request.messages)
         toolset = plan.toolset if plan is not None else None
-        entry, mode, source = self._find(request, system, history, toolset)
+        entry, mode, source = matching.find(
+            self.entries, request, system, history, toolset,
+            isolate=self.isolate, new_id=self._new_id,
+        )  # fmt: skip
         checkpoint = source.checkpoint if source is not None else None  # room may evict it
         try:
             if self._resident(entry):  # its saved file was lost: rebuilt from the history
@@ -1068,68 +843,12 @@ class Engine:
         session = self._new_session(system, tools)
         need = self.session_bytes(session.sinks)
         if need > entry.bytes:
-            self._make_room(need - entry.bytes, entry)
+            self.admission.make_room(need - entry.bytes, entry)
         self._from_snapshot(session, entry)
         session.messages = [dict(m) for m in history]
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.tools = tools
         entry.checkpoint = session.checkpoint()
-
-    def _find(
-        self, request: Request, system: str | None, history: list, tools: Any = None
-    ) -> tuple:
-        """``(entry, mode, source)`` for a chat request, among its owner's sessions only;
-        ``tools`` (a ToolSet) must match like the system prompt.
-
-        ``append``: the entry's transcript is the history. ``restore``: ``source``'s
-        checkpoint encodes exactly the history (an edit or a regeneration of the last
-        turn); with the session's own id it restores in place, without one it forks a new
-        session and the original stays for its owner. ``rebuild``: from the history alone
-        (an id whose transcript does not match, or a history no session holds). ``new``:
-        no history. Without an id, only a history that is not empty is matched, and only
-        when the server is not ``isolate``-d.
-        """
-        owner, session_id = request.owner, request.session_id
-        if session_id is not None:
-            entry = self.entries.get((owner, session_id))
-            if entry is None:
-                entry = self._add(Entry(id=session_id, system=system, owner=owner, tools=tools))
-                return entry, "rebuild" if history else "new", None
-            if entry.busy:
-                raise Busy(f"session {entry.id} is answering another request; retry shortly")
-            same = (entry.system, entry.tools) == (system, tools)
-            if same and entry.messages == history:
-                return entry, "append", None
-            if same and self._restorable(entry, system, history):
-                return entry, "restore", entry
-            return entry, "rebuild", None
-        if history and not self.isolate:
-            mine = [
-                e for e in self.entries.values()
-                if e.owner == owner and not e.busy and not e.transient
-            ]  # fmt: skip
-            mine.sort(key=lambda e: -e.last_used)
-            mine = [e for e in mine if e.tools == tools]
-            for entry in mine:
-                if entry.system == system and entry.messages == history:
-                    return entry, "append", None
-            for entry in mine:
-                if self._restorable(entry, system, history):
-                    fork = Entry(id=self._new_id(16), system=system, owner=owner, tools=tools)
-                    return self._add(fork), "restore", entry
-        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner, tools=tools))
-        return entry, "rebuild" if history else "new", None
-
-    @staticmethod
-    def _restorable(entry: Entry, system: str | None, history: list) -> bool:
-        """Whether ``entry``'s checkpoint encodes exactly ``system`` + ``history``."""
-        cp = entry.checkpoint
-        return (
-            entry.session is not None
-            and cp is not None
-            and cp.system == system
-            and cp.messages == history
-        )
 
     def _add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry
@@ -1141,7 +860,7 @@ class Engine:
         )
         self._add(entry)
         try:
-            self._make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
+            self.admission.make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
@@ -1236,7 +955,7 @@ class Engine:
                 "budget_bytes": self.budget,
                 "used_bytes": self.used_bytes(),
                 "weights_bytes": self.weights,
-                "session_bytes": self._bytes_by_sinks.get(self.settings.cache.sinks),
+                "session_bytes": self.admission.bytes_by_sinks.get(self.settings.cache.sinks),
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
@@ -1254,24 +973,3 @@ class Engine:
                 "active": len(self._active),
             },
         }
-
-
-def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
-    """``(system, history, user)`` of a chat request: a leading system message, the
-    turns before the last, and the last (a user message's text; after tool results,
-    the new messages as a list). Text is decoded leniently."""
-    messages = [{**m, "content": clean_text(m["content"])} for m in messages]
-    if not messages:
-        raise BadRequest("messages: must hold at least one message")
-    system = None
-    if messages[0]["role"] in ("system", "developer"):
-        system = messages[0]["content"]
-        messages = messages[1:]
-    if not messages or messages[-1]["role"] not in ("user", "tool"):
-        raise BadRequest("messages: the last message must be from the user or a tool result")
-    if messages[-1]["role"] == "user" and (len(messages) < 2 or messages[-2]["role"] != "tool"):
-        return system, messages[:-1], messages[-1]["content"]
-    from mlx_stream.serve.tools import split_new
-
-    history, new = split_new(messages)  # tool results: a turn of several messages
-    return system, history, new
