@@ -25,7 +25,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
 )
 
 from mlx_stream.divergence import POSITIONS, Policy, divergence, sample_points
-from mlx_stream.recall import PLACEMENTS, check_prompts, recall
+from mlx_stream.eval.passkey import PLACEMENTS, check_prompts, recall
 
 KV = {"float": (None, None), "8": (8, None), "4": (4, None), "4k8": (4, 8)}
 

@@ -276,8 +276,8 @@ def recall(
     check_positive(answer_tokens, "--answer-tokens")
 
     target, tokenizer, spec = load_model(model, dtype)
-    from mlx_stream.recall import check_prompts
-    from mlx_stream.recall import recall as run_recall
+    from mlx_stream.eval.passkey import check_prompts
+    from mlx_stream.eval.passkey import recall as run_recall
 
     sinks, _ = sizes(spec, sinks, None)
     context = model_context(target)

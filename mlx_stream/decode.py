@@ -44,6 +44,7 @@ from mlx_stream.defaults import (
 )
 from mlx_stream.errors import UserError
 from mlx_stream.estimate import make_checked_sink_cache
+from mlx_stream.recall.tier import refresh as refresh_recall
 from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
@@ -211,6 +212,7 @@ def generate_step(
             state.prompt_processed = state.cache_tokens = done = done + n
             progress(done, total)
             reclaim.step(done - n, done)
+    refresh_recall(prompt_cache)  # the prompt's own queries choose what the answer recalls
 
     run = _speculative if draft_model is not None else _plain
     yield from run(

@@ -1,4 +1,4 @@
-"""Passkey prompts (``mlx_stream.recall``): where the key lands relative to the window,
+"""Passkey prompts (``mlx_stream.eval.passkey``): where the key lands relative to the window,
 what the pinned system prompt covers, and the accuracy bookkeeping, on the tiny
 tokenizer and model; one real-model run."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_stream import recall as rec
+from mlx_stream.eval import passkey as rec
 
 WINDOW = 64
 

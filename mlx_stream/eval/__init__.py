@@ -1,0 +1,1 @@
+"""Evaluations: what a cache policy forgets, measured against the full cache."""
