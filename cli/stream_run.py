@@ -32,6 +32,7 @@ from cli.common import (
     json_line,
     lenient_stdin,
     load_model,
+    recall_spec,
     sizes,
     stderr_console,
 )
@@ -295,11 +296,17 @@ def stream_run(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
     Scores every token and reports perplexity overall and per segment. --prompt then
-    answers a question from what is still in the window. Ctrl-C (or SIGTERM) stops
+    answers a question from what is still in the window (with --recall: also from the
+    evicted blocks its queries choose). Ctrl-C (or SIGTERM) stops
     between model calls, saves --checkpoint and prints the figures so far.
     """
     from mlx_stream.defaults import POSITIONS
@@ -315,6 +322,9 @@ def stream_run(
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    if recall_policy is not None and (checkpoint or resume):
+        fail("--checkpoint and --resume do not carry the recall store yet: drop --recall")
     if csv is not None:
         check_output_path(csv)
     if checkpoint is not None:
@@ -327,6 +337,8 @@ def stream_run(
     cluster = dist.join(distributed, model)
     if cluster is not None and (checkpoint or resume):
         fail("--checkpoint and --resume are not available with --distributed")
+    if cluster is not None and recall_policy is not None:
+        fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         f, size = open_source(path)
     else:  # the text lives on rank 0's machine: read what rank 0 shares
@@ -346,6 +358,8 @@ def stream_run(
         reader = CountingReader(f)
         tokens = Tracked(iter_tokens(reader, tokenizer))
         kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
+        if recall_policy is not None:
+            kv["recall"] = recall_policy
         identity = {
             "model": spec.name if spec is not None else str(Path(model).resolve()),
             "dtype": resolve_dtype(dtype), "sinks": sinks, "window": window,

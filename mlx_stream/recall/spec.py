@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS, DEFAULT_RECALL_RAM_MB, DEFAULT_STRIDE
 from mlx_stream.errors import Unsupported
 
 SELECTORS = ("exact", "quest", "mean")
 PLACEMENTS = ("stream", "fixed")
-DEFAULT_BLOCKS = 8
-DEFAULT_BLOCK = 64
-DEFAULT_RAM = 1 << 30  # host bytes of stored blocks before spilling to disk
+DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
+DEFAULT_BLOCK = DEFAULT_STRIDE
+DEFAULT_RAM = DEFAULT_RECALL_RAM_MB * 1_000_000  # host bytes before spilling to disk
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class RecallSpec:
             (``mx.quantize``, the window's quantization). Default: the model's dtype.
         group_size (int): Quantization group size of the store. Default: ``64``.
         ram_bytes (int): Host bytes the store may hold before new blocks spill to
-            memory-mapped files in ``folder``. Default: 1 GiB.
+            memory-mapped files in ``folder``. Default: 1 GB.
         folder (str, optional): Where spilled blocks go. Default: a temporary folder.
     """
 
@@ -61,8 +62,7 @@ class RecallSpec:
             )
         if self.placement not in PLACEMENTS:
             raise Unsupported(
-                f"recall placement must be one of {', '.join(PLACEMENTS)} "
-                f"(got {self.placement!r})"
+                f"recall placement must be one of {', '.join(PLACEMENTS)} (got {self.placement!r})"
             )
         if self.bits not in (None, 4, 8):
             raise Unsupported(f"recall store bits must be 4 or 8 (got {self.bits})")

@@ -298,7 +298,7 @@ class Recall:
         bits, g = (cache.bits, cache.group_size) if packed else (None, 64)
         if self.regions[i] is None:
             keys, values = cache._fetch(1)
-            like = (keys[0] if isinstance(keys, tuple) else keys)
+            like = keys[0] if isinstance(keys, tuple) else keys
             H = like.shape[1]
             kd = self.store.shapes[0][1]
             vd = self.store.shapes[1][1]

@@ -1,0 +1,68 @@
+"""``--recall`` on the command line (tiny model): stream-run answers through the recall
+tier, and its settings' bad values are one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests import tiny as tiny_mod
+from tests.conftest import assert_one_line_error
+
+runner = CliRunner()
+BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(1)
+    words = [rng.choice(tiny_mod.VOCAB_WORDS) for _ in range(500)]
+    path = tmp_path_factory.mktemp("text") / "book.txt"
+    path.write_text(" ".join(words) + "\n", encoding="utf-8")
+    return path
+
+
+def run(*args: str):
+    return runner.invoke(app, ["stream-run", *args])
+
+
+def test_stream_run_answers_with_recall(tiny_model_dir, text_file, tmp_path):
+    args = [str(text_file), "-m", str(tiny_model_dir), *BASE, "--prompt", "what was said",
+            "--max-tokens", "5", "--json"]  # fmt: skip
+    plain = run(*args)
+    spilled = tmp_path / "store"
+    result = run(*args, "--recall", "--recall-blocks", "2", "--recall-ram", "0",
+                 "--recall-dir", str(spilled))  # fmt: skip
+    assert plain.exit_code == 0 and result.exit_code == 0, result.stderr
+    a, b = json.loads(plain.stdout), json.loads(result.stdout)
+    assert a["tokens"] == b["tokens"] == 499
+    # the window alone and the window with recall score the text differently
+    assert a["perplexity"] != b["perplexity"]
+    assert isinstance(b["answer"], str)
+    assert list(spilled.glob("*.npy"))  # the store spilled to the folder asked for
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--recall-blocks", "0"], ("--recall-blocks",)),
+        (["--recall-bits", "3"], ("--recall-bits",)),
+        (["--recall-ram", "-1"], ("--recall-ram",)),
+        (["--checkpoint", "x.safetensors"], ("--recall",)),
+    ],
+)
+def test_bad_recall_settings_are_one_line(tiny_model_dir, text_file, extra, words):
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--recall", *extra)
+    assert_one_line_error(result, 2, *words)
+
+
+def test_unwritable_recall_folder_is_one_line(tiny_model_dir, text_file, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--recall",
+                 "--recall-dir", str(blocker / "store"))  # fmt: skip
+    assert_one_line_error(result, 2, "cannot write the recall store")
