@@ -66,3 +66,27 @@ def test_unwritable_recall_folder_is_one_line(tiny_model_dir, text_file, tmp_pat
     result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--recall",
                  "--recall-dir", str(blocker / "store"))  # fmt: skip
     assert_one_line_error(result, 2, "cannot write the recall store")
+
+
+def test_eval_recall_long_contexts_has_a_recall_column(tiny_model_dir):
+    args = ["eval", "recall", "-m", str(tiny_model_dir), "--length", "300", "--window", "32",
+            "--depths", "0.2,0.8", "--answer-tokens", "3", "--trials", "1", "--recall",
+            "--recall-blocks", "2"]  # fmt: skip
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    caches = sorted({r["cache"] for r in rows})
+    assert caches == ["full", "recall", "window"]  # 300 tokens fit the tiny model's context
+    assert len(rows) == 2 * 2 * 3  # kinds x depths x caches
+    assert all(r["length"] == 300 for r in rows)
+    recalled = [r for r in rows if r["cache"] == "recall"]
+    assert all(r["store_bytes"] > 0 and r["region_bytes"] > 0 for r in recalled)
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0, table.stderr
+    assert "window + recall" in table.stdout and "passkey" in table.stdout
+
+
+def test_eval_recall_long_context_bad_depth_is_one_line(tiny_model_dir):
+    result = runner.invoke(app, ["eval", "recall", "-m", str(tiny_model_dir), "--length", "300",
+                                 "--depths", "1.5"])  # fmt: skip
+    assert_one_line_error(result, 2, "--depths")
