@@ -175,3 +175,13 @@ def test_perplexity_skips_sections_set_to_zero(monkeypatch, tmp_path, tiny_model
     )  # fmt: skip
     configs = [r["config"] for r in lines]
     assert configs and all(c.startswith("sinks=") for c in configs)
+
+
+def test_recall(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall", monkeypatch, tmp_path, tiny_model_dir, "--caches", "recall,window")
+    assert {r["cache"] for r in lines} == {"recall", "window"}
+    for r in lines:
+        assert ENVIRONMENT_KEYS | {"length", "kind", "depth", "found", "answer"} <= set(r)
+    assert all(r["store_bytes"] > 0 for r in lines if r["cache"] == "recall")
+    table = load_script("recall", monkeypatch).render(lines)
+    assert "| 400 | passkey | filler |" in table
