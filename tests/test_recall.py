@@ -69,8 +69,9 @@ class Fixed(mlx_cache._BaseCache):
 
 def oracle(model, tokens, q, placement, k_blocks):
     """Logits of row ``q`` attending to what the documented layout holds: every block
-    wholly past the window at the last stride boundary, in stream order right before
-    the sinks (or all at the position before the sinks), the sinks, the window."""
+    wholly past the window at the last stride boundary, then the window; the sinks
+    first and the blocks after them (``stream``), the blocks right before the sinks
+    (``before``), or every block token at the position before the sinks (``fixed``)."""
     from mlx_stream.ring import Ring
 
     ring = Ring(SINKS, WINDOW, BLOCK, BLOCK, "cache")
@@ -79,12 +80,13 @@ def oracle(model, tokens, q, placement, k_blocks):
     anchor = sink_start - base
     blocks = max(0, (b - WINDOW + 1) // BLOCK)
     R = k_blocks * BLOCK
+    lead = SINKS if placement == "stream" else 0  # stream: the sinks move back by R
     context = []  # (token, position)
     for r, j in enumerate(range(blocks), k_blocks - blocks):
         for i in range(max(0, SINKS - j * BLOCK), BLOCK):
-            at = anchor - R + r * BLOCK + i if placement == "stream" else anchor - 1
+            at = anchor - R + lead + r * BLOCK + i if placement != "fixed" else anchor - 1
             context.append((tokens[j * BLOCK + i], at))
-    context += [(tokens[i], anchor + i) for i in range(SINKS)]
+    context += [(tokens[i], anchor + i - (R if lead else 0)) for i in range(SINKS)]
     context += [(tokens[t], t - base) for t in range(max(SINKS, q - WINDOW + 1), q)]
     shift = 10_000  # only distances matter: keep every position positive
     keys, values = [], []
@@ -97,7 +99,7 @@ def oracle(model, tokens, q, placement, k_blocks):
     return model(mx.array([[tokens[q]]]), cache=[cache])[0, -1]
 
 
-@pytest.mark.parametrize("placement", ["stream", "fixed"])
+@pytest.mark.parametrize("placement", ["stream", "before", "fixed"])
 def test_recall_of_every_block_equals_the_layout_oracle(one_layer, placement):
     tokens = tiny.random_tokens(96, seed=5)
     k_blocks = 16  # more than the stream ever stores: every block comes back

@@ -13,7 +13,7 @@ from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS, DEFAULT_RECALL_RAM_MB, DE
 from mlx_stream.errors import Unsupported
 
 SELECTORS = ("exact", "quest", "mean")
-PLACEMENTS = ("stream", "fixed")
+PLACEMENTS = ("stream", "before", "fixed")
 DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
 DEFAULT_BLOCK = DEFAULT_STRIDE
 DEFAULT_RAM = DEFAULT_RECALL_RAM_MB * 1_000_000  # host bytes before spilling to disk
@@ -31,9 +31,10 @@ class RecallSpec:
             (softmax mass over every stored key; the oracle, O(store) per refresh),
             ``"quest"`` (per-channel min/max bound of a block's keys) or ``"mean"``
             (the block's mean key).
-        placement (str): ``"stream"``: retrieved blocks sit in stream order right
-            before the sinks (each block keeps its own token spacing); ``"fixed"``:
-            every retrieved token at one distance, right before the sinks (InfLLM).
+        placement (str): ``"stream"``: sinks, retrieved blocks, window, in stream
+            order (each block keeps its own token spacing); ``"before"``: the blocks
+            right before the sinks; ``"fixed"``: every retrieved token at the one
+            position right before the sinks (InfLLM).
         bits (int, optional): Store keys and values quantized to 4 or 8 bits
             (``mx.quantize``, the window's quantization). Default: the model's dtype.
         group_size (int): Quantization group size of the store. Default: ``64``.

@@ -20,11 +20,13 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
   at each prompt's end.
 * **Region.** Each layer has a fixed device buffer of ``k * block`` slots; at the start
   of a call whose selection or sink position changed it is rebuilt from the store:
-  ``placement="stream"`` puts the selected blocks in stream order right before the
-  sinks (block-relative spacing kept, the last block adjacent to the sinks), ``"fixed"``
-  puts every retrieved token at the position right before the sinks (InfLLM). Both are
-  bounded: the farthest retrieved key is ``k * block`` positions past the sinks, never
-  a function of the stream's length. Attention runs over ``[region, ring]`` with the
+  ``placement="stream"`` keeps stream order: a copy of the sinks moved back by the
+  region (the ring's own sink slots are masked), then the selected blocks (each keeps
+  its token spacing, the last one adjacent to the window); ``"before"`` puts the blocks
+  right before the sinks, which stay where the ring has them; ``"fixed"`` puts every
+  retrieved token at the one position right before the sinks (InfLLM). All are
+  bounded: no key sits more than ``k * block`` positions beyond where the sinks alone
+  would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
   model's mask extended by the region's valid slots (``mlx_stream.recall.hook``).
   Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer; the
   concatenation is a per-call temporary.
@@ -121,7 +123,7 @@ class Recall:
         self.queries = [[] for _ in range(L)]  # per layer: (first token, queries, anchor)
         self.regions = [None] * L  # per layer: [keys, values] in attention's format
         self.applied = [None] * L  # per layer: (selection, anchor) the region holds
-        self._valid = ((), None)  # (selection, (R,) bool of valid region slots)
+        self._valid = (None, None)  # ((selection, lead), bool of valid region slots)
         self.scale = None
         self.refreshes = 0
 
@@ -285,6 +287,10 @@ class Recall:
 
     # ----- region and attention ---------------------------------------------------------
 
+    def _lead(self, cache) -> int:
+        """Region slots before the blocks: a moved copy of the sinks for ``stream``."""
+        return cache.sinks if self.spec.placement == "stream" else 0
+
     def _build_region(self, cache, n: int) -> None:
         sel = self.selection
         if not sel:
@@ -293,39 +299,44 @@ class Recall:
         anchor = self.anchor(cache, n) if cache._moving else 0
         if self.applied[i] == (sel, anchor):
             return
-        bs, k, R = self.block, self.spec.blocks, self.region_slots
+        bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self._lead(cache)
         packed = hasattr(cache, "bits")
         bits, g = (cache.bits, cache.group_size) if packed else (None, 64)
         if self.regions[i] is None:
-            keys, values = cache._fetch(1)
-            like = keys[0] if isinstance(keys, tuple) else keys
-            H = like.shape[1]
-            kd = self.store.shapes[0][1]
-            vd = self.store.shapes[1][1]
-            dtype = self.store.shapes[0][2]
-            self.regions[i] = [kvstore.zeros(1, H, R, kd, dtype, bits, g),
-                               kvstore.zeros(1, H, R, vd, dtype, bits, g)]  # fmt: skip
+            (H, kd, dtype), (_, vd, _) = self.store.shapes
+            self.regions[i] = [kvstore.zeros(1, H, lead + R, kd, dtype, bits, g),
+                               kvstore.zeros(1, H, lead + R, vd, dtype, bits, g)]  # fmt: skip
         rk, rv = self.regions[i]
         move = cache.move if cache._moving and cache.move is not None else None
+        if lead:  # the sinks, moved back by the region so the blocks follow them
+            cg = cache.kv_group_size
+            sk = kvstore.unpack(kvstore.get(cache.keys, 0, lead), cache.key_bits, cg)
+            sv = kvstore.unpack(kvstore.get(cache.values, 0, lead), cache.value_bits, cg)
+            if move is not None:
+                sk = move(sk, -R)
+            kvstore.put(rk, 0, lead, kvstore.pack(sk, bits, g))
+            kvstore.put(rv, 0, lead, kvstore.pack(sv, bits, g))
         for r, j in enumerate(sel, k - len(sel)):
             keys, values = self.store.get(i, j)
             if move is not None:
-                if self.spec.placement == "stream":
-                    keys = move(keys, anchor - R + r * bs)
-                else:  # every token right before the sinks
+                if self.spec.placement == "fixed":  # every token right before the sinks
                     keys = _shift_tokens(move, keys, mx.array(anchor - 1 - np.arange(bs)))
-            kvstore.put(rk, r * bs, (r + 1) * bs, kvstore.pack(keys, bits, g))
-            kvstore.put(rv, r * bs, (r + 1) * bs, kvstore.pack(values, bits, g))
+                else:
+                    keys = move(keys, anchor - R + lead + r * bs)
+            lo = lead + r * bs
+            kvstore.put(rk, lo, lo + bs, kvstore.pack(keys, bits, g))
+            kvstore.put(rv, lo, lo + bs, kvstore.pack(values, bits, g))
         self.applied[i] = (sel, anchor)
 
-    def _region_valid(self) -> mx.array:
+    def _region_valid(self, lead: int) -> np.ndarray:
         sel = self.selection
-        if self._valid[0] != sel:
+        if self._valid[0] != (sel, lead):
             bs, k = self.block, self.spec.blocks
-            valid = np.zeros(self.region_slots, bool)
+            valid = np.zeros(lead + self.region_slots, bool)
+            valid[:lead] = True
             for r, j in enumerate(sel, k - len(sel)):
-                valid[r * bs + self.first[j] : (r + 1) * bs] = True
-            self._valid = (sel, valid)
+                valid[lead + r * bs + self.first[j] : lead + (r + 1) * bs] = True
+            self._valid = ((sel, lead), valid)
         return self._valid[1]
 
     def attend(self, cache, queries, keys, values, scale, mask, sinks, original):
@@ -340,22 +351,23 @@ class Recall:
         if not sel or self.applied[i] != (sel, anchor):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)  # fmt: skip
-        rk, rv = self.regions[i]
-        if isinstance(keys, tuple):
-            keys = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(rk, keys))
-            values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(rv, values))
-        else:
-            keys = mx.concatenate([rk, keys], axis=2)
-            values = mx.concatenate([rv, values], axis=2)
         if not isinstance(mask, mx.array):
             raise RuntimeFailure("recall: the model gave attention no array mask")
-        valid = self._region_valid()
+        lead = self._lead(cache)  # the ring's own sinks are replaced by the region's copy
+        rk, rv = self.regions[i]
+        if isinstance(keys, tuple):
+            keys = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rk, keys))
+            values = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rv, values))
+        else:
+            keys = mx.concatenate([rk, keys[:, :, lead:]], axis=2)
+            values = mx.concatenate([rv, values[:, :, lead:]], axis=2)
+        valid = self._region_valid(lead)
         shape = (*mask.shape[:-1], valid.size)
         if mask.dtype == mx.bool_:
             region = mx.broadcast_to(mx.array(valid), shape)
         else:
             region = mx.broadcast_to(mx.array(np.where(valid, 0.0, -np.inf), mask.dtype), shape)
-        mask = mx.concatenate([region, mask], axis=-1)
+        mask = mx.concatenate([region, mask[..., lead:]], axis=-1)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     def close(self) -> None:
