@@ -289,3 +289,26 @@ def test_recall_cache_uses_the_disk_store_past_its_budget(tiny_llama, tmp_path):
     b = feed(tiny_llama, disk, tokens, 8)
     assert disk[0].recall.store.disk_bytes > 0
     assert mx.array_equal(a, b)
+
+
+def test_estimated_bytes_match_built_recall():
+    from mlx_stream.estimate import model_layout, recall_bytes
+
+    model = tiny.make_model("llama", seed=3, hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)  # head dim 64  # fmt: skip
+    tokens = tiny.random_tokens(120, seed=23)
+    for bits in (None, 8):
+        cache = recall_cache(model, bits=bits, group_size=32)
+        feed(model, cache, tokens, 8)
+        recall = cache[0].recall
+        est = recall_bytes(model_layout(model), SINKS, 4, BLOCK, bits, 32)
+        assert recall.device_nbytes == est["region_bytes"]
+        layers, (H, kd, _), (_, vd, _) = len(recall.layers), *recall.store.shapes
+        per_token = bytes_per_token(layers, H, kd, vd, 4, bits, 32)
+        assert recall.store.nbytes == per_token * BLOCK * 32  # one segment of 32 blocks
+        assert est["store_bytes_per_1k_tokens"] >= per_token * 1000
+
+
+def test_store_group_size_must_divide_the_head_dim(tiny_llama):
+    with pytest.raises(Unsupported, match="does not divide the head dimension 16"):
+        recall_cache(tiny_llama, bits=8, group_size=32)

@@ -81,6 +81,7 @@ def test_eval_recall_long_contexts_has_a_recall_column(tiny_model_dir):
     assert all(r["length"] == 300 for r in rows)
     recalled = [r for r in rows if r["cache"] == "recall"]
     assert all(r["store_bytes"] > 0 and r["region_bytes"] > 0 for r in recalled)
+    assert all(1 <= len(r["needle_blocks"]) <= 2 for r in recalled)
     table = runner.invoke(app, args)
     assert table.exit_code == 0, table.stderr
     assert "window + recall" in table.stdout and "passkey" in table.stdout

@@ -46,6 +46,7 @@ class NeedlePrompt:
     tokens: list[int]
     value: str
     needle_at: int  # index of the needle's first token
+    needle_len: int  # its tokens
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -81,7 +82,7 @@ def build(tokenizer: Any, haystack: list[int], kind: str, length: int, depth: fl
     at = int(room * depth)
     body = haystack[:at] + needle + haystack[at:room]
     tokens = head + body + question + tail + cue
-    return NeedlePrompt(tokens, value, len(head) + at)
+    return NeedlePrompt(tokens, value, len(head) + at, len(needle))
 
 
 def needle_eval(
@@ -138,7 +139,9 @@ def needle_eval(
                     r = getattr(cache[0], "recall", None)
                     if r is not None:
                         bs = r.block
-                        row["needle_block"] = p.needle_at // bs
+                        row["needle_blocks"] = sorted(
+                            {p.needle_at // bs, (p.needle_at + p.needle_len - 1) // bs}
+                        )
                         row["selection"] = list(r.selection)
                         row["store_bytes"] = r.store_nbytes
                         row["region_bytes"] = r.device_nbytes

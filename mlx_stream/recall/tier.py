@@ -86,6 +86,16 @@ def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: i
                 f"{name}: layer {i} keeps its positions in {move.describe()}; recall "
                 "supports keys roped on all of their dims"
             )
+    if spec.bits is not None:
+        from mlx_stream.estimate import model_layout
+
+        layout = model_layout(model)
+        for dim in (layout.key_dim, layout.value_dim):
+            if dim % spec.group_size:
+                raise Unsupported(
+                    f"the recall store's group size {spec.group_size} does not divide the "
+                    f"head dimension {dim}; use one that does"
+                )
     hook.install(model, layers, name)
     return max(slack, min_slack(window, spec.block))
 
