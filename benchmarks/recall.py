@@ -27,6 +27,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
 
 from mlx_stream.eval.needle import filler_tokens, needle_eval
 from mlx_stream.recall import RecallSpec
+from mlx_stream.recall.spec import SELECTORS
 
 
 def ints(text: str) -> list[int]:
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--haystack", default="filler", help="filler, or a book in the data")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", action="store_true",
+                        help="also rank the needle's blocks under every selector at the "
+                        "prompt's end (the exact one costs O(stored tokens))")  # fmt: skip
     parser.add_argument("--table", type=Path, help="render saved JSON lines and exit")
     args = parser.parse_args(argv)
     if args.table is not None:
@@ -81,9 +85,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     tic = time.perf_counter()
     needle_eval(model, tokenizer, hay, args.length, args.depths, args.kinds, args.caches,
-                args.sinks, args.window, spec, context, 8, args.seed, row)  # fmt: skip
+                args.sinks, args.window, spec, context, 8, args.seed, row,
+                inspect=ranks if args.ranks else None)  # fmt: skip
     print(f"# {time.perf_counter() - tic:.0f} s", flush=True)
     return records
+
+
+def ranks(tier, prompt, row: dict) -> None:
+    """At the prompt's end: the rank of each of the needle's blocks under every
+    selector (0: the best block), from the same queries."""
+    import numpy as np
+
+    bs = tier.block
+    blocks = sorted({prompt.needle_at // bs, (prompt.needle_at + prompt.needle_len - 1) // bs})
+
+    def measure(t, point):
+        out = {}
+        for selector in SELECTORS:
+            scores = t.scores(point, selector)
+            if scores is None:
+                continue
+            order = list(np.argsort(-scores, kind="stable"))
+            out[selector] = [order.index(b) if b < len(order) else None for b in blocks]
+        row["ranks"] = out
+        row["candidate_blocks"] = int(len(scores)) if scores is not None else 0
+
+    tier.on_prompt_end = measure
 
 
 def render(records: list[dict]) -> str:

@@ -100,6 +100,7 @@ def needle_eval(
     answer_tokens: int = 8,
     seed: int = 0,
     callback: Callable[[dict], None] | None = None,
+    inspect: Callable[[Any, NeedlePrompt, dict], None] | None = None,
 ) -> list[dict]:
     """One row per length, kind, depth and cache: the answer and whether it holds the
     needle's value. ``full`` runs only where the prompt fits ``context``.
@@ -107,6 +108,8 @@ def needle_eval(
     Args:
         recall (RecallSpec): The recall policy of the ``recall`` cache.
         callback (Callable[[dict], None], optional): Called with each row as it is done.
+        inspect (Callable, optional): Called with ``(recall tier, prompt, row)`` before
+            each recall prompt is answered (a benchmark's measurements go in ``row``).
     """
     from mlx_stream.recall import RecallSpec
 
@@ -128,6 +131,9 @@ def needle_eval(
                         cache = make_sink_cache(
                             model, sinks, window, recall=recall if name == "recall" else None
                         )
+                    extra: dict = {}
+                    if inspect is not None and name == "recall":
+                        inspect(cache[0].recall, p, extra)
                     tic = time.perf_counter()
                     got = answer(model, tokenizer, cache, p.tokens, answer_tokens)
                     seconds = time.perf_counter() - tic
@@ -139,13 +145,15 @@ def needle_eval(
                     r = getattr(cache[0], "recall", None)
                     if r is not None:
                         bs = r.block
-                        row["needle_blocks"] = sorted(
+                        row["needle_blocks"] = blocks = sorted(
                             {p.needle_at // bs, (p.needle_at + p.needle_len - 1) // bs}
                         )
+                        row["needle_selected"] = all(b in r.selection for b in blocks)
                         row["selection"] = list(r.selection)
                         row["store_bytes"] = r.store_nbytes
                         row["region_bytes"] = r.device_nbytes
                         r.close()
+                    row.update(extra)
                     rows.append(row)
                     if callback is not None:
                         callback(row)

@@ -136,6 +136,7 @@ class Recall:
         self._valid = (None, None)  # ((selection, lead), bool of valid region slots)
         self.scale = None
         self.refreshes = 0
+        self.on_prompt_end = None  # called with (tier, token) after a prompt-end refresh
 
     # ----- numbers ------------------------------------------------------------------
 
@@ -253,6 +254,8 @@ class Recall:
         if n != self.refreshed_at:
             self._capture(n)
             self.refresh(n)
+            if self.on_prompt_end is not None:
+                self.on_prompt_end(self, n)
 
     def _recent(self, i: int, point: int) -> np.ndarray | None:
         """Layer ``i``'s queries of the ``block`` tokens before ``point``, moved so a
@@ -270,30 +273,38 @@ class Recall:
             return None
         return np.asarray(mx.concatenate(parts, axis=2)[0].astype(mx.float32))
 
-    def refresh(self, point: int) -> None:
-        """Choose the blocks for the calls from ``point`` on (queries before it)."""
+    def scores(self, point: int, selector: str | None = None) -> np.ndarray | None:
+        """Every candidate block's score for the calls from ``point`` on, from the
+        queries before it (``selector``: the spec's unless named); ``None`` when there
+        is no candidate or no query yet."""
+        selector = selector or self.spec.selector
         nb = min(self.stored, self._evicted_blocks(point))  # none a row can still see
         if nb == 0 or self.scale is None:
-            return
+            return None
         empty = np.array([f >= self.block for f in self.first[:nb]])
         total = np.zeros(nb)
         for i in range(len(self.layers)):
             q = self._recent(i, point)
             if q is None:
-                return
-            if self.spec.selector == "exact":
+                return None
+            if selector == "exact":
                 keys = np.stack([np.asarray(self.store.get(i, j)[0][0].astype(mx.float32))
                                  for j in range(nb)])  # fmt: skip
                 valid = np.arange(self.block)[None, :] >= np.array(self.first[:nb])[:, None]
                 total += select.layer_scores_exact(q, keys, valid, self.scale)
             else:
                 total += select.layer_scores_summary(
-                    q, self.summaries, i, nb, self.spec.selector, self.scale, empty
+                    q, self.summaries, i, nb, selector, self.scale, empty
                 )
-        chosen = select.top_k(total, self.spec.blocks, ~empty)
-        self.history = [*self.history[-HISTORY:], (point, chosen)]
+        return np.where(empty, -np.inf, total)
+
+    def refresh(self, point: int) -> None:
+        """Choose the blocks for the calls from ``point`` on (queries before it)."""
+        total = self.scores(point)
+        if total is None:
+            return
+        self.history = [*self.history[-HISTORY:], (point, select.top_k(total, self.spec.blocks))]
         self.refreshes += 1
-        self.last_scores = total
 
     # ----- region and attention ---------------------------------------------------------
 
