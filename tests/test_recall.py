@@ -69,7 +69,8 @@ class Fixed(mlx_cache._BaseCache):
 
 def oracle(model, tokens, q, placement, k_blocks):
     """Logits of row ``q`` attending to what the documented layout holds: every block
-    wholly past the window at the last stride boundary, then the window; the sinks
+    stored before the last stride boundary (wholly past the window at the one before),
+    then the window; the sinks
     first and the blocks after them (``stream``), the blocks right before the sinks
     (``before``), or every block token at the position before the sinks (``fixed``)."""
     from mlx_stream.ring import Ring
@@ -78,7 +79,7 @@ def oracle(model, tokens, q, placement, k_blocks):
     b = q // BLOCK * BLOCK
     base, sink_start = ring.layout(b)
     anchor = sink_start - base
-    blocks = max(0, (b - WINDOW + 1) // BLOCK)
+    blocks = max(0, (b - BLOCK - WINDOW + 1) // BLOCK)  # stored at earlier boundaries
     R = k_blocks * BLOCK
     lead = SINKS if placement == "stream" else 0  # stream: the sinks move back by R
     context = []  # (token, position)
@@ -107,7 +108,7 @@ def test_recall_of_every_block_equals_the_layout_oracle(one_layer, placement):
                             recall=spec(blocks=k_blocks, placement=placement))  # fmt: skip
     got = feed(one_layer, cache, tokens, 1)
     recall = cache[0].recall
-    assert recall.stored == (95 - WINDOW + 1) // BLOCK  # blocks past the window at 95
+    assert recall.stored == (88 - WINDOW + 1) // BLOCK  # past the window at boundary 88
     checked = 0
     for q in range(WINDOW + 2 * BLOCK, 96, 5):
         want = oracle(one_layer, tokens, q, placement, k_blocks)
@@ -312,3 +313,32 @@ def test_estimated_bytes_match_built_recall():
 def test_store_group_size_must_divide_the_head_dim(tiny_llama):
     with pytest.raises(Unsupported, match="does not divide the head dimension 16"):
         recall_cache(tiny_llama, bits=8, group_size=32)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_other_architectures_chunked_equals_token_by_token(arch):
+    model = tiny.make_model(arch, seed=8)
+    tokens = tiny.random_tokens(120, seed=25)
+    one, chunked = recall_cache(model), recall_cache(model)
+    a = feed(model, one, tokens, 1)
+    b = feed(model, chunked, tokens, 64)
+    recall = next(c for c in one if getattr(c, "recall", None) is not None).recall
+    other = next(c for c in chunked if getattr(c, "recall", None) is not None).recall
+    assert recall.history == other.history and recall.selection
+    assert mx.array_equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("kv", [{"kv_bits": 8}, {"kv_bits": 4, "key_bits": 8}])
+def test_quantized_window_with_recall(kv):
+    model = tiny.make_model("llama", seed=3, hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)  # head dim 64  # fmt: skip
+    tokens = tiny.random_tokens(120, seed=27)
+    caches = [make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(), **kv)
+              for _ in range(2)]  # fmt: skip
+    a = feed(model, caches[0], tokens, 1)
+    b = feed(model, caches[1], tokens, 64)
+    assert caches[0][0].recall.selection
+    assert caches[0][0].recall.history == caches[1][0].recall.history
+    assert mx.array_equal(a.argmax(-1), b.argmax(-1))
+    plain = feed(model, make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, **kv), tokens, 8)
+    assert not mx.array_equal(plain, b)  # the region is attended

@@ -149,9 +149,10 @@ class BlockStore:
         if first:
             self.first[j] = first
 
-    def forget(self, blocks: int) -> None:
-        """Keep only blocks ``< blocks`` (a rollback made the later ones visible again)."""
-        self.count = [min(c, blocks) for c in self.count]
+    def forget(self, layer: int, blocks: int) -> None:
+        """Keep only ``layer``'s blocks ``< blocks`` (a rollback removed tokens of the
+        later ones)."""
+        self.count[layer] = min(self.count[layer], blocks)
 
     # ----- reading -------------------------------------------------------------------
 

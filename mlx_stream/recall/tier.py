@@ -3,17 +3,18 @@
 Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
 
 * **Store.** Block ``j`` is tokens ``[j * block, (j + 1) * block)`` (the sinks left
-  out). At the start of every call, each block that no row of the call can see any
-  more (its last token ``<= n - window``) is copied out of every layer's ring before
-  its slots are reused, keys moved to block-relative positions with the layer's own
+  out). At the first call at or after each multiple of ``block``, each block that no
+  row can see any more (its last token ``<= boundary - window``) is copied out of
+  every layer's ring (in that layer's own hook, in that call's layout) before its
+  slots are reused, keys moved to block-relative positions with the layer's own
   rope, into the host store (``mlx_stream.recall.store``), and summarised
   (``mlx_stream.recall.select``). ``block`` is the cache's stride, and the slack is
   raised so a block is always still in the ring when it is copied.
 * **Selection.** Refreshed only at token indices that are multiples of ``block`` (calls
   of our decode loop never cross one) from the queries of the ``block`` tokens before
   it, and at the end of each prompt fed by ``generate_step`` (so the question's
-  queries choose what the answer attends to). Candidates are the blocks no row can see
-  at that point; ``k`` winners, in stream order, one selection for all layers. So the
+  queries choose what the answer attends to). Candidates are the blocks every layer
+  stored at earlier boundaries (a block joins them one boundary after it is stored); ``k`` winners, in stream order, one selection for all layers. So the
   result does not depend on how a prompt is split into calls: chunked prefill,
   token-by-token decode and speculative verify blocks see the same selection at every
   token. What does differ: a stream fed as several prompts (chat turns) also refreshes
@@ -127,7 +128,6 @@ class Recall:
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size, spec.ram_bytes,
                                 spec.folder)  # fmt: skip
         self.summaries = select.Summaries(L)
-        self.stored = 0  # blocks stored in every layer
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         self.history = [(0, ())]  # (refresh point, selection), the last one current
         self.queries = [[] for _ in range(L)]  # per layer: (first token, queries, anchor)
@@ -173,10 +173,9 @@ class Recall:
     def before_write(self, cache, n: int, N: int) -> None:
         """At the start of a call of ``N`` tokens at ``n``, after the cache's layout
         is applied and before anything is written."""
-        if cache.recall_index == 0:
-            self._capture(n)
-            if n % self.block == 0 and n != self.refreshed_at:
-                self.refresh(n)
+        if cache.recall_index == 0 and n % self.block == 0 and n != self.refreshed_at:
+            self.refresh(n)  # from blocks every layer stored at earlier boundaries
+        self._capture(cache, n)
         self._build_region(cache, n)
 
     def trimmed(self, cache, keep: int) -> None:
@@ -187,39 +186,43 @@ class Recall:
             if t0 < keep:
                 kept.append((t0, q[:, :, : keep - t0, :] if t0 + q.shape[2] > keep else q, a))
         self.queries[i] = kept
+        self.store.forget(i, keep // self.block)  # blocks wholly before keep stay true
         if i == 0:
-            count = keep // self.block  # blocks wholly before keep stay true to the stream
-            if self.stored > count:
-                self.stored = count
-                del self.first[count:]
-                self.store.forget(count)
             while len(self.history) > 1 and self.history[-1][0] > keep:
                 self.history.pop()
 
     # ----- store ----------------------------------------------------------------------
 
+    @property
+    def stored(self) -> int:
+        """Blocks stored in every layer."""
+        return self.store.blocks()
+
     def _evicted_blocks(self, n: int) -> int:
         """Blocks no row of a call at ``n`` can see (each wholly before its window)."""
         return max(0, (n - self.layers[0].window + 1) // self.block)
 
-    def _capture(self, n: int) -> None:
-        count = self._evicted_blocks(n)
-        bs, S = self.block, self.layers[0].sinks
-        for j in range(self.stored, count):
+    def _capture(self, cache, n: int) -> None:
+        """Store this layer's blocks that were wholly past the window at the last
+        block boundary ``<= n``. Only at boundaries, each layer in its own layout of
+        that call: what is stored never depends on how calls split the stream (a
+        quantized ring re-quantizes what a rebase moves)."""
+        i, bs, S = cache.recall_index, self.block, cache.sinks
+        count = self._evicted_blocks(n // bs * bs)
+        for j in range(self.store.count[i], count):
             lo, hi = max(j * bs, S), (j + 1) * bs
             first = min(lo - j * bs, bs)
-            for i, c in enumerate(self.layers):
-                keys, values = self._gather(c, lo, hi)
-                if c._moving and c.move is not None:
-                    keys = c.move(keys, c._layout_applied[0] - j * bs)  # to block-relative
-                if first:
-                    keys, values = (_pad_front(x, first, bs) for x in (keys, values))
-                self.store.put(i, j, keys, values, first)
-                valid = np.asarray(keys[0, :, first:, :].astype(mx.float32))
-                self.summaries.add(i, j, valid if valid.shape[1] else np.zeros_like(
-                    np.asarray(keys[0, :, :1, :].astype(mx.float32))))  # fmt: skip
-            self.first.append(first)
-            self.stored = j + 1
+            keys, values = self._gather(cache, lo, hi)
+            if cache._moving and cache.move is not None:
+                keys = cache.move(keys, cache._layout_applied[0] - j * bs)  # block-relative
+            if first:
+                keys, values = (_pad_front(x, first, bs) for x in (keys, values))
+            self.store.put(i, j, keys, values, first)
+            valid = np.asarray(keys[0, :, first:, :].astype(mx.float32))
+            self.summaries.add(i, j, valid if valid.shape[1] else np.zeros_like(
+                np.asarray(keys[0, :, :1, :].astype(mx.float32))))  # fmt: skip
+            if j == len(self.first):
+                self.first.append(first)
 
     def _gather(self, c, lo: int, hi: int) -> tuple[mx.array, mx.array]:
         """Tokens ``lo:hi`` of layer cache ``c`` as float keys and values (zeros of
@@ -252,7 +255,6 @@ class Recall:
         """Refresh the selection at the current token (the end of a prompt)."""
         n = self.layers[0].tokens_seen
         if n != self.refreshed_at:
-            self._capture(n)
             self.refresh(n)
             if self.on_prompt_end is not None:
                 self.on_prompt_end(self, n)
