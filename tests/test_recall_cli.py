@@ -91,3 +91,19 @@ def test_eval_recall_long_context_bad_depth_is_one_line(tiny_model_dir):
     result = runner.invoke(app, ["eval", "recall", "-m", str(tiny_model_dir), "--length", "300",
                                  "--depths", "1.5"])  # fmt: skip
     assert_one_line_error(result, 2, "--depths")
+
+
+def test_profile_shows_device_and_store_bytes_apart(tiny_model_dir):
+    args = ["profile", "-m", str(tiny_model_dir), "--prompt", "the sea and the ship",
+            "--tokens", "200", "--window", "32", "--sinks", "4", "--recall",
+            "--recall-blocks", "2"]  # fmt: skip
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    device, store = data["recall_device_mb"], data["recall_store_mb"]
+    assert device["end"] > 0 and store["end"] > 0
+    assert data["kv_cache_mb"]["start"] == data["kv_cache_mb"]["end"]  # the window: flat
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0 and "recall store" in table.stdout
+    refused = runner.invoke(app, [*args, "--cache", "full"])
+    assert_one_line_error(refused, 2, "--recall")
