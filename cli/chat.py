@@ -24,6 +24,7 @@ from cli.common import (
     handle_errors,
     is_interactive,
     load_model,
+    recall_spec,
     sizes,
 )
 
@@ -198,6 +199,11 @@ def chat(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -211,6 +217,7 @@ def chat(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
     check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)
@@ -243,6 +250,7 @@ def chat(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         kv_key_bits=kv_key_bits,
+        recall=recall_policy,
     )
     session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
     if interactive:

@@ -41,6 +41,7 @@ class Settings:
     kv_bits: int | None = None
     kv_group_size: int = 64
     kv_key_bits: int | None = None
+    recall: Any = None  # a RecallSpec: the target's cache gets the recall tier
 
 
 @dataclass
@@ -182,7 +183,7 @@ class ChatSession:
         s = self.settings
         kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
         kv["slack"] = slack_for(s.num_draft_tokens)  # a verify block and its rollback
-        caches = make_checked_sink_cache(self.model, self.sinks, s.window, **kv)
+        caches = make_checked_sink_cache(self.model, self.sinks, s.window, recall=s.recall, **kv)
         self.n_target = len(caches)
         if self.draft_model is not None:
             caches += make_checked_sink_cache(self.draft_model, self.sinks, s.window, **kv)
@@ -403,6 +404,8 @@ class ChatSession:
         model its cache goes to ``PATH.draft.safetensors``."""
         from mlx_stream.cache import save_cache
 
+        if self.settings.recall is not None:
+            raise UserError("/save does not carry the recall store yet (chat without --recall)")
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
         try:
@@ -418,6 +421,8 @@ class ChatSession:
 
     def load(self, path: str | Path) -> Path:
         """Restore a conversation saved by :meth:`save`."""
+        if self.settings.recall is not None:
+            raise UserError("/load does not carry the recall store yet (chat without --recall)")
         from mlx_stream.cache import load_cache
 
         cache_path, _ = checkpoint_paths(path)
