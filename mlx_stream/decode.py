@@ -44,7 +44,7 @@ from mlx_stream.defaults import (
 )
 from mlx_stream.errors import UserError
 from mlx_stream.estimate import make_checked_sink_cache
-from mlx_stream.recall.tier import refresh as refresh_recall
+from mlx_stream.recall.tier import prompt_end as recall_prompt_end
 from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
@@ -212,7 +212,8 @@ def generate_step(
             state.prompt_processed = state.cache_tokens = done = done + n
             progress(done, total)
             reclaim.step(done - n, done)
-    refresh_recall(prompt_cache)  # the prompt's own queries choose what the answer recalls
+    for m, c in models:  # recall: the prompt's own queries choose what its end recalls
+        recall_prompt_end(m, c, prompt[:-1])
 
     run = _speculative if draft_model is not None else _plain
     yield from run(

@@ -41,6 +41,10 @@ class RecallSpec:
         ram_bytes (int): Host bytes the store may hold before new blocks spill to
             memory-mapped files in ``folder``. Default: 1 GB.
         folder (str, optional): Where spilled blocks go. Default: a temporary folder.
+        refeed (int): At a prompt's end, its last tokens back to the start of this
+            many blocks are fed again with the selection the prompt's queries chose
+            (the slack grows to cover the rollback); ``0``: only the prompt's last
+            token sees it. Default: ``2``.
     """
 
     blocks: int = DEFAULT_BLOCKS
@@ -51,6 +55,7 @@ class RecallSpec:
     group_size: int = 64
     ram_bytes: int = DEFAULT_RAM
     folder: str | None = None
+    refeed: int = 2
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -69,6 +74,8 @@ class RecallSpec:
             raise Unsupported(f"recall store bits must be 4 or 8 (got {self.bits})")
         if self.group_size not in (32, 64, 128):
             raise Unsupported(f"recall group size must be 32, 64 or 128 (got {self.group_size})")
+        if self.refeed < 0:
+            raise Unsupported(f"recall refeed must be 0 or more blocks (got {self.refeed})")
         if self.ram_bytes < 0:
             raise Unsupported(f"recall RAM budget must be 0 or more (got {self.ram_bytes})")
 

@@ -13,7 +13,9 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
 * **Selection.** Refreshed only at token indices that are multiples of ``block`` (calls
   of our decode loop never cross one) from the queries of the ``block`` tokens before
   it, and at the end of each prompt fed by ``generate_step`` (so the question's
-  queries choose what the answer attends to). Candidates are the blocks every layer
+  queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
+  then rolled back and fed again under that selection, so the question's own tokens
+  see what it recalls). Candidates are the blocks every layer
   stored at earlier boundaries (a block joins them one boundary after it is stored); ``k`` winners, in stream order, one selection for all layers. So the
   result does not depend on how a prompt is split into calls: chunked prefill,
   token-by-token decode and speculative verify blocks see the same selection at every
@@ -98,7 +100,7 @@ def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: i
                     f"head dimension {dim}; use one that does"
                 )
     hook.install(model, layers, name)
-    return max(slack, min_slack(window, spec.block))
+    return max(slack, min_slack(window, spec.block), spec.refeed * spec.block)
 
 
 def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
@@ -124,12 +126,15 @@ class Recall:
         self.layers = [c for c in caches if isinstance(c, SinkCache)]
         for i, c in enumerate(self.layers):
             c.recall, c.recall_index = self, i
+            c._rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
         L = len(self.layers)
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size, spec.ram_bytes,
                                 spec.folder)  # fmt: skip
         self.summaries = select.Summaries(L)
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
-        self.history = [(0, ())]  # (refresh point, selection), the last one current
+        # (refresh point, selection, hold): the last one is current; no boundary
+        # refresh replaces it at a boundary <= hold (a prompt's end fed again)
+        self.history = [(0, (), 0)]
         self.queries = [[] for _ in range(L)]  # per layer: (first token, queries, anchor)
         self.regions = [None] * L  # per layer: [keys, values] in attention's format
         self.applied = [None] * L  # per layer: (selection, anchor) the region holds
@@ -173,7 +178,8 @@ class Recall:
     def before_write(self, cache, n: int, N: int) -> None:
         """At the start of a call of ``N`` tokens at ``n``, after the cache's layout
         is applied and before anything is written."""
-        if cache.recall_index == 0 and n % self.block == 0 and n != self.refreshed_at:
+        if (cache.recall_index == 0 and n % self.block == 0 and n != self.refreshed_at
+                and n > self.history[-1][2]):  # fmt: skip
             self.refresh(n)  # from blocks every layer stored at earlier boundaries
         self._capture(cache, n)
         self._build_region(cache, n)
@@ -259,6 +265,37 @@ class Recall:
             if self.on_prompt_end is not None:
                 self.on_prompt_end(self, n)
 
+    def prompt_end(self, model, caches: list, fed) -> None:
+        """At the end of a prompt (``fed``: its tokens fed so far, all but the last):
+        refresh the selection from the prompt's last queries, then roll ``caches``
+        back to the start of the prompt's last ``spec.refeed`` blocks and feed those
+        tokens again, attending to what the prompt chose (the question's own tokens
+        then see the blocks it recalls; a boundary refresh does not replace that
+        selection before the prompt's end)."""
+        import mlx.core as mx
+
+        from mlx_stream.cache import max_call_tokens
+
+        n = self.layers[0].tokens_seen
+        if n == self.refreshed_at:
+            return
+        self.refresh_now()
+        sel, bs = self.selection, self.block
+        start = max((n - 1) // bs * bs - (self.spec.refeed - 1) * bs, n - len(fed), 0)
+        if not sel or not self.spec.refeed or start >= n:
+            return
+        if not all(c.is_trimmable() for c in caches):
+            return  # a bounded cache mlx-lm cannot roll back (a wrapped RotatingKVCache)
+        for c in caches:
+            c.trim(n - start)
+        self.history.append((start, sel, n))
+        tokens = fed[len(fed) - (n - start) :]
+        while tokens.size:
+            k = min(max_call_tokens(caches) or tokens.size, tokens.size)
+            model(tokens[None, :k], cache=caches)
+            mx.eval([c.state for c in caches])
+            tokens = tokens[k:]
+
     def _recent(self, i: int, point: int) -> np.ndarray | None:
         """Layer ``i``'s queries of the ``block`` tokens before ``point``, moved so a
         block-relative key ``t`` sits at position ``t`` right before the sinks."""
@@ -305,7 +342,8 @@ class Recall:
         total = self.scores(point)
         if total is None:
             return
-        self.history = [*self.history[-HISTORY:], (point, select.top_k(total, self.spec.blocks))]
+        chosen = select.top_k(total, self.spec.blocks)
+        self.history = [*self.history[-HISTORY:], (point, chosen, point)]
         self.refreshes += 1
 
     # ----- region and attention ---------------------------------------------------------
@@ -415,11 +453,10 @@ def attach(spec: RecallSpec, caches: list) -> Recall:
     return Recall(spec, caches)
 
 
-def refresh(caches: list) -> None:
-    """Refresh the selection of every recall tier in ``caches`` now (a prompt's end)."""
-    seen = []
-    for c in caches:
-        r = getattr(c, "recall", None)
-        if r is not None and all(r is not s for s in seen):
-            seen.append(r)
-            r.refresh_now()
+def prompt_end(model, caches: list, fed) -> None:
+    """The end of a prompt for ``model``'s ``caches`` (``fed``: the prompt's tokens
+    fed so far): its recall tier, if any, refreshes and feeds the prompt's tail again
+    (:meth:`Recall.prompt_end`)."""
+    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+    if tier is not None:
+        tier.prompt_end(model, caches, fed)
