@@ -25,7 +25,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
     main_guard,
 )
 
-from mlx_stream.eval.needle import filler_tokens, needle_eval
+from mlx_stream.eval.needle import filler_tokens, filler_unit, needle_eval
 from mlx_stream.recall import RecallSpec
 from mlx_stream.recall.spec import SELECTORS
 
@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.length, args.depths, args.window, args.blocks = [400], [0.2], 32, 2
     model, tokenizer, weights = load_model(args.model, args.dtype)
     need = max(args.length) + 256
+    align = 1
     if args.haystack == "filler":
-        hay = filler_tokens(tokenizer, need)
+        hay, align = filler_tokens(tokenizer, need), filler_unit(tokenizer)
     else:
         hay = book_tokens(tokenizer, need, args.haystack)
     spec = RecallSpec(blocks=args.blocks, selector=args.selector, placement=args.placement,
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tic = time.perf_counter()
     needle_eval(model, tokenizer, hay, args.length, args.depths, args.kinds, args.caches,
                 args.sinks, args.window, spec, context, 8, args.seed, row,
-                inspect=ranks if args.ranks else None)  # fmt: skip
+                inspect=ranks if args.ranks else None, align=align)  # fmt: skip
     print(f"# {time.perf_counter() - tic:.0f} s", flush=True)
     return records
 
@@ -119,7 +120,7 @@ def render(records: list[dict]) -> str:
     for r in records:
         if r.get("bench") != "recall-needle":
             continue
-        key = (r["length"], r["kind"], r.get("haystack", "filler"))
+        key = (r.get("length_asked", r["length"]), r["kind"], r.get("haystack", "filler"))
         cells.setdefault(key, {}).setdefault(r["cache"], []).append(r["found"])
     out = ["| prompt tokens | needle | haystack | window alone | window + recall | full cache |",
            "|---|---|---|---|---|---|"]  # fmt: skip

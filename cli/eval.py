@@ -363,13 +363,14 @@ def _needles(model, window, sinks, trials, answer_tokens, seed, json_out, dtype,
     text = None if haystack == "filler" else check_text_file(haystack)
 
     target, tokenizer, spec = load_model(model, dtype)
-    from mlx_stream.eval.needle import filler_tokens, needle_eval
+    from mlx_stream.eval.needle import filler_tokens, filler_unit, needle_eval
 
     sinks, default_window = sizes(spec, sinks, None)
     window_size = windows[0] if windows else default_window
     need = max(lengths) + 256
+    align = 1
     if text is None:
-        hay = filler_tokens(tokenizer, need)
+        hay, align = filler_tokens(tokenizer, need), filler_unit(tokenizer)
     else:
         hay = list(tokenizer.encode(text.read_text(encoding="utf-8"), add_special_tokens=False))
         if len(hay) < need:
@@ -390,6 +391,7 @@ def _needles(model, window, sinks, trials, answer_tokens, seed, json_out, dtype,
                 needle_eval(
                     target, tokenizer, hay, lengths, depth_list, kind_list, caches, sinks,
                     window_size, recall, model_context(target), answer_tokens, seed + t, done,
+                    align=align,
                 )  # fmt: skip
         except ValueError as exc:
             fail(str(exc))
@@ -403,7 +405,7 @@ def _needles(model, window, sinks, trials, answer_tokens, seed, json_out, dtype,
         table.add_column(col, justify="right")
     for n in lengths:
         for kind in kind_list:
-            mine = [r for r in rows if r["kind"] == kind and abs(r["length"] - n) <= 64]
+            mine = [r for r in rows if r["kind"] == kind and r["length_asked"] == n]
             cells = []
             for cache in CACHES:
                 got = [r["found"] for r in mine if r["cache"] == cache]

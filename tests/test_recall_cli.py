@@ -78,7 +78,7 @@ def test_eval_recall_long_contexts_has_a_recall_column(tiny_model_dir):
     caches = sorted({r["cache"] for r in rows})
     assert caches == ["full", "recall", "window"]  # 300 tokens fit the tiny model's context
     assert len(rows) == 2 * 2 * 3  # kinds x depths x caches
-    assert all(r["length"] == 300 for r in rows)
+    assert all(r["length_asked"] == 300 and 300 - 40 <= r["length"] <= 300 for r in rows)
     recalled = [r for r in rows if r["cache"] == "recall"]
     assert all(r["store_bytes"] > 0 and r["region_bytes"] > 0 for r in recalled)
     assert all(1 <= len(r["needle_blocks"]) <= 2 for r in recalled)

@@ -53,14 +53,21 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def filler_unit(tokenizer: Any) -> int:
+    """Tokens of one round of the filler's sentences (a whole-sentence boundary)."""
+    return len(_encode(tokenizer, FILLER))
+
+
 def filler_tokens(tokenizer: Any, n: int) -> list[int]:
     unit = _encode(tokenizer, FILLER)
     return (unit * (n // len(unit) + 1))[:n]
 
 
 def build(tokenizer: Any, haystack: list[int], kind: str, length: int, depth: float,
-          value: str) -> NeedlePrompt:  # fmt: skip
-    """The prompt of ``length`` tokens with the needle at ``depth`` of the haystack."""
+          value: str, align: int = 1) -> NeedlePrompt:  # fmt: skip
+    """The prompt of about ``length`` tokens with the needle at ``depth`` of the
+    haystack; with ``align`` (the filler's sentence length in tokens) the needle and
+    the question start at whole filler sentences, the prompt up to ``align`` shorter."""
     needle_text, question_text = NEEDLE[kind]
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": SENTINEL}]  # fmt: skip
@@ -79,7 +86,8 @@ def build(tokenizer: Any, haystack: list[int], kind: str, length: int, depth: fl
         raise ValueError(f"a needle prompt needs more than {length} tokens")
     if len(haystack) < room:
         raise ValueError(f"the haystack has {len(haystack)} tokens, {room} needed")
-    at = int(room * depth)
+    room = room // align * align
+    at = int(room * depth) // align * align
     body = haystack[:at] + needle + haystack[at:room]
     tokens = head + body + question + tail + cue
     return NeedlePrompt(tokens, value, len(head) + at, len(needle))
@@ -101,6 +109,7 @@ def needle_eval(
     seed: int = 0,
     callback: Callable[[dict], None] | None = None,
     inspect: Callable[[Any, NeedlePrompt, dict], None] | None = None,
+    align: int = 1,
 ) -> list[dict]:
     """One row per length, kind, depth and cache: the answer and whether it holds the
     needle's value. ``full`` runs only where the prompt fits ``context``.
@@ -110,6 +119,8 @@ def needle_eval(
         callback (Callable[[dict], None], optional): Called with each row as it is done.
         inspect (Callable, optional): Called with ``(recall tier, prompt, row)`` before
             each recall prompt is answered (a benchmark's measurements go in ``row``).
+        align (int): Needle and question at multiples of this many haystack tokens
+            (:func:`filler_unit` for the filler: whole sentences). Default: ``1``.
     """
     from mlx_stream.recall import RecallSpec
 
@@ -121,7 +132,7 @@ def needle_eval(
             for depth in depths:
                 value = str(rng.randrange(10000, 100000)) if kind == "passkey" else rng.choice(
                     WORDS)  # fmt: skip
-                p = build(tokenizer, haystack, kind, length, depth, value)
+                p = build(tokenizer, haystack, kind, length, depth, value, align)
                 for name in caches:
                     if name == "full" and context is not None and len(p.tokens) > context:
                         continue
@@ -137,7 +148,8 @@ def needle_eval(
                     tic = time.perf_counter()
                     got = answer(model, tokenizer, cache, p.tokens, answer_tokens)
                     seconds = time.perf_counter() - tic
-                    row = {"length": len(p.tokens), "kind": kind, "depth": depth,
+                    row = {"length": len(p.tokens), "length_asked": length, "kind": kind,
+                           "depth": depth,
                            "cache": name, "value": value, "answer": got,
                            "found": value.lower() in got.lower(),
                            "needle_distance": len(p.tokens) - p.needle_at,
