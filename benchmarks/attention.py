@@ -43,7 +43,7 @@ def shapes(model) -> tuple[int, int, int]:
 def make_caches(model, sinks: int, window: int) -> dict[str, list]:
     from mlx_lm.models.cache import RotatingKVCache
 
-    from mlx_stream.cache import make_sink_cache
+    from mlx_stream.cache.sink import make_sink_cache
 
     return {
         "rotating": [RotatingKVCache(max_size=sinks + window, keep=sinks) for _ in model.layers],
@@ -57,7 +57,7 @@ def fill(caches: list, kv_heads: int, head_dim: int, tokens: int, chunk: int, dt
     (within what a SinkCache admits per call)."""
     import mlx.core as mx
 
-    from mlx_stream.cache import max_call_tokens
+    from mlx_stream.cache.sink import max_call_tokens
 
     done = 0
     while done < tokens:

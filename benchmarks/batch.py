@@ -5,7 +5,7 @@ For each B in ``--batches`` (default 1, 2, 4, 8), B sessions are each fed a diff
 mlx-stream ring has wrapped), then decode ``--tokens`` greedy tokens each, all B in
 lockstep:
 
-- ``mlx-stream``: :class:`mlx_stream.batch.Batch`, one row per session on its own
+- ``mlx-stream``: :class:`mlx_stream.generate.batch.Batch`, one row per session on its own
   ``make_sink_cache(model, sinks, window)`` (one batched model call per step);
 - ``mlx-lm``: ``mlx_lm.generate.BatchGenerator`` (continuous batching, its growing
   ``BatchKVCache``; ``--mlx-lm-max-kv`` gives it a ``BatchRotatingKVCache`` instead).
@@ -49,8 +49,8 @@ class Ours:
     """mlx-stream: one ``Batch`` row per session, each on its own sink cache."""
 
     def __init__(self, model, prompts, args):
-        from mlx_stream.batch import Batch
-        from mlx_stream.cache import make_sink_cache
+        from mlx_stream.cache.sink import make_sink_cache
+        from mlx_stream.generate.batch import Batch
 
         self.batch = Batch(model, prefill_chunk=512)
         self.rows = [

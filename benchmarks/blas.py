@@ -57,8 +57,8 @@ def matmul_gflops(n: int, seconds: float = 1.0) -> dict:
 
 def model_speed(name: str, dtype: str, prompt_tokens: int, decode_tokens: int) -> dict:
     """Prefill and decode tokens/s of mlx-stream's ``generate_step`` on a sink cache."""
-    from mlx_stream.cache import make_sink_cache
-    from mlx_stream.decode import DecodeState, generate_step
+    from mlx_stream.cache.sink import make_sink_cache
+    from mlx_stream.generate.decode import DecodeState, generate_step
 
     model, tokenizer, weights = common.load_model(name, dtype)
     prompt = common.book_tokens(tokenizer, prompt_tokens)

@@ -104,7 +104,7 @@ def _jsonable(value):
 def load_model(name: str, dtype: str = "auto"):
     """``(model, tokenizer, weights)`` through mlx-stream's loader (registry names,
     mlx-lm folders and GGUF files); ``weights`` says what the weights are now."""
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     model, tokenizer, info = loader.load(name, dtype=dtype, return_info=True)
     return model, tokenizer, info.weights

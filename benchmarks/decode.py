@@ -44,7 +44,7 @@ def make_cache(name: str, model, sinks: int, window: int) -> list:
     """A fresh prompt cache of kind ``name`` for ``model``."""
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-    from mlx_stream.cache import make_sink_cache
+    from mlx_stream.cache.sink import make_sink_cache
 
     if name == "sink":
         return make_sink_cache(model, sinks, window)
@@ -64,7 +64,7 @@ def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: 
     import mlx.core as mx
     from mlx_lm.generate import generate_step as mlx_lm_step
 
-    from mlx_stream.decode import generate_step
+    from mlx_stream.generate.decode import generate_step
 
     if name in ("sink", "rotating-ours"):
         steps = generate_step(prompt, model, cache, max_tokens=tokens, prefill_step_size=step)

@@ -46,7 +46,7 @@ WORKER_TIMEOUT = 900
 def make_cache(name: str, model, sinks: int, window: int) -> list:
     from mlx_lm.models.cache import RotatingKVCache
 
-    from mlx_stream.cache import make_sink_cache
+    from mlx_stream.cache.sink import make_sink_cache
 
     if name == "sink":
         return make_sink_cache(model, sinks, window)
@@ -59,7 +59,7 @@ def run_once(name: str, model, prompt: list[int], tokens: int, sinks: int, windo
     from mlx_lm.generate import generate_step as mlx_lm_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_stream.decode import generate_step
+    from mlx_stream.generate.decode import generate_step
 
     cache = make_cache(name, model, sinks, window)
     step = generate_step if name == "sink" else mlx_lm_step
@@ -80,7 +80,8 @@ def worker(args) -> None:
     """One rank: load, shard, run both caches; rank 0 prints the JSON lines."""
     import mlx.core as mx
 
-    from mlx_stream import distributed, loader
+    from mlx_stream import distributed
+    from mlx_stream.models import loader
 
     cluster = distributed.start(args.strategy) if distributed.launched() else None
     model, tokenizer, info = loader.load(
@@ -189,8 +190,9 @@ def divides(model: str, ranks: int, strategy: str = "auto") -> str | None:
         return None
     from mlx_lm.utils import load_model
 
-    from mlx_stream import distributed, loader
+    from mlx_stream import distributed
     from mlx_stream.errors import UserError
+    from mlx_stream.models import loader
 
     folder, _ = loader.resolve(model)
     lazy, _ = load_model(folder, lazy=True, strict=False)

@@ -24,7 +24,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
     main_guard,
 )
 
-from mlx_stream.divergence import POSITIONS, Policy, divergence, sample_points
+from mlx_stream.eval.divergence import POSITIONS, Policy, divergence, sample_points
 from mlx_stream.eval.passkey import PLACEMENTS, check_prompts, recall
 
 KV = {"float": (None, None), "8": (8, None), "4": (4, None), "4k8": (4, 8)}

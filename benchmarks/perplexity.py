@@ -2,7 +2,7 @@
 
 For each window (``--windows``): window only (0 sinks), 1, 2, 4 and 8 sinks with
 positions within the cache (``--sinks``), 4 sinks at absolute positions (mlx-lm's
-behaviour, ``--absolute``), all through ``mlx_stream.evaluate.stream_perplexity`` over
+behaviour, ``--absolute``), all through ``mlx_stream.eval.perplexity.stream_perplexity`` over
 the first ``--tokens`` tokens. Then the full cache over the first ``min(--tokens,
 --full)`` tokens (the model's 8k context), and sliding window with re-computation (the
 quality oracle) on ``--oracle`` random tokens past the first window, with every
@@ -52,7 +52,7 @@ def segments(nll: np.ndarray, size: int) -> list[dict]:
 
 def evaluate(model, tokens, label: str, segment: int, **kwargs) -> tuple[dict, np.ndarray]:
     """Run ``stream_perplexity`` with per-token NLLs; a record and the NLL array."""
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.eval.perplexity import stream_perplexity
 
     every, total, last = 8192, len(tokens), [0]
 
@@ -95,7 +95,7 @@ def oracle_indices(n: int, window: int, sinks: int, count: int, seed: int = 0) -
 
 def throughput(model, tokens, window: int, sinks: int) -> dict:
     """Chunked (64) vs token-by-token evaluation of the same tokens."""
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.eval.perplexity import stream_perplexity
 
     runs = {}
     for chunk in (64, 1, 64, 1):  # interleaved
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_stream.evaluate import recompute_perplexity
+    from mlx_stream.eval.perplexity import recompute_perplexity
 
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     tokens = common.book_tokens(tokenizer, args.tokens, args.book)

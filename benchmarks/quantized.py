@@ -27,9 +27,9 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
     mx,
 )
 
-from mlx_stream.cache import SinkCache, make_sink_cache
-from mlx_stream.decode import generate_step
-from mlx_stream.evaluate import stream_perplexity
+from mlx_stream.cache.sink import SinkCache, make_sink_cache
+from mlx_stream.eval.perplexity import stream_perplexity
+from mlx_stream.generate.decode import generate_step
 
 
 def configurations(window: int) -> list[tuple[str, int | None, int | None, int]]:

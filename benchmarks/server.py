@@ -56,7 +56,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 if kind == "mlx-lm":
     import mlx_lm.server as server
-    from mlx_stream.loader import apply_dtype
+    from mlx_stream.models.loader import apply_dtype
     plain = server.load
     def load(*a, **k):
         out = plain(*a, **k)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.clients, args.turns, args.max_tokens, args.system_tokens = 2, 2, 6, 60
     import openai  # noqa: F401 - the clients' first import must not count as serving time
 
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     folder = Path(args.model)
     model_path = str(folder if folder.is_dir() else loader.model_path(args.model))

@@ -1,7 +1,7 @@
 """Soak: one stream of a million tokens through ``stream-run``'s engine, in fixed memory.
 
 The books in ``benchmarks/data`` are repeated end to end as one token stream and fed
-through ``mlx_stream.evaluate.stream_perplexity`` (what ``mlx-stream stream-run`` runs)
+through ``mlx_stream.eval.perplexity.stream_perplexity`` (what ``mlx-stream stream-run`` runs)
 with the sink + window cache. Every ``--sample`` tokens one JSON line records MLX's
 active memory, its buffer pool, the process's resident memory, the cache's RoPE offset
 (bounded by ``max_offset``) and the perplexity of the tokens since the previous line.
@@ -38,7 +38,7 @@ BOOKS = ("moby_dick", "paradise_lost", "botchan", "alice_in_wonderland")
 
 def book_stream(tokenizer, books=BOOKS) -> Iterator[int]:
     """The books tokenized block by block, one after another, forever."""
-    from mlx_stream.evaluate import iter_tokens
+    from mlx_stream.eval.perplexity import iter_tokens
 
     first = True
     while True:
@@ -51,7 +51,7 @@ def book_stream(tokenizer, books=BOOKS) -> Iterator[int]:
 def book_lengths(tokenizer, books=BOOKS) -> list[tuple[str, int, int]]:
     """Each book's tokens in :func:`book_stream`: ``(book, first pass, later passes)``
     (only the first book of the first pass carries the tokenizer's special tokens)."""
-    from mlx_stream.evaluate import iter_tokens
+    from mlx_stream.eval.perplexity import iter_tokens
 
     # iter_tokens gives only its first block the special tokens: count them once
     # instead of tokenizing the first book twice.
@@ -69,7 +69,7 @@ def saved_lengths(records: list[dict]) -> list | None:
     from mlx_lm.utils import load_tokenizer
 
     from mlx_stream.errors import UserError
-    from mlx_stream.loader import resolve
+    from mlx_stream.models.loader import resolve
 
     try:
         folder, _ = resolve(records[0]["model"], pull=False)
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.tokens, args.window = min(args.tokens, 4096), 64
         args.sample = min(args.sample, 512)
-    from mlx_stream.decode import StopOnInterrupt
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.eval.perplexity import stream_perplexity
+    from mlx_stream.generate.decode import StopOnInterrupt
 
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     settings = dict(sinks=args.sinks, window=args.window, chunk=args.chunk,

@@ -35,10 +35,10 @@ def series_run(name: str, model, draft, prompt: list[int], args) -> dict:
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_stream.cache import make_sink_cache
-    from mlx_stream.decode import generate_step
+    from mlx_stream.cache.reclaim import ReclaimSchedule
+    from mlx_stream.cache.sink import make_sink_cache
     from mlx_stream.defaults import slack_for
-    from mlx_stream.reclaim import ReclaimSchedule
+    from mlx_stream.generate.decode import generate_step
 
     mx.clear_cache()
     mx.reset_peak_memory()

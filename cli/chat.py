@@ -1,7 +1,7 @@
 """``mlx-stream chat``: a terminal chat that never hits a context limit.
 
 The conversation itself (transcript, incremental template rendering, the SinkCache
-kept across turns, checkpoints) is :class:`mlx_stream.session.ChatSession`, shared with
+kept across turns, checkpoints) is :class:`mlx_stream.generate.session.ChatSession`, shared with
 ``mlx-stream serve``; this module holds only the terminal loop and its slash commands.
 """
 
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from cli import options as opt
 from cli.common import (
-    check_kv_bits,
+    cache_spec,
+    check_cache,
     check_output_path,
     check_positive,
     check_sampling,
@@ -25,11 +26,10 @@ from cli.common import (
     is_interactive,
     load_model,
     recall_spec,
-    sizes,
 )
 
 if TYPE_CHECKING:
-    from mlx_stream.session import ChatSession
+    from mlx_stream.generate.session import ChatSession
 
 PROMPT = ">>> "
 HELP = """\
@@ -104,7 +104,7 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
         if not arg:
             fail(f"/{name} needs a path")
         if name == "save":
-            from mlx_stream.session import checkpoint_paths
+            from mlx_stream.generate.session import checkpoint_paths
 
             for path in checkpoint_paths(arg):
                 check_output_path(path)
@@ -121,7 +121,7 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
 def read_line(interactive: bool) -> str:
     """One input line, bytes that are not UTF-8 made U+FFFD (raises EOFError at the end
     of input / Ctrl-D)."""
-    from mlx_stream.session import clean_text
+    from mlx_stream.generate.session import clean_text
 
     if interactive:
         return clean_text(input(PROMPT))
@@ -211,12 +211,10 @@ def chat(
     turns. Type /help for commands; Ctrl-C stops a reply, Ctrl-D exits. With stdin
     not a terminal, every input line is a turn and only the replies are printed.
     """
-    check_positive(sinks, "--sinks", 0)
-    check_positive(window, "--window")
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
-    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
     from mlx_stream import distributed as dist
 
@@ -225,39 +223,42 @@ def chat(
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
+    )
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(
             sys.stdin, {"/save": f"/save is {why}", "/load": f"/load is {why}"}
         )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    sinks, window = sizes(spec, sinks, window)
+    cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       key_bits=kv_key_bits).replace(recall=recall_policy)  # fmt: skip
     if seed is not None:
         import mlx.core as mx
 
         mx.random.seed(seed)
-    from mlx_stream.session import ChatSession, Settings
+    from mlx_stream.generate.session import ChatSession, Settings
 
     settings = Settings(
-        sinks=sinks,
-        window=window,
+        cache=cache,
         keep_system=keep_system,
         max_tokens=max_tokens,
         temp=temp,
         top_p=top_p,
         num_draft_tokens=num_draft_tokens,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        kv_key_bits=kv_key_bits,
-        recall=recall_policy,
     )
     session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
     if interactive:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - arrow keys and history for input()
         console.print(
-            f"mlx-stream chat · sinks {session.sinks} + window {settings.window} · "
+            f"mlx-stream chat · sinks {session.sinks} + window {cache.window} · "
             "/help for commands, Ctrl-C stops a reply, Ctrl-D exits",
             style="dim",
         )

@@ -155,14 +155,24 @@ def check_choice(value: str, flag: str, choices: tuple[str, ...]) -> None:
         fail(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
 
 
+def check_cache(
+    sinks: int | None = None,
+    window: int | None = None,
+    positions: str = "cache",
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    key_bits: int | None = None,
+) -> None:
+    """One-line error naming the flag for cache options a SinkCache cannot have,
+    before any model loads (the engine's ``CacheSpec`` checks, nothing repeated here)."""
+    from mlx_stream.cache.spec import CacheSpec
+
+    CacheSpec.for_model(None, sinks, window, positions, kv_bits, kv_group_size, key_bits)
+
+
 def check_kv_bits(kv_bits: int | None, kv_group_size: int, key_bits: int | None = None) -> None:
     """One-line error for a cache quantization the SinkCache cannot store."""
-    if kv_bits is not None and kv_bits not in (4, 8):
-        fail(f"--kv-bits must be 4 or 8 (got {kv_bits})")
-    if key_bits is not None and (kv_bits is None or key_bits not in (4, 8)):
-        fail(f"--kv-key-bits must be 4 or 8, with --kv-bits (got {key_bits})")
-    if kv_group_size not in (32, 64, 128):
-        fail(f"--kv-group-size must be 32, 64 or 128 (got {kv_group_size})")
+    check_cache(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=key_bits)
 
 
 def check_sampling(temp: float, top_p: float) -> None:
@@ -309,14 +319,19 @@ def stderr_console():
     return Console(stderr=True)
 
 
-def load_model(name: str | None, dtype: str = "auto", what: str = "model", prepare=None):
-    """Load ``name`` (registry name, folder or .gguf; None: the default) with a rich
-    progress bar on stderr while a first use pulls or converts it.
+def load_model(
+    name: str | None, dtype: str = "auto", what: str = "model", prepare=None, sinks=None,
+    window=None, kv=None,
+):  # fmt: skip
+    """Load ``name`` (registry name, Hugging Face id, folder or .gguf; None: the
+    default) with a rich progress bar on stderr while a first use pulls or converts
+    it; ``sinks``/``window`` (None: the entry's) and ``kv`` (the cache's ``kv_bits``,
+    ``kv_group_size``, ``key_bits``) size the fit check before loading.
 
     Returns:
         ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
     """
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     console = stderr_console()
 
@@ -325,8 +340,9 @@ def load_model(name: str | None, dtype: str = "auto", what: str = "model", prepa
 
     with _pull_progress(console, what) as callback:
         model, tokenizer, info = loader.load(
-            name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare
-        )
+            name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare,
+            sinks=sinks, window=window, kv=kv,
+        )  # fmt: skip
     return model, tokenizer, info.spec
 
 
@@ -372,15 +388,19 @@ def _pull_progress(console, what: str) -> Iterator[Callable[..., None]]:
             progress.stop()
 
 
+def cache_spec(spec, sinks: int | None = None, window: int | None = None, **options: Any):
+    """The command's ``CacheSpec``: the registry entry ``spec`` (None for a path) with
+    the options given over it (``positions``, ``kv_bits``, ``kv_group_size``,
+    ``key_bits``, ``num_draft_tokens``); errors name the flags."""
+    from mlx_stream.cache.spec import CacheSpec
+
+    return CacheSpec.for_model(spec, sinks, window, **options)
+
+
 def sizes(spec, sinks: int | None, window: int | None) -> tuple[int, int]:
     """``(sinks, window)``: the options if given, else the registry entry's defaults."""
-    from mlx_stream.defaults import DEFAULT_SINKS, DEFAULT_WINDOW
-
-    if sinks is None:
-        sinks = spec.sinks if spec is not None else DEFAULT_SINKS
-    if window is None:
-        window = spec.window if spec is not None else DEFAULT_WINDOW
-    return sinks, window
+    policy = cache_spec(spec, sinks, window)
+    return policy.sinks, policy.window
 
 
 def is_interactive(stream=None) -> bool:

@@ -2,8 +2,9 @@
 
 Prints the versions (mlx-stream, mlx, mlx-lm, Python), MLX's device, which BLAS serves
 MLX's CPU matmuls (read from ``/proc/self/maps`` on Linux), a float32 matmul's GFLOP/s
-against numpy's in the same run, and whether the default model is pulled. A hint
-follows each finding that has a fix.
+against numpy's in the same run, whether the default model is pulled, and the MLX
+models found in the Hugging Face cache and LM Studio's folder. A hint follows each
+finding that has a fix.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def collect(speed: bool = True) -> dict:
 
     import mlx.core as mx
 
-    from mlx_stream import __version__, loader, registry
+    from mlx_stream import __version__
+    from mlx_stream.models import loader, registry
 
     active = blas.active_blas()
     report = {
@@ -83,6 +85,12 @@ def collect(speed: bool = True) -> dict:
         report["default_model_path"] = str(loader.model_path())
     except Exception as e:  # a broken models.yaml is a finding, not a crash
         report["default_model_error"] = " ".join(str(e).split())
+    from mlx_stream.models import hub
+
+    report["hf_cache"] = str(hub.hf_cache_dir())
+    report["hf_cache_models"] = len(hub.scan_hf_cache())
+    report["lmstudio_models_dir"] = str(hub.lmstudio_models_dir())
+    report["lmstudio_models"] = len(hub.scan_lmstudio())
     return report
 
 
@@ -145,6 +153,10 @@ def doctor(
         )
     else:
         lines.append(("default model", f"error: {report['default_model_error']}"))
+    for name, folder, count in (("hf cache", "hf_cache", "hf_cache_models"),
+                                ("lm studio", "lmstudio_models_dir", "lmstudio_models")):  # fmt: skip
+        n = report[count]
+        lines.append((name, f"{report[folder]}: {n} MLX model{'' if n == 1 else 's'}"))
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         typer.echo(f"{name:<{width}}  {value}")

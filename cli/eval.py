@@ -17,6 +17,8 @@ import typer
 
 from cli import options as opt
 from cli.common import (
+    cache_spec,
+    check_cache,
     check_choice,
     check_positive,
     check_text_file,
@@ -174,8 +176,7 @@ def divergence(
     sink_list = parse_ints(sinks, "--sinks", 0)
     position_list = parse_choices(positions, "--positions", ("cache", "absolute", "rotating"))
     kv_list = parse_choices(kv_bits, "--kv-bits", tuple(KV_CHOICES))
-    if kv_group_size not in (32, 64, 128):
-        fail(f"--kv-group-size must be 32, 64 or 128 (got {kv_group_size})")
+    check_cache(kv_group_size=kv_group_size)
     if position_list == ["rotating"] and "float" not in kv_list:
         fail("--positions rotating (mlx-lm's RotatingKVCache) cannot be quantized: add float")
     check_positive(limit_tokens, "--limit-tokens", 2)
@@ -186,11 +187,11 @@ def divergence(
     checked = check_text_file(path)
 
     target, tokenizer, spec = load_model(model, dtype)
-    from mlx_stream.divergence import Policy, sample_points
-    from mlx_stream.divergence import divergence as run_divergence
-    from mlx_stream.evaluate import iter_tokens
+    from mlx_stream.eval.divergence import Policy, sample_points
+    from mlx_stream.eval.divergence import divergence as run_divergence
+    from mlx_stream.eval.perplexity import iter_tokens
 
-    default_sinks, default_window = sizes(spec, None, None)
+    default = cache_spec(spec)  # the registry entry's sizes
     context = model_context(target)
     if limit_tokens is not None and context is not None and limit_tokens > context:
         fail(
@@ -205,8 +206,8 @@ def divergence(
         fail(f"{path}: too short, no token to score")
     policies = [
         Policy(s, w, p, *KV_CHOICES[kv], kv_group_size)
-        for w in windows or [default_window]
-        for s in (sink_list if sink_list is not None else [default_sinks])
+        for w in windows or [default.window]
+        for s in (sink_list if sink_list is not None else [default.sinks])
         for p in position_list
         for kv in kv_list
         if not (p == "rotating" and kv != "float")  # mlx-lm cannot quantize it
@@ -312,7 +313,7 @@ def recall(
     from mlx_stream.eval.passkey import check_prompts
     from mlx_stream.eval.passkey import recall as run_recall
 
-    sinks, _ = sizes(spec, sinks, None)
+    sinks = cache_spec(spec, sinks).sinks
     context = model_context(target)
     try:  # every prompt must fit before the first token
         check_prompts(tokenizer, windows, placement_list, sinks, context, answer_tokens)

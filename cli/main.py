@@ -70,3 +70,7 @@ def main() -> None:
     import mlx_stream  # noqa: F401 - before any command imports mlx: preloads OpenBLAS
 
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -25,9 +25,10 @@ from cli.common import (
     EXIT_RUNTIME,
     atomic_path,
     atomic_write_csv,
+    cache_spec,
+    check_cache,
     check_choice,
     check_distinct,
-    check_kv_bits,
     check_output_path,
     check_positive,
     check_text_file,
@@ -37,7 +38,6 @@ from cli.common import (
     json_line,
     load_model,
     recall_spec,
-    sizes,
 )
 from mlx_stream.defaults import RECLAIM_MODES
 
@@ -71,16 +71,16 @@ def settings_for(cache: str, schedule: str, draft: bool, compare: bool) -> list[
     return [Setting(c, schedule, False) for c in CACHES]
 
 
-def make_caches(model: Any, kind: str, sinks: int, window: int, kv: dict | None = None) -> list:
-    """A prompt cache of ``kind``: our SinkCache, mlx-lm's growing KVCache, or mlx-lm's
+def make_caches(model: Any, kind: str, cache: Any) -> list:
+    """A prompt cache of ``kind``: our SinkCache of the policy ``cache`` (a
+    ``CacheSpec``), mlx-lm's growing KVCache, or mlx-lm's
     ``RotatingKVCache(max_size=sinks + window, keep=sinks)`` built per layer (mlx-lm's
     ``max_kv_size`` is ignored by models that define ``make_cache``)."""
     from mlx_lm.models import cache as mlx_cache
 
+    sinks, window = cache.sinks, cache.window
     if kind == "sink":
-        from mlx_stream.estimate import make_checked_sink_cache
-
-        return make_checked_sink_cache(model, sinks, window, **(kv or {}))
+        return cache.build(model)  # refused with the bytes when it cannot fit
     if kind == "full":
         return mlx_cache.make_prompt_cache(model)
     return [
@@ -118,22 +118,19 @@ def run_setting(
     draft_model: Any,
     prompt: list[int],
     tokens: int,
-    sinks: int,
-    window: int,
+    cache: Any,
     every: int,
     num_draft_tokens: int,
-    kv: dict | None = None,
 ) -> list[dict[str, Any]]:
     """Decode ``tokens`` tokens under ``setting``; one row per yielded token."""
     import mlx.core as mx
 
-    from mlx_stream.decode import stream_generate
-    from mlx_stream.reclaim import ReclaimSchedule, memory_snapshot
+    from mlx_stream.cache.reclaim import ReclaimSchedule, memory_snapshot
+    from mlx_stream.generate.decode import stream_generate
 
-    caches = make_caches(model, setting.cache, sinks, window, kv)
+    caches = make_caches(model, setting.cache, cache)
     if setting.draft:
-        no_recall = {k: v for k, v in (kv or {}).items() if k != "recall"}
-        caches += make_caches(draft_model, setting.cache, sinks, window, no_recall)
+        caches += make_caches(draft_model, setting.cache, cache.replace(recall=None))
     tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
     schedule = ReclaimSchedule(every, setting.schedule)
     mx.clear_cache()
@@ -147,8 +144,8 @@ def run_setting(
                 tokenizer,
                 prompt,
                 max_tokens=tokens,
-                sinks=sinks,
-                window=window,
+                sinks=cache.sinks,
+                window=cache.window,
                 draft_model=draft_model if setting.draft else None,
                 num_draft_tokens=num_draft_tokens,
                 prompt_cache=caches,
@@ -179,7 +176,7 @@ def run_setting(
     return rows
 
 
-def summarize(setting: Setting, rows: list[dict[str, Any]], sinks: int, window: int) -> dict:
+def summarize(setting: Setting, rows: list[dict[str, Any]], cache: Any) -> dict:
     """The ``--json`` object of one setting."""
     if not rows:
         fail("the model produced no tokens")
@@ -192,8 +189,8 @@ def summarize(setting: Setting, rows: list[dict[str, Any]], sinks: int, window: 
         "cache": setting.cache,
         "schedule": setting.schedule,
         "draft": setting.draft,
-        "sinks": sinks,
-        "window": window,
+        "sinks": cache.sinks,
+        "window": cache.window,
         "tokens": rows[-1]["tokens"],
         "reclaims": rows[-1]["reclaims"],
         "active_memory_mb": {"start": active[0], "end": active[-1], "max": max(active)},
@@ -362,12 +359,11 @@ def profile(
     """
     check_positive(tokens, "--tokens")
     check_positive(every, "--every")
-    check_positive(sinks, "--sinks", 0)
-    check_positive(window, "--window")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_choice(cache, "--cache", CACHES)
     check_choice(schedule, "--schedule", RECLAIM_MODES)
-    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
+    check_cache(sinks, window, **kv)
     if kv_bits is not None and (cache != "sink" or (compare and not draft_model)):
         fail("--kv-bits quantizes the sink cache: use it with --cache sink, without --compare")
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
@@ -385,26 +381,29 @@ def profile(
     cluster = dist.join(distributed, model)
     if cluster is not None and not cluster.is_root:
         csv = plot = None
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
+    )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    sinks, window = sizes(spec, sinks, window)
-    from mlx_stream.defaults import slack_for
-
-    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits,
-          "slack": slack_for(num_draft_tokens if draft is not None else 0)}  # fmt: skip
-    if recall_policy is not None:
-        kv["recall"] = recall_policy
-    estimate = memory_estimate(target, draft, sinks, window, kv)
+    drafted = num_draft_tokens if draft is not None else None  # a verify block in the slack
+    policy = cache_spec(spec, sinks, window, num_draft_tokens=drafted, **kv)
+    policy = policy.replace(recall=recall_policy)
+    estimate = memory_estimate(target, draft, policy)
     prompt_tokens = list(tokenizer.encode(text))
     runs: dict[str, list[dict]] = {}
     summaries = []
     for setting in settings_for(cache, schedule, draft is not None, compare):
         rows = run_setting(
-            setting, target, tokenizer, draft, prompt_tokens, tokens, sinks, window, every,
-            num_draft_tokens, kv,
+            setting, target, tokenizer, draft, prompt_tokens, tokens, policy, every,
+            num_draft_tokens,
         )  # fmt: skip
         runs[setting.name] = rows
-        summaries.append(dict(summarize(setting, rows, sinks, window), estimate=estimate))
+        summaries.append(dict(summarize(setting, rows, policy), estimate=estimate))
         if cluster is not None:  # per-rank memory and the collectives' share of a step
             s = summaries[-1]
             s["distributed"] = dist.rank_report(
@@ -416,7 +415,7 @@ def profile(
         typer.echo(json_line(summaries if compare else summaries[0]))
     else:
         print_report(summaries, runs)
-        from mlx_stream.estimate import describe
+        from mlx_stream.cache.estimate import describe
 
         typer.echo(f"estimate (sink cache): {describe(estimate)}")
     failures = []
@@ -432,19 +431,16 @@ def profile(
         raise typer.Exit(EXIT_RUNTIME)
 
 
-def memory_estimate(target: Any, draft: Any, sinks: int, window: int, kv: dict) -> dict:
-    """Weights (as loaded) and the full sink cache at this window, for the report."""
+def memory_estimate(target: Any, draft: Any, cache: Any) -> dict:
+    """Weights (as loaded) and the full sink cache of the policy ``cache``, for the report."""
     from mlx.utils import tree_flatten
 
-    from mlx_stream.estimate import cache_bytes, model_layout, summary
+    from mlx_stream.cache.estimate import summary
 
-    weights = cache = 0
+    weights = kv = 0
     for m in (target, draft):
         if m is None:
             continue
         weights += sum(v.nbytes for _, v in tree_flatten(m.parameters()))
-        layout = model_layout(m)
-        if layout is not None:
-            cache += cache_bytes(layout, sinks, window, kv["slack"], "cache", kv["kv_bits"],
-                                 kv["kv_group_size"], kv["key_bits"])  # fmt: skip
-    return summary(weights, cache)
+        kv += cache.bytes(m)
+    return summary(weights, kv)

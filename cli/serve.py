@@ -1,5 +1,5 @@
 """``mlx-stream serve``: an OpenAI-compatible server where every session lives in fixed
-memory (the engine is :mod:`mlx_stream.server`, the routes :mod:`mlx_stream.api`)."""
+memory (the engine is :mod:`mlx_stream.serve.engine`, the routes :mod:`mlx_stream.serve.app`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import typer
 
 from cli import options as opt
 from cli.common import (
-    check_kv_bits,
+    cache_spec,
+    check_cache,
     check_positive,
     fail,
     handle_errors,
     load_model,
-    sizes,
     stderr_console,
 )
 
@@ -57,8 +57,25 @@ ApiKey = Annotated[
         "--api-key",
         envvar="MLX_STREAM_API_KEY",
         show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on /v1 routes (OpenAI clients send their "
-        "api_key so). Default: none (anyone who can reach the port may use it).",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (OpenAI "
+        "clients send their api_key so). Default: none (anyone who can reach the port may "
+        "use it).",
+    ),
+]
+ApiKeys = Annotated[
+    Path | None,
+    typer.Option(
+        "--api-keys",
+        help="A file of API keys, one per line ('#' comments): each key has its own "
+        "sessions, and sees and continues only those.",
+    ),
+]
+Isolate = Annotated[
+    bool,
+    typer.Option(
+        "--isolate",
+        help="Never match a request without X-Session-ID to an existing session by its "
+        "transcript (for one key shared by several people).",
     ),
 ]
 StateDir = Annotated[
@@ -111,6 +128,8 @@ def serve(
     kv_key_bits: opt.KvKeyBits = None,
     batch: Batching = True,
     api_key: ApiKey = None,
+    api_keys: ApiKeys = None,
+    isolate: Isolate = False,
     distributed: opt.Distributed = "auto",
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
@@ -123,18 +142,21 @@ def serve(
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
     """
-    check_positive(sinks, "--sinks", 0)
-    check_positive(window, "--window")
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_positive(max_sessions, "--max-sessions")
     check_positive(port, "--port", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
-    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     budget = parse_bytes(memory_budget)
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
+    from mlx_stream.serve.app import read_api_keys
+
+    keys = ([api_key.strip()] if api_key is not None else []) + (
+        read_api_keys(api_keys) if api_keys is not None else []
+    )
     if state_dir is not None and not state_dir.is_dir():
         fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
     if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
@@ -144,30 +166,35 @@ def serve(
     cluster = dist.join(distributed, model)
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
+    target, tokenizer, spec = load_model(
+        model,
+        dtype,
+        prepare=dist.preparer(cluster),
+        sinks=sinks,
+        window=window,
+        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
+    )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    sinks, window = sizes(spec, sinks, window)
+    cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       key_bits=kv_key_bits)  # fmt: skip
     model_id = spec.name if spec is not None else Path(model or "default").name
+    aliases: tuple[str, ...] = ()
+    if spec is not None:
+        from mlx_stream.models import hub, registry
+
+        aliases = tuple(sorted(hub.aliases(spec, registry.load_registry()) - {model_id}))
 
     import uvicorn
 
-    from mlx_stream.api import create_app
-    from mlx_stream.server import Engine
-    from mlx_stream.session import Settings
+    from mlx_stream.generate.session import Settings
+    from mlx_stream.serve.app import create_app
+    from mlx_stream.serve.engine import Engine
 
-    settings = Settings(
-        sinks=sinks,
-        window=window,
-        max_tokens=max_tokens,
-        num_draft_tokens=num_draft_tokens,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        kv_key_bits=kv_key_bits,
-    )
+    settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
-        cluster=cluster,
+        cluster=cluster, isolate=isolate,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:
@@ -177,7 +204,7 @@ def serve(
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
-            f"mlx-stream serve · {model_id} · sinks {sinks} + window {window} · "
+            f"mlx-stream serve · {model_id} · sinks {cache.sinks} + window {cache.window} · "
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
             + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
             f"{per / 1e6:,.2f} MB per session) · "
@@ -188,7 +215,7 @@ def serve(
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine, api_key=api_key),
+            create_app(engine, api_keys=keys, aliases=aliases),
             host=host,
             port=port,
             log_level="warning",

@@ -20,9 +20,9 @@ from cli.common import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
     atomic_write_csv,
-    check_choice,
+    cache_spec,
+    check_cache,
     check_distinct,
-    check_kv_bits,
     check_output_path,
     check_positive,
     check_text_file,
@@ -33,7 +33,6 @@ from cli.common import (
     lenient_stdin,
     load_model,
     recall_spec,
-    sizes,
     stderr_console,
 )
 
@@ -134,19 +133,17 @@ def evaluate(
     tokens: Tracked,
     reader: CountingReader,
     size: int | None,
-    sinks: int,
-    window: int,
+    cache: Any,
     chunk: int,
-    positions: str,
     segment: int,
     limit_tokens: int | None,
     checkpoint: Path | None,
     checkpoint_every: int,
     resume: Path | None,
-    kv: dict,
     identity: dict,
 ):
-    """Run ``evaluate.stream_perplexity`` under a progress bar.
+    """Run ``evaluate.stream_perplexity`` under a progress bar, on a new cache of the
+    policy ``cache`` (a ``CacheSpec``) or the one ``resume`` holds.
 
     Returns:
         ``(result, caches)``: the caches as they ended.
@@ -154,13 +151,12 @@ def evaluate(
     import signal
     import time
 
-    from mlx_stream.decode import StopOnInterrupt
-    from mlx_stream.estimate import make_checked_sink_cache
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.eval.perplexity import stream_perplexity
+    from mlx_stream.generate.decode import StopOnInterrupt
 
     caches = None
     if resume is None:
-        caches = make_checked_sink_cache(model, sinks, window, positions=positions, **kv)
+        caches = cache.build(model)  # refused with the bytes when it cannot fit
     console = stderr_console()
     progress = make_progress(console)
     task = progress.add_task("stream", total=limit_tokens, tps="-", ppl="-")
@@ -186,8 +182,8 @@ def evaluate(
     signals = (signal.SIGINT, signal.SIGTERM)
     with StopOnInterrupt(signals) as stop, progress if console.is_terminal else contextlib.nullcontext():  # fmt: skip
         result = stream_perplexity(
-            model, tokens, sinks=sinks, window=window, chunk=chunk, positions=positions,
-            prompt_cache=caches, callback=callback, segment=segment,
+            model, tokens, chunk=chunk, cache_spec=cache, prompt_cache=caches,
+            callback=callback, segment=segment,
             limit_tokens=limit_tokens, checkpoint=checkpoint, resume=resume or False,
             checkpoint_every=checkpoint_every, identity=identity,
             should_stop=lambda: stop.interrupted,
@@ -201,7 +197,7 @@ def answer(
 ) -> str:  # fmt: skip
     """Ask ``prompt`` of what the window holds (the document's last token, still
     pending, goes first) and stream the reply through ``write``."""
-    from mlx_stream.decode import stream_generate
+    from mlx_stream.generate.decode import stream_generate
 
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
@@ -223,8 +219,9 @@ def answer(
     return "".join(parts)
 
 
-def report(result: Any, sinks: int, window: int, positions: str, as_json: bool, extra: dict):
+def report(result: Any, cache: Any, as_json: bool, extra: dict):
     """The figures as one JSON object (``--json``) or a rich table on stdout."""
+    sinks, window, positions = cache.sinks, cache.window, cache.positions
     data = {
         "tokens": result.tokens,
         "perplexity": result.perplexity,
@@ -235,6 +232,7 @@ def report(result: Any, sinks: int, window: int, positions: str, as_json: bool, 
         "sinks": sinks,
         "window": window,
         "positions": positions,
+        "cache": cache.to_json(),
         "tokens_per_second": result.tokens_per_second,
         "peak_memory_mb": result.peak_memory / 1e6,
         "seconds": result.seconds,
@@ -309,17 +307,13 @@ def stream_run(
     evicted blocks its queries choose). Ctrl-C (or SIGTERM) stops
     between model calls, saves --checkpoint and prints the figures so far.
     """
-    from mlx_stream.defaults import POSITIONS
-
-    check_positive(sinks, "--sinks", 0)
-    check_positive(window, "--window")
     check_positive(chunk, "--chunk")
     check_positive(segment, "--segment")
     check_positive(limit_tokens, "--limit-tokens", 2)
     check_positive(max_tokens, "--max-tokens")
     check_positive(checkpoint_every, "--checkpoint-every")
-    check_choice(positions, "--positions", POSITIONS)
-    check_kv_bits(kv_bits, kv_group_size, kv_key_bits)
+    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
+    check_cache(sinks, window, positions, **kv)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
@@ -350,25 +344,23 @@ def stream_run(
     try:
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
-        target, tokenizer, spec = load_model(model, dtype, prepare=dist.preparer(cluster))
-        sinks, window = sizes(spec, sinks, window)
-        from mlx_stream.evaluate import iter_tokens
-        from mlx_stream.loader import resolve_dtype
+        target, tokenizer, spec = load_model(
+            model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window, kv=kv
+        )
+        cache = cache_spec(spec, sinks, window, positions=positions, **kv)
+        cache = cache.replace(recall=recall_policy)
+        from mlx_stream.eval.perplexity import iter_tokens
+        from mlx_stream.models.loader import resolve_dtype
 
         reader = CountingReader(f)
         tokens = Tracked(iter_tokens(reader, tokenizer))
-        kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
-        if recall_policy is not None:
-            kv["recall"] = recall_policy
         identity = {
             "model": spec.name if spec is not None else str(Path(model).resolve()),
-            "dtype": resolve_dtype(dtype), "sinks": sinks, "window": window,
-            "positions": positions, "kv-bits": kv_bits, "kv-key-bits": kv_key_bits,
-            "kv-group-size": kv_group_size if kv_bits is not None else None,
+            "dtype": resolve_dtype(dtype), **cache.to_json(),
         }  # fmt: skip
         result, caches = evaluate(
-            target, tokens, reader, size, sinks, window, chunk, positions, segment,
-            limit_tokens, checkpoint, checkpoint_every, resume, kv, identity,
+            target, tokens, reader, size, cache, chunk, segment, limit_tokens, checkpoint,
+            checkpoint_every, resume, identity,
         )  # fmt: skip
     finally:
         if path != "-":
@@ -380,9 +372,7 @@ def stream_run(
         fail(f"{'stdin' if path == '-' else path}: too short, no token to score")
     # The main result goes out first: a side output that fails cannot take it along.
     if not json_out or result.interrupted:
-        report(
-            result, sinks, window, positions, json_out, {"interrupted": True} if json_out else {}
-        )
+        report(result, cache, json_out, {"interrupted": True} if json_out else {})
     if result.interrupted:
         typer.echo(interrupted_line(result, checkpoint), err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
@@ -397,7 +387,7 @@ def stream_run(
         if not json_out:
             print(flush=True)
     if json_out:
-        report(result, sinks, window, positions, True, extra)
+        report(result, cache, True, extra)
     failures = [result.checkpoint_error] if result.checkpoint_error else []
     if csv is not None:
         try:

@@ -1,10 +1,32 @@
 """mlx-stream: run language models forever in fixed memory on MLX.
 
-The engine: a rolling KV cache that keeps attention sinks and a window of recent
-tokens (``cache``), a reclaim schedule for MLX's buffer pool (``reclaim``), decode
-loops (``decode``), model loading (``registry``, ``loader``, ``gguf``) and streaming
-evaluation (``evaluate``). It never imports typer or rich.
+The engine, one folder per concern, each layer importing only the ones below it:
+
+- base modules here: ``errors``, ``files``, ``defaults``, ``blas`` (import nothing of
+  the package's folders), ``checkpoint`` and ``distributed``;
+- ``cache/``: the rolling KV cache (attention sinks + window), its storage, RoPE
+  position moves, the batched cache, the reclaim schedule and the memory estimate;
+- ``models/``: the registry, pulling and loading, GGUF conversion;
+- ``generate/``: the decode loops, the chat session, batched decode;
+- ``serve/``: the OpenAI-compatible server's engine and HTTP routes;
+- ``eval/``: streaming perplexity, divergence from the full cache, passkey recall.
+
+It never imports typer or rich (the CLI lives in ``cli/``). The public API below is
+resolved lazily (PEP 562), so ``import mlx_stream`` loads neither MLX nor mlx-lm::
+
+    from mlx_stream import CacheSpec, load, make_sink_cache, stream_generate
+
+    model, tokenizer = load()  # the registry default, pulled on first use
+    cache = make_sink_cache(model, sinks=4, window=1024)  # or, as one value:
+    cache = CacheSpec(sinks=4, window=1024).build(model)
+    for r in stream_generate(model, tokenizer, "Hello", max_tokens=32, prompt_cache=cache):
+        print(r.text, end="")
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from mlx_stream import blas as _blas
 
@@ -13,3 +35,30 @@ from mlx_stream import blas as _blas
 _blas.preload()
 
 __version__ = "0.1.0"
+
+# The stable top-level API: public name -> (module, attribute), imported on first use.
+_API = {
+    # (model, tokenizer) for a registry name, an mlx-lm folder or a .gguf file.
+    "load": ("mlx_stream.models.loader", "load"),
+    "make_sink_cache": ("mlx_stream.cache.sink", "make_sink_cache"),
+    "SinkCache": ("mlx_stream.cache.sink", "SinkCache"),
+    # One frozen value for a cache policy: validated, its bytes, JSON, build(model).
+    "CacheSpec": ("mlx_stream.cache.spec", "CacheSpec"),
+    "stream_generate": ("mlx_stream.generate.decode", "stream_generate"),
+    "ChatSession": ("mlx_stream.generate.session", "ChatSession"),
+}
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _API[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # resolved once: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -79,7 +79,7 @@ def save(path: str | os.PathLike, caches: list, state: dict, identity: dict) -> 
         state (dict): The evaluation state (JSON-able).
         identity (dict): What it belongs to, ``text_sha256`` included (JSON-able).
     """
-    from mlx_stream.cache import save_cache
+    from mlx_stream.cache.sink import save_cache
 
     path = Path(path)
     files.remove_stale(path)  # a save killed midway leaves its temporary
@@ -130,19 +130,45 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
         ) from None
     if not isinstance(out["state"], dict) or not isinstance(out["identity"], dict):
         raise UserError(f"{path}: not a stream-run checkpoint of this version")
+    out["identity"] = _upgrade(out["identity"], meta.get("mlx_stream"), path)
     return out
 
 
+OLD_CACHE_KEYS = ("kv-bits", "kv-key-bits", "kv-group-size")
+
+
+def _upgrade(identity: dict, layers: str | None, path: Path) -> dict:
+    """An identity written before ``CacheSpec`` (its cache settings as ``sinks``,
+    ``window``, ``positions``, ``kv-bits``, ``kv-key-bits``, ``kv-group-size``) in
+    today's form: every setting of ``CacheSpec.to_json``, read from the cache file's
+    own SinkCache meta (which has always held all of them)."""
+    if not any(key in identity for key in OLD_CACHE_KEYS):
+        return identity
+    from mlx_stream.cache.spec import CacheSpec
+
+    try:
+        metas = [m["meta"] for m in json.loads(layers or "{}")["layers"] if m.get("meta")]
+        spec = CacheSpec.from_json(metas[0])
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise UserError(f"{path}: not a stream-run checkpoint of this version") from None
+    rest = {k: v for k, v in identity.items() if k not in OLD_CACHE_KEYS}
+    return {**rest, **spec.to_json()}
+
+
 def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:
-    """A :class:`UserError` naming the first field where ``current`` differs from
-    what the checkpoint was made with (the text digest is checked separately)."""
-    for field in sorted(current):
+    """A :class:`UserError` naming the first field (in ``current``'s order; a cache
+    setting by its flag, ``kv-bits``) where ``current`` differs from what the
+    checkpoint was made with (the text digest is checked separately)."""
+    from mlx_stream.cache.spec import FLAGS
+
+    for field in current:
         if field == TEXT_FIELD:
             continue
         if saved.get(field) != current[field]:
+            name = FLAGS.get(field, field).lstrip("-")
             raise UserError(
-                f"{path}: made with {field} {_show(saved.get(field))}, "
-                f"this run has {field} {_show(current[field])}"
+                f"{path}: made with {name} {_show(saved.get(field))}, "
+                f"this run has {name} {_show(current[field])}"
             )
 
 
@@ -168,7 +194,7 @@ def load(
         UserError: Another model, setting or segment size, or arrays that do not match
             their checksum.
     """
-    from mlx_stream.cache import load_cache
+    from mlx_stream.cache.sink import load_cache
 
     meta = read_metadata(path)
     if identity is not None:

@@ -5,7 +5,7 @@ No imports: the CLI reads these at module level and must stay instant to start.
 
 from __future__ import annotations
 
-# The rolling cache (mlx_stream.cache).
+# The rolling cache (mlx_stream.cache.sink).
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 64
@@ -18,13 +18,13 @@ KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_RECALL_BLOCKS = 8
 DEFAULT_RECALL_RAM_MB = 1024
 
-# Decoding and evaluation (mlx_stream.decode, mlx_stream.evaluate).
+# Decoding and evaluation (mlx_stream.generate.decode, mlx_stream.eval.perplexity).
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 3
 DEFAULT_CHUNK = 64
 DEFAULT_CHECKPOINT_EVERY = 4096
 
-# Reclaiming MLX's buffer pool (mlx_stream.reclaim).
+# Reclaiming MLX's buffer pool (mlx_stream.cache.reclaim).
 DEFAULT_RECLAIM_EVERY = 256
 RECLAIM_MODES = ("crossing", "exact", "none")
 

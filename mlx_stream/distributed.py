@@ -557,8 +557,8 @@ def join(mode: str, name: str | None) -> Cluster | None:
     cluster = start(mode)
     if cluster is not None:
         if cluster.is_root:
-            from mlx_stream import loader
+            from mlx_stream.models import loader
 
-            loader.resolve(name)
+            loader.resolve(name, fit=False)  # the model is sharded: no one machine holds it
         cluster.barrier()
     return cluster

@@ -395,7 +395,7 @@ def _close(a: mx.array, b: mx.array, tol: float = 1e-3) -> bool:
 
 
 def _feed(model, cache, tokens, chunk, aligned=True):
-    from mlx_stream.cache import max_call_tokens
+    from mlx_stream.cache.sink import max_call_tokens
 
     out, i = [], 0
     while i < len(tokens):
@@ -412,9 +412,6 @@ def classify(arch: str, variant: str | None = None) -> tuple[str, str]:
     import random
 
     from mlx_lm.models import cache as mlx_cache
-
-    from mlx_stream.cache import SinkCache, make_sink_cache
-    from mlx_stream.errors import Unsupported
 
     if arch in PROCESS_KILLERS:
         return "NO-CONFIG", PROCESS_KILLERS[arch]
@@ -434,6 +431,30 @@ def classify(arch: str, variant: str | None = None) -> tuple[str, str]:
             failure = f"mlx-lm itself fails on it: {type(e).__name__}: {e}"
     else:
         return "NO-CONFIG", " ".join(failure.split())[:160]
+    return _verdict(model, tokens, ref)
+
+
+def classify_model(model, vocab: int) -> tuple[str, str]:
+    """:func:`classify` for a model built elsewhere (a catalogue entry's shape)."""
+    import random
+
+    from mlx_lm.models import cache as mlx_cache
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(min(vocab, 64)) for _ in range(N_TOKENS)]
+    try:
+        ref = _feed(model, mlx_cache.make_prompt_cache(model), tokens[: S + W], 1)
+    except Exception as e:  # noqa: BLE001 - mlx-lm's own cache fails: the config's fault
+        return "NO-CONFIG", f"mlx-lm itself fails on it: {type(e).__name__}: {e}"[:160]
+    return _verdict(model, tokens, ref)
+
+
+def _verdict(model, tokens, ref) -> tuple[str, str]:
+    """EXACT/PASS-THROUGH/REFUSED/WRONG/CRASH for ``model`` against ``ref``, mlx-lm's
+    own cache over the first ``S + W`` tokens."""
+    from mlx_stream.cache import SinkCache, make_sink_cache
+    from mlx_stream.errors import Unsupported
+
     try:
         cache = make_sink_cache(model, sinks=S, window=W, slack=STRIDE, stride=STRIDE)
     except Unsupported as e:

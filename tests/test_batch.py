@@ -1,4 +1,4 @@
-"""Batched decode (mlx_stream/batch_cache.py, mlx_stream/batch.py): every row gives
+"""Batched decode (mlx_stream/cache/batched.py, mlx_stream/generate/batch.py): every row gives
 what the same session gives alone on its own SinkCaches (greedy tokens identical,
 logits within float tolerance), with rows at different offsets whose wraps, sink moves
 and rebases fall at different steps, rows joining and leaving mid-stream, and sessions
@@ -9,12 +9,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_stream.batch import Batch
-from mlx_stream.batch_cache import BatchSinkCache, check_batchable
-from mlx_stream.cache import make_sink_cache
-from mlx_stream.decode import generate_step, stream_generate
+from mlx_stream.cache.batched import BatchSinkCache, check_batchable
+from mlx_stream.cache.positions import rope_modules
+from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import Unsupported
-from mlx_stream.positions import rope_modules
+from mlx_stream.generate.batch import Batch
+from mlx_stream.generate.decode import generate_step, stream_generate
 from tests.tiny import make_model, random_tokens
 
 # Small sizes so a few dozen tokens cross wraps, sink moves (stride 4) and rebases.
@@ -187,7 +187,7 @@ def test_rope_modules_take_one_offset_per_row(arch):
 def test_the_model_check_refuses_a_batched_step_that_is_not_exact(monkeypatch):
     """check_batchable compares rows against single sessions on the model itself: a
     batch whose rows all took the first row's rope position is caught."""
-    from mlx_stream import batch_cache
+    from mlx_stream.cache import batched as batch_cache
 
     model = make_model("llama")
     assert batch_cache._probe(model) is None

@@ -8,12 +8,13 @@ import queue
 
 import pytest
 
-from mlx_stream.session import Settings
+from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.generate.session import Settings
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     return load(str(tiny_model_dir))
 
@@ -27,7 +28,7 @@ CONVERSATIONS = [
 
 def run_all(engine, conversations, **kw):
     """Submit every request at once; their texts once all ended, in order."""
-    from mlx_stream.server import Request
+    from mlx_stream.serve.engine import Request
 
     boxes = [queue.Queue() for _ in conversations]
     for box, messages in zip(boxes, conversations, strict=True):
@@ -44,10 +45,10 @@ def run_all(engine, conversations, **kw):
 
 
 def make_engine(loaded, tmp_path, **kw):
-    from mlx_stream.server import Engine
+    from mlx_stream.serve.engine import Engine
 
     model, tokenizer = loaded
-    settings = Settings(sinks=2, window=24, max_tokens=40, **kw.pop("settings", {}))
+    settings = Settings(CacheSpec(sinks=2, window=24), max_tokens=40, **kw.pop("settings", {}))
     e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path, **kw)
     e.start()
     return e
@@ -81,17 +82,17 @@ def test_batched_sessions_reply_what_they_reply_alone_over_two_turns(loaded, tmp
 def test_batching_is_refused_with_a_reason_for_quantized_kv_and_a_draft_model(loaded, tmp_path):
     """(The tiny model's head dimension, 16, admits no quantization group size, so the
     decision is checked before any session exists.)"""
-    from mlx_stream.server import Engine
+    from mlx_stream.serve.engine import Engine
 
     model, tokenizer = loaded
-    quantized = Settings(sinks=2, window=24, kv_bits=8)
+    quantized = Settings(CacheSpec(sinks=2, window=24, kv_bits=8))
     e = Engine(model, tokenizer, quantized, "tiny", state_dir=tmp_path)
     e._make_batch()
     assert e._batch is None and "kv_bits" in e.batch_refusal
-    e = Engine(model, tokenizer, Settings(2, 24), "tiny", state_dir=tmp_path, draft_model=model)
+    e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path, draft_model=model)
     e._make_batch()
     assert e._batch is None and "draft model" in e.batch_refusal
-    e = Engine(model, tokenizer, Settings(2, 24), "tiny", state_dir=tmp_path)
+    e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path)
     e._make_batch()
     assert e._batch is not None and e.batch_refusal is None
 

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 result = {"state": state.state, "active": blas.active_blas()}
 if len(sys.argv) > 1:
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
     model, _ = load(sys.argv[1], dtype="float32")
     tokens = mx.array(json.loads(sys.argv[2]))[None]
     np.save(sys.argv[3], np.array(model(tokens).astype(mx.float32)))
@@ -117,7 +117,7 @@ def test_openblas_gives_the_same_logits_on_the_default_model(tmp_path, monkeypat
         monkeypatch.setenv("MLX_STREAM_HOME", REAL_HOME)
     else:
         monkeypatch.delenv("MLX_STREAM_HOME")
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     if not loader.is_pulled():
         pytest.skip("default model not pulled (mlx-stream models pull)")

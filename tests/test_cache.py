@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from mlx_stream.cache import (
+from mlx_stream.cache.sink import (
     SinkCache,
     load_cache,
     make_sink_cache,

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.generate import speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream import kvstore
-from mlx_stream.cache import load_cache, make_sink_cache, save_cache
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.sink import load_cache, make_sink_cache, save_cache
 from tests import tiny
 from tests.test_cache import feed
 

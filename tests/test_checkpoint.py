@@ -9,7 +9,7 @@ import pytest
 
 from mlx_stream import checkpoint as ckpt
 from mlx_stream.errors import UserError
-from mlx_stream.evaluate import stream_perplexity
+from mlx_stream.eval.perplexity import stream_perplexity
 from mlx_stream.files import file_mode, remove_stale
 from tests import tiny
 

@@ -217,7 +217,7 @@ def test_invalid_utf8_in_a_line_is_replaced_and_the_chat_goes_on(tiny):
 
 
 def test_clean_text_makes_undecodable_input_replacement_characters():
-    from mlx_stream.session import clean_text
+    from mlx_stream.generate.session import clean_text
 
     assert clean_text("caf\udcc3\udca9") == "caf\u00e9"  # escaped UTF-8 bytes decode back
     assert clean_text("a\udcffb") == "a\ufffdb"  # a byte that is not UTF-8
@@ -235,7 +235,7 @@ def test_clean_text_makes_undecodable_input_replacement_characters():
 def test_save_that_fails_midway_is_one_line_and_the_chat_goes_on(
     tiny, tmp_path, monkeypatch, error, words
 ):
-    import mlx_stream.cache
+    import mlx_stream.cache.sink
 
     def failing(*args, **kwargs):
         # A new exception each time: a shared one would keep its traceback, and with it
@@ -243,7 +243,7 @@ def test_save_that_fails_midway_is_one_line_and_the_chat_goes_on(
         kind, code, text = error
         raise kind(code, text)
 
-    monkeypatch.setattr(mlx_stream.cache, "save_cache", failing)
+    monkeypatch.setattr(mlx_stream.cache.sink, "save_cache", failing)
     ckpt = tmp_path / "talk"
     result = chat("--max-tokens", "4", input=f"hello\n/save {ckpt}\nthe sea\n/stats\n")
     assert result.exit_code == 0, result.stderr
@@ -258,7 +258,7 @@ def rewrite_state(cache_file, change) -> None:
     """Rewrite the chat state stored in a /save cache file's header with ``change``."""
     import mlx.core as mx
 
-    from mlx_stream.session import STATE_KEY
+    from mlx_stream.generate.session import STATE_KEY
 
     arrays, meta = mx.load(str(cache_file), return_metadata=True)
     state = json.loads(meta[STATE_KEY])
@@ -318,23 +318,24 @@ def test_missing_model_folder_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from mlx_stream.loader import load
+    from mlx_stream.models.loader import load
 
     return load(str(tiny_model_dir))
 
 
 def make_session(loaded, **kw):
-    from mlx_stream.session import ChatSession, Settings
+    from mlx_stream.cache.spec import CacheSpec
+    from mlx_stream.generate.session import ChatSession, Settings
 
     model, tokenizer = loaded
-    settings = Settings(sinks=kw.pop("sinks", 2), window=kw.pop("window", 64), max_tokens=8)
+    settings = Settings(CacheSpec(kw.pop("sinks", 2), kw.pop("window", 64)), max_tokens=8)
     return ChatSession(model, tokenizer, settings, **kw)
 
 
 def test_each_turn_feeds_only_what_is_new(loaded):
     """The cache holds the rendered conversation exactly once: nothing re-fed, the
     end-of-turn token after each reply included (fed at the start of the next turn)."""
-    from mlx_stream.session import cache_count
+    from mlx_stream.generate.session import cache_count
 
     session = make_session(loaded, system="you are a captain")
     for text in ("hello", "the sea", "what ship"):
@@ -349,7 +350,7 @@ def test_each_turn_feeds_only_what_is_new(loaded):
 def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
     """The engine feeds the eos it sampled; the chat trims it so the template's own
     end-of-turn text is what the next turn feeds (no doubled end-of-turn token)."""
-    from mlx_stream.session import cache_count
+    from mlx_stream.generate.session import cache_count
 
     session = make_session(loaded, sinks=4, window=64)
     session.settings.max_tokens = 2000
@@ -363,7 +364,7 @@ def test_a_reply_that_ends_with_eos_leaves_the_cache_exact(loaded):
 
 
 def test_ctrl_c_mid_reply_keeps_the_partial_reply(loaded):
-    from mlx_stream.session import cache_count
+    from mlx_stream.generate.session import cache_count
 
     session = make_session(loaded)
     session.settings.max_tokens = 1000

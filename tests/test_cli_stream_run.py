@@ -264,9 +264,9 @@ def test_resume_with_other_settings_or_text_exit_2(tiny_model_dir, text_file, tm
 
 
 def test_ctrl_c_saves_a_checkpoint_and_prints_the_figures(tiny_model_dir, text_file, tmp_path, monkeypatch):  # fmt: skip
-    import mlx_stream.decode
+    import mlx_stream.generate.decode
 
-    class CtrlCAfterThreeCalls(mlx_stream.decode.StopOnInterrupt):
+    class CtrlCAfterThreeCalls(mlx_stream.generate.decode.StopOnInterrupt):
         checks = 0
 
         @property
@@ -278,7 +278,7 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_figures(tiny_model_dir, text_f
         def interrupted(self, value):
             pass
 
-    monkeypatch.setattr(mlx_stream.decode, "StopOnInterrupt", CtrlCAfterThreeCalls)
+    monkeypatch.setattr(mlx_stream.generate.decode, "StopOnInterrupt", CtrlCAfterThreeCalls)
     ckpt = tmp_path / "c.safetensors"
     args = [str(text_file), "-m", str(tiny_model_dir), *BASE]
     result = run(*args, "--checkpoint", str(ckpt), "--json")

@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_stream.cache import make_sink_cache
-from mlx_stream.decode import DecodeState, StopOnInterrupt, generate_step, stream_generate
+from mlx_stream.cache.reclaim import ReclaimSchedule
+from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import UserError
-from mlx_stream.reclaim import ReclaimSchedule
+from mlx_stream.generate.decode import DecodeState, StopOnInterrupt, generate_step, stream_generate
 from tests import tiny
 
 SINKS, WINDOW, SLACK = 4, 32, 8

@@ -4,9 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_stream.cache import make_sink_cache
-from mlx_stream.errors import UserError
-from mlx_stream.estimate import (
+from mlx_stream.cache.estimate import (
     cache_bytes,
     check_fits,
     config_layout,
@@ -15,6 +13,8 @@ from mlx_stream.estimate import (
     model_layout,
     weights_bytes,
 )
+from mlx_stream.cache.sink import make_sink_cache
+from mlx_stream.errors import UserError
 from tests import tiny
 
 CASES = [
@@ -44,7 +44,7 @@ def test_cache_estimate_equals_nbytes(arch, options):
 
 
 def test_weights_estimate_equals_the_loaded_model(tiny_model_dir):
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     model, _ = loader.load(str(tiny_model_dir))
     loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -66,7 +66,7 @@ def test_too_large_is_refused_with_both_figures(tiny_llama):
 def test_real_model_estimate_is_exact(real_model_path):
     """The default model is stored 4-bit and dequantized to float32 on CPU: the estimate
     from its files equals what loading it takes, and its full cache at window 1024."""
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     model, _ = loader.load(str(real_model_path))
     loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -78,8 +78,8 @@ def test_real_model_estimate_is_exact(real_model_path):
 
 
 def test_engine_entry_points_check_before_allocating(tiny_llama, tokenizer):
-    from mlx_stream.decode import stream_generate
-    from mlx_stream.evaluate import stream_perplexity
+    from mlx_stream.eval.perplexity import stream_perplexity
+    from mlx_stream.generate.decode import stream_generate
 
     with pytest.raises(UserError, match="needs"):
         next(stream_generate(tiny_llama, tokenizer, [1, 2, 3], window=10**12))

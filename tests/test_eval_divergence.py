@@ -1,4 +1,4 @@
-"""Divergence from the full cache (``mlx_stream.divergence``) on tiny models, against
+"""Divergence from the full cache (``mlx_stream.eval.divergence``) on tiny models, against
 values computed by hand: an identical policy, a policy that drops everything, the
 recompute oracle of a one-layer model, and the free-generation bookkeeping."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_stream.divergence import (
+from mlx_stream.eval.divergence import (
     Policy,
     compare_generations,
     divergence,

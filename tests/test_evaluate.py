@@ -7,8 +7,8 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlx_stream.cache import make_sink_cache
-from mlx_stream.evaluate import iter_tokens, recompute_perplexity, stream_perplexity
+from mlx_stream.cache.sink import make_sink_cache
+from mlx_stream.eval.perplexity import iter_tokens, recompute_perplexity, stream_perplexity
 from tests import tiny
 
 SINKS, WINDOW = 4, 32

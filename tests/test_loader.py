@@ -9,8 +9,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_stream import gguf, loader, registry
 from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.models import gguf, loader, registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,13 +26,24 @@ def test_mlx_lm_contract():
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from mlx_lm.utils import dequantize_model, load, save_config
+    from mlx_lm.utils import (
+        DEFAULT_ALLOW_PATTERNS,
+        MODEL_REMAPPING,
+        _get_classes,
+        dequantize_model,
+        load,
+        quantize_model,
+        save_config,
+    )
 
     for api in (generate_step, speculative_generate_step, stream_generate, make_prompt_cache):
         assert callable(api)
     assert all(isinstance(c, type) for c in (KVCache, RotatingKVCache, TokenizerWrapper))
     assert callable(make_sampler) and callable(make_logits_processors)
     assert callable(dequantize_model) and callable(load) and callable(save_config)
+    # Hugging Face ids (mlx_stream.models.hub): mlx-lm's download patterns and classes.
+    assert "model*.safetensors" in DEFAULT_ALLOW_PATTERNS and MODEL_REMAPPING["mistral"] == "llama"
+    assert callable(_get_classes) and callable(quantize_model)
 
 
 def test_dtype_policy_is_float32_on_cpu_and_reported(tiny_gguf_q4):

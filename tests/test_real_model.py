@@ -47,7 +47,7 @@ def test_greedy_answer_names_paris(real_model, greedy20):
 
 
 def test_same_tokens_as_plain_mlx_lm(real_model, real_model_path, greedy20):
-    """mlx_stream.loader.load == plain mlx_lm.load on the converted folder, with the
+    """mlx_stream.models.loader.load == plain mlx_lm.load on the converted folder, with the
     same dtype policy applied on the plain side (mlx-lm's own dequantize_model)."""
     from mlx_lm.utils import dequantize_model, load
 
@@ -68,7 +68,7 @@ def test_quantized_policy_is_plain_mlx_lm(real_model_path):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load
 
-    from mlx_stream import loader
+    from mlx_stream.models import loader
 
     model, _ = loader.load(real_model_path, dtype="quantized")
     plain, _ = load(str(real_model_path))

@@ -16,9 +16,9 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache import make_sink_cache, max_call_tokens
-from mlx_stream.decode import generate_step
+from mlx_stream.cache.positions import Probe
 from mlx_stream.errors import Unsupported, UserError
-from mlx_stream.positions import Probe
+from mlx_stream.generate.decode import generate_step
 from mlx_stream.recall import RecallSpec
 from mlx_stream.recall.select import top_k
 from mlx_stream.recall.store import BlockStore, bytes_per_token
@@ -73,7 +73,7 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     then the window; the sinks
     first and the blocks after them (``stream``), the blocks right before the sinks
     (``before``), or every block token at the position before the sinks (``fixed``)."""
-    from mlx_stream.ring import Ring
+    from mlx_stream.cache.ring import Ring
 
     ring = Ring(SINKS, WINDOW, slack, BLOCK, "cache")
     b = q // BLOCK * BLOCK
@@ -293,7 +293,7 @@ def test_recall_cache_uses_the_disk_store_past_its_budget(tiny_llama, tmp_path):
 
 
 def test_estimated_bytes_match_built_recall():
-    from mlx_stream.estimate import model_layout, recall_bytes
+    from mlx_stream.cache.estimate import model_layout, recall_bytes
 
     model = tiny.make_model("llama", seed=3, hidden_size=128, num_attention_heads=2,
                             num_key_value_heads=1)  # head dim 64  # fmt: skip

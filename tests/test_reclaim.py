@@ -5,8 +5,8 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlx_stream import reclaim
-from mlx_stream.reclaim import MemorySnapshot, ReclaimSchedule, memory_snapshot
+from mlx_stream.cache import reclaim
+from mlx_stream.cache.reclaim import MemorySnapshot, ReclaimSchedule, memory_snapshot
 
 
 def _fires(schedule: ReclaimSchedule, steps: list[int]) -> tuple[list[int], int]:

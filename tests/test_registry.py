@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from mlx_stream import registry
 from mlx_stream.errors import UserError
+from mlx_stream.models import registry
 
 
 def write_user(data):
@@ -82,6 +82,9 @@ SHA = "0" * 64
         ({"sources": [{"hf": "not a repo"}]}, "'sources[0].hf'"),
         ({"sources": [{"url": "http://x"}]}, "field 'sources[0]'"),
         ("just a string", "expected a mapping"),
+        ({"sources": [{"hf": "a/b"}], "context": 0}, "field 'context'"),
+        ({"sources": [{"hf": "a/b"}], "size": "2 GB"}, "field 'size'"),
+        ({"sources": [{"hf": "a/b"}], "config": {"hidden_size": 64}}, "field 'config'"),
     ],
 )
 def test_malformed_entry_names_entry_and_field(entry, field):
@@ -147,7 +150,7 @@ def test_atomic_folder_removes_what_a_killed_pull_left(tmp_path):
 
 
 def test_registry_does_not_import_mlx():
-    code = "import sys, mlx_stream.registry as r; r.load_registry(); print('mlx' in sys.modules)"
+    code = "import sys, mlx_stream.models.registry as r; r.load_registry(); print('mlx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

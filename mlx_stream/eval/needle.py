@@ -25,7 +25,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_stream.cache import make_sink_cache
+from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.eval.passkey import FILLER, SYSTEM, answer
 
 KINDS = ("passkey", "word")

@@ -23,8 +23,8 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_stream.cache import make_sink_cache
-from mlx_stream.decode import generate_step
+from mlx_stream.cache.sink import make_sink_cache
+from mlx_stream.generate.decode import generate_step
 
 PLACEMENTS = ("inside", "just_outside", "far_outside", "system")
 FILLER = (

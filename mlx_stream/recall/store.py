@@ -7,7 +7,7 @@ values of tokens ``[j * block, (j + 1) * block)`` of one layer, shape ``(H, bloc
 position ``i``). Arrays leave the device as raw bits (a bfloat16 array travels as
 ``uint16``), so a round trip is exact for float stores; a quantized store keeps mlx's
 ``(packed, scales, biases)`` triple per tensor, the window's own format
-(``mlx_stream.kvstore``). Blocks are kept in segments of ``SEGMENT`` blocks per layer;
+(``mlx_stream.cache.storage``). Blocks are kept in segments of ``SEGMENT`` blocks per layer;
 a segment that would take the store past ``ram_bytes`` is a ``np.memmap`` file in the
 folder instead, so a long stream grows the disk, not the process. Bytes per stored
 token are known before the first block (:func:`bytes_per_token`).
@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream import kvstore
+from mlx_stream.cache import storage as kvstore
 from mlx_stream.errors import UserError
 
 SEGMENT = 32  # blocks per segment (one allocation, or one file, per layer and tensor)

@@ -47,9 +47,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream import kvstore
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.positions import Move, model_type
 from mlx_stream.errors import RuntimeFailure, Unsupported
-from mlx_stream.positions import Move, model_type
 from mlx_stream.recall import hook, select
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore
@@ -90,7 +90,7 @@ def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: i
                 "supports keys roped on all of their dims"
             )
     if spec.bits is not None:
-        from mlx_stream.estimate import model_layout
+        from mlx_stream.cache.estimate import model_layout
 
         layout = model_layout(model)
         for dim in (layout.key_dim, layout.value_dim):
@@ -120,7 +120,7 @@ class Recall:
     """
 
     def __init__(self, spec: RecallSpec, caches: list):
-        from mlx_stream.cache import SinkCache
+        from mlx_stream.cache.sink import SinkCache
 
         self.spec, self.block = spec, spec.block
         self.layers = [c for c in caches if isinstance(c, SinkCache)]
@@ -274,7 +274,7 @@ class Recall:
         selection before the prompt's end)."""
         import mlx.core as mx
 
-        from mlx_stream.cache import max_call_tokens
+        from mlx_stream.cache.sink import max_call_tokens
 
         n = self.layers[0].tokens_seen
         if n == self.refreshed_at:

@@ -34,7 +34,9 @@ from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_stream.cache import SinkCache, max_call_tokens
+from mlx_stream.cache.reclaim import ReclaimSchedule, set_wired_limit
+from mlx_stream.cache.sink import SinkCache, max_call_tokens
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -43,9 +45,7 @@ from mlx_stream.defaults import (
     slack_for,
 )
 from mlx_stream.errors import UserError
-from mlx_stream.estimate import make_checked_sink_cache
 from mlx_stream.recall.tier import prompt_end as recall_prompt_end
-from mlx_stream.reclaim import ReclaimSchedule, set_wired_limit
 
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
 # the whole history, which grows forever in a stream: keep the most recent ones only.
@@ -434,6 +434,7 @@ def stream_generate(
     slack: int | None = None,
     state: DecodeState | None = None,
     steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
+    cache_spec: CacheSpec | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
@@ -450,7 +451,7 @@ def stream_generate(
         num_draft_tokens (int): Draft tokens per round. Default: ``3``.
         prompt_cache (list, optional): Updated in place: SinkCaches (or mlx-lm
             KVCache / RotatingKVCache lists to compare against), the draft's appended
-            after the target's. Default: new SinkCaches (``estimate.make_checked_sink_cache``).
+            after the target's. Default: new SinkCaches (``CacheSpec.build``).
         prefill_step_size (int): Largest prefill chunk. Default: ``512``.
         reclaim (ReclaimSchedule, optional): Pool reclaim cadence. Default: crossing 256.
         prompt_progress_callback (Callable[[int, int], None], optional): Called with
@@ -466,6 +467,9 @@ def stream_generate(
         steps (Callable, optional): The token generator, called like
             :func:`generate_step` (e.g. a row of ``mlx_stream.batch.Batch``).
             Default: :func:`generate_step`.
+        cache_spec (CacheSpec, optional): The policy of new SinkCaches, in place of
+            ``sinks``, ``window`` and ``slack`` (with a draft model, given room for a
+            verify block: ``CacheSpec.for_draft``).
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
@@ -484,10 +488,12 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     if prompt_cache is None:
-        slack = slack or slack_for(num_draft_tokens)
-        prompt_cache = make_checked_sink_cache(model, sinks, window, slack=slack)
+        if cache_spec is None:
+            cache_spec = CacheSpec(sinks, window, slack or slack_for(num_draft_tokens))
+        spec = cache_spec.for_draft(num_draft_tokens) if draft_model else cache_spec
+        prompt_cache = spec.build(model)  # refused with the bytes when it cannot fit
         if draft_model is not None:
-            prompt_cache += make_checked_sink_cache(draft_model, sinks, window, slack=slack)
+            prompt_cache += spec.build(draft_model)
     target_cache = prompt_cache[: len(model.layers)] if draft_model else prompt_cache
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()
     state = state if state is not None else DecodeState()

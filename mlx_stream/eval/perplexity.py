@@ -31,11 +31,11 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream import checkpoint as ckpt
-from mlx_stream.cache import max_call_tokens
+from mlx_stream.cache.reclaim import ReclaimSchedule
+from mlx_stream.cache.sink import max_call_tokens
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
 from mlx_stream.errors import UserError
-from mlx_stream.estimate import make_checked_sink_cache
-from mlx_stream.reclaim import ReclaimSchedule
 
 DEFAULT_BLOCK_CHARS = 1 << 16
 # Last place in a block where a word ends and whitespace begins.
@@ -185,6 +185,7 @@ def stream_perplexity(
     identity: dict | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_cache: Callable[[list], None] | None = None,
+    cache_spec: CacheSpec | None = None,
 ) -> PerplexityResult:
     """Feed ``tokens`` as one stream and score every token under the cache policy.
 
@@ -199,7 +200,7 @@ def stream_perplexity(
             Default: ``64``.
         positions (str): ``"cache"`` or ``"absolute"`` (baseline). Default: ``"cache"``.
         prompt_cache (list, optional): Cache to evaluate with (e.g. mlx-lm KVCaches
-            for the full-cache baseline). Default: ``estimate.make_checked_sink_cache``.
+            for the full-cache baseline). Default: ``cache_spec.build(model)``.
         callback (Callable[[int, float], None], optional): After each call, with
             (tokens consumed, running perplexity).
         segment (int): Tokens per reported segment. Default: ``4096``.
@@ -221,6 +222,8 @@ def stream_perplexity(
             with ``interrupted`` set (e.g. after Ctrl-C).
         on_cache (Callable[[list], None], optional): Called once, before the first
             model call, with the cache the run uses (the checkpoint's when resuming).
+        cache_spec (CacheSpec, optional): The policy of a new cache, in place of
+            ``sinks``, ``window`` and ``positions``.
 
     Returns:
         PerplexityResult: Totals so far (a resumed run includes the earlier part).
@@ -253,7 +256,8 @@ def stream_perplexity(
                 "differ from this one's)"
             )
     elif prompt_cache is None:
-        prompt_cache = make_checked_sink_cache(model, sinks, window, positions=positions)
+        spec = cache_spec or CacheSpec(sinks, window, positions=positions)
+        prompt_cache = spec.build(model)  # refused with the bytes when it cannot fit
     if on_cache is not None:
         on_cache(prompt_cache)
     reclaim = reclaim if reclaim is not None else ReclaimSchedule()

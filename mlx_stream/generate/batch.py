@@ -37,11 +37,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import apply_top_p
 
-from mlx_stream.batch_cache import BatchSinkCache, batch_refusal, check_batchable
-from mlx_stream.cache import max_call_tokens
-from mlx_stream.decode import DecodeState, _as_tokens
+from mlx_stream.cache.batched import BatchSinkCache, batch_refusal, check_batchable
+from mlx_stream.cache.reclaim import ReclaimSchedule
+from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.errors import Unsupported
-from mlx_stream.reclaim import ReclaimSchedule
+from mlx_stream.generate.decode import DecodeState, _as_tokens
 
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens a newcomer feeds per round
 

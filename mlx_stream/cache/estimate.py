@@ -81,7 +81,7 @@ def cache_bytes(
     Returns:
         int: Bytes.
     """
-    from mlx_stream.ring import MAX_SPARE_SINK_SETS
+    from mlx_stream.cache.ring import MAX_SPARE_SINK_SETS
 
     key_bits = kv_bits if key_bits is None else key_bits
     # Ring.slots_total, without building a Ring (it allocates a table per slot): the
@@ -129,6 +129,14 @@ def weights_bytes(folder: str | os.PathLike, dtype: str) -> int:
     tensors: dict[str, tuple[str, list[int]]] = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(_safetensors_header(file))
+    config = json.loads((folder / "config.json").read_text())
+    return tensors_bytes(tensors, config.get("quantization") or {}, dtype)
+
+
+def tensors_bytes(tensors: dict[str, tuple[str, list[int]]], quant: dict, dtype: str) -> int:
+    """Bytes of ``{name: (safetensors dtype, shape)}`` loaded under the dtype policy
+    ``dtype``; ``quant`` is the config's ``quantization`` (group sizes). Also used for a
+    repo's headers read from the Hub before anything is downloaded."""
     total = 0
     for name, (kind, shape) in tensors.items():
         count = _prod(shape)
@@ -141,14 +149,13 @@ def weights_bytes(folder: str | os.PathLike, dtype: str) -> int:
         scales = tensors.get(f"{base}.scales")
         if name.endswith(".weight") and kind == "U32" and scales is not None:
             groups = _prod(scales[1])  # one scale per group of the dequantized weight
-            group = _group_size(folder, base)
+            group = _group_size(quant, base)
             count = groups * group
         total += count * DTYPE_BYTES[dtype]
     return total
 
 
-def _group_size(folder: Path, module: str) -> int:
-    quant = json.loads((folder / "config.json").read_text()).get("quantization") or {}
+def _group_size(quant: dict, module: str) -> int:
     own = quant.get(module)
     return (own if isinstance(own, dict) else quant).get("group_size", 64)
 
@@ -207,35 +214,34 @@ def check_fits(required: int, what: str, available: int | None = None) -> None:
         )
 
 
+def check_spec(model: Any, spec: Any) -> None:
+    """A :class:`UserError` when a cache of ``spec`` (a ``CacheSpec``) cannot be
+    allocated for ``model``: a group size that does not divide its head dimension, or
+    more bytes than the memory available (both figures)."""
+    layout = model_layout(model)
+    if layout is None:
+        return
+    dims = {layout.key_dim, layout.value_dim}
+    if spec.kv_bits is not None and any(d % spec.kv_group_size for d in dims):
+        raise UserError(
+            f"--kv-group-size {spec.kv_group_size} does not divide the model's head "
+            f"dimension {min(dims)}; use one that does"
+        )
+    need = spec.bytes_for(layout)
+    check_fits(need, f"the KV cache (sinks {spec.sinks} + window {spec.window})")
+
+
 def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any) -> list:
     """``make_sink_cache(model, sinks, window, **options)`` after checking that the
-    full cache fits in memory.
+    full cache fits in memory: ``CacheSpec(sinks, window, **options).build(model)``.
 
     Raises:
         UserError: Impossible sizes, or a cache larger than the memory available
             (with both figures), before anything is allocated.
     """
-    from mlx_stream.cache import make_sink_cache, validate_sizes
+    from mlx_stream.cache.spec import CacheSpec
 
-    o = {"slack": None, "stride": DEFAULT_STRIDE, "positions": "cache", "kv_bits": None,
-         "kv_group_size": 64, "key_bits": None, **options}  # fmt: skip
-    slack = o["stride"] if o["slack"] is None else o["slack"]
-    quant = (o["kv_bits"], o["kv_group_size"], o["key_bits"])
-    try:
-        validate_sizes(sinks, window, slack, o["stride"], o["positions"], *quant)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    layout = model_layout(model)
-    if layout is not None:
-        dims = {layout.key_dim, layout.value_dim}
-        if o["kv_bits"] is not None and any(d % o["kv_group_size"] for d in dims):
-            raise UserError(
-                f"--kv-group-size {o['kv_group_size']} does not divide the model's head "
-                f"dimension {min(dims)}; use one that does"
-            )
-        need = cache_bytes(layout, sinks, window, slack, o["positions"], *quant, o["stride"])
-        check_fits(need, f"the KV cache (sinks {sinks} + window {window})")
-    return make_sink_cache(model, sinks, window, **options)
+    return CacheSpec(sinks, window, **options).build(model)
 
 
 def activation_bytes(folder: str | os.PathLike, dtype: str) -> int:

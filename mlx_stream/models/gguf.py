@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_stream.errors import UserError
-from mlx_stream.registry import ProgressCallback, atomic_folder, notify
+from mlx_stream.models.registry import ProgressCallback, atomic_folder, notify
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # ggml type id -> name (ggml.h); only the first five are supported here.

@@ -29,7 +29,8 @@ ENV_HOME = "MLX_STREAM_HOME"
 REGISTRY_FILE = "models.yaml"
 SOURCE_KINDS = ("hf", "pypi", "path")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_ENTRY_FIELDS = {"description", "sources", "chat_template", "sinks", "window"}
+_ENTRY_FIELDS = {"description", "sources", "chat_template", "sinks", "window", "context", "size",
+                 "config"}  # fmt: skip
 _SOURCE_FIELDS = {"hf": {"hf"}, "pypi": {"pypi", "file", "sha256"}, "path": {"path"}}
 
 
@@ -67,6 +68,12 @@ class ModelSpec:
         sinks: Default number of attention-sink tokens.
         window: Default number of recent tokens kept.
         origin: The registry file the entry (or its last override) came from.
+        context: The context length the model was trained for (its config's
+            ``max_position_embeddings``), or ``None``.
+        size: Bytes of its download (the files mlx-lm reads), or ``None``.
+        config: The keys of its ``config.json`` that decide its architecture and
+            cache (checked against a tiny model of the same shape in the tests, and
+            against the real file when it is pulled), or ``None``.
     """
 
     name: str
@@ -76,6 +83,14 @@ class ModelSpec:
     sinks: int = DEFAULT_SINKS
     window: int = DEFAULT_WINDOW
     origin: Path | None = None
+    context: int | None = None
+    size: int | None = None
+    config: dict | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def hf_repos(self) -> list[str]:
+        """The Hugging Face repo ids among its sources."""
+        return [s.location for s in self.sources if s.kind == "hf"]
 
     @property
     def template_override(self) -> str | None:
@@ -136,10 +151,11 @@ def models_dir(home: str | os.PathLike | None = None) -> Path:
 def packaged_registry_path() -> Path:
     """The packaged ``models.yaml``: next to the package in a wheel, else the repo root."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / REGISTRY_FILE, here.parent / REGISTRY_FILE):
+    root = here.parent.parent  # mlx_stream/models/ -> the repository root
+    for candidate in (here / REGISTRY_FILE, root / REGISTRY_FILE):
         if candidate.is_file():
             return candidate
-    raise UserError(f"the packaged {REGISTRY_FILE} is missing (looked in {here} and {here.parent})")
+    raise UserError(f"the packaged {REGISTRY_FILE} is missing (looked in {here} and {root})")
 
 
 def user_registry_path() -> Path:
@@ -321,7 +337,7 @@ def parse_entry(name: str, raw: Any, file: Path) -> ModelSpec:
     sources = raw.get("sources")
     if not isinstance(sources, list) or not sources:
         raise UserError(f"{where}: field 'sources': expected a non-empty list")
-    for key in ("sinks", "window"):
+    for key in ("sinks", "window", "context", "size"):
         value = raw.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise UserError(f"{where}: field '{key}': expected an integer, got {value!r}")
@@ -335,6 +351,12 @@ def parse_entry(name: str, raw: Any, file: Path) -> ModelSpec:
         value = raw.get(key)
         if value is not None and not isinstance(value, str):
             raise UserError(f"{where}: field '{key}': expected a string")
+    for key in ("context", "size"):
+        if raw.get(key) is not None and raw[key] < 1:
+            raise UserError(f"{where}: field '{key}': must be >= 1, got {raw[key]}")
+    config = raw.get("config")
+    if config is not None and not (isinstance(config, dict) and "model_type" in config):
+        raise UserError(f"{where}: field 'config': expected a mapping with a model_type")
     return ModelSpec(
         name=str(name),
         description=(raw.get("description") or "").strip(),
@@ -343,7 +365,23 @@ def parse_entry(name: str, raw: Any, file: Path) -> ModelSpec:
         sinks=sinks,
         window=window,
         origin=file,
+        context=raw.get("context"),
+        size=raw.get("size"),
+        config=_plain(config),
     )
+
+
+def _plain(value: Any) -> Any:
+    """YAML numbers as plain ints and floats (a config compared with a config.json)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, _Int):
+        return int(value)
+    if isinstance(value, _Float):
+        return float(value)
+    return value
 
 
 def _entries(data: dict[str, Any], file: Path) -> dict[str, Any]:

@@ -31,7 +31,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import SinkCache, make_sink_cache, max_call_tokens
+from mlx_stream.cache.sink import SinkCache, max_call_tokens
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
 
 #: Largest logit difference between a batched row and the same session alone.
@@ -196,7 +197,7 @@ _VERDICTS: dict[int, str | None] = {}  # by id(model), dropped with the model
 # Sizes and prompts the probe uses: window 8, stride 4 (rebase every 16 tokens); the
 # rows start decoding at tokens 14, 5 and 11 and within PROBE_STEPS cross a rebase,
 # sink moves and the first wrap, each at another step.
-PROBE_SIZES = dict(sinks=2, window=8, slack=4, stride=4)
+PROBE = CacheSpec(sinks=2, window=8, slack=4, stride=4)
 PROBE_PROMPTS = (
     (7, 3, 11, 5, 2, 9, 4, 6, 8, 12, 10, 13, 2, 5),
     (4, 9, 2, 8, 6),
@@ -222,12 +223,12 @@ def check_batchable(model: nn.Module) -> str | None:
 
 
 def _probe(model: nn.Module) -> str | None:
-    for c in make_sink_cache(model, **PROBE_SIZES):
+    for c in PROBE.build(model, check_memory=False):
         if not isinstance(c, SinkCache):
             return batch_refusal(c)
     singles, batch = [], [BatchSinkCache() for _ in model.layers]
     for prompt in PROBE_PROMPTS:
-        own = make_sink_cache(model, **PROBE_SIZES)
+        own = PROBE.build(model, check_memory=False)
         rest = list(prompt[:-1])
         while rest:  # chunks that cross no layout change: exact
             n = min(len(rest), max_call_tokens(own))

@@ -30,8 +30,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import make_sink_cache, max_call_tokens, validate_sizes
-from mlx_stream.decode import generate_step
+from mlx_stream.cache.sink import max_call_tokens
+from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.generate.decode import generate_step
 
 POSITIONS = ("cache", "absolute", "rotating")
 
@@ -65,8 +66,14 @@ class Policy:
             raise ValueError(
                 "mlx-lm's RotatingKVCache cannot be quantized (its to_quantized is NYI)"
             )
-        validate_sizes(self.sinks, self.window, kv_bits=self.kv_bits,
-                       kv_group_size=self.kv_group_size, key_bits=self.key_bits)  # fmt: skip
+        self.spec  # noqa: B018 - refuses sizes a sink cache cannot have
+
+    @property
+    def spec(self) -> CacheSpec:
+        """The sink cache's policy (for ``"rotating"``, its sizes under cache positions)."""
+        positions = "cache" if self.positions == "rotating" else self.positions
+        return CacheSpec(self.sinks, self.window, positions=positions, kv_bits=self.kv_bits,
+                         kv_group_size=self.kv_group_size, key_bits=self.key_bits)  # fmt: skip
 
     @property
     def kv(self) -> str:
@@ -80,10 +87,7 @@ class Policy:
     def make_cache(self, model: nn.Module) -> list:
         """A fresh cache of this policy for ``model``."""
         if self.positions != "rotating":
-            return make_sink_cache(
-                model, self.sinks, self.window, positions=self.positions, kv_bits=self.kv_bits,
-                kv_group_size=self.kv_group_size, key_bits=self.key_bits,
-            )  # fmt: skip
+            return self.spec.build(model, check_memory=False)
         return [
             mlx_cache.RotatingKVCache(max_size=self.sinks + self.window, keep=self.sinks)
             if type(c) is mlx_cache.KVCache

@@ -10,8 +10,10 @@ server-sent events. A streaming client that disconnects cancels its request.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
+import re
 import threading
 import time
 import uuid
@@ -23,11 +25,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_stream.logprobs import MAX_TOP
-from mlx_stream.server import Engine
-from mlx_stream.server import Request as EngineRequest
+from mlx_stream.serve.engine import Engine
+from mlx_stream.serve.engine import Request as EngineRequest
+from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
+MAX_SEED = (1 << 63) - 1  # OpenAI's seed is an int64; mlx's random state takes 0..2^64-1
+# Below these, temperature and top-p overflow float32 into garbage (1 / 1e-300 is inf)
+# while asking for what greedy decoding gives: they are served greedily.
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6
+# What an X-Session-ID may be: visible ASCII, no spaces, at most 128 characters.
+SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 # ----------------------------------------------------------------------- bodies
@@ -79,10 +88,19 @@ class Sampling(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+
+    def sampling(self) -> dict[str, float | None]:
+        """``temp`` and ``top_p`` for the engine: greedy where they ask for it."""
+        temp, top_p = self.temperature, self.top_p
+        if (temp is not None and temp < MIN_TEMPERATURE) or (
+            top_p is not None and top_p < MIN_TOP_P
+        ):
+            return {"temp": 0.0, "top_p": None}
+        return {"temp": temp, "top_p": top_p}
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or ``None``."""
@@ -139,7 +157,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413, before reading them all."""
+    """Refuse request bodies over ``limit`` bytes with 413: by their Content-Length
+    before reading them, else (a chunked body) as soon as more than ``limit`` bytes
+    arrived. The body is read whole here and handed on, so the app never sees a cut one."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -150,44 +170,81 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+                return await self._refuse(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope, receive, send):
         response = error(413, f"the request body is larger than {self.limit:,} bytes")
         await response(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+def _replay(messages: list[dict], receive):
+    """An ASGI ``receive`` that gives ``messages`` first, then reads on."""
+
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
 
 
-class BearerKey:
-    """401 for a ``/v1`` request without ``Authorization: Bearer KEY`` (compared in
-    constant time); ``/health`` stays open for probes."""
+def read_api_keys(path) -> list[str]:
+    """The keys in a keys file: one per line, blank lines and ``#`` comments skipped."""
+    from mlx_stream.errors import UserError
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--api-keys {path}: cannot read ({getattr(exc, 'strerror', exc)})") from exc
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise UserError(f"--api-keys {path}: holds no key")
+    return keys
+
+
+def owner_of_key(key: str) -> str:
+    """The namespace of sessions an API key owns: a hash, never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def owner_of(request: Request) -> str:
+    """The owner of the sessions a request may see (``""`` on a server without keys)."""
+    return request.scope.get("state", {}).get("owner", "")
+
+
+class ApiKeys:
+    """401 for a request without ``Authorization: Bearer KEY`` naming one of ``keys``
+    (compared in constant time); ``/health`` stays open for probes. The key's owner
+    (:func:`owner_of_key`) goes with the request: each key has its own sessions."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app = app
+        self.keys = [(k.encode(), owner_of_key(k)) for k in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if scope["type"] == "http" and scope.get("path", "") != "/health":
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            token = token.strip()
+            owner = None
+            for key, name in self.keys:  # every key compared: the time says nothing
+                if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
+                    owner = name
+            if owner is None:
                 response = error(401, "a valid API key is required (Authorization: Bearer KEY)")
                 return await response(scope, receive, send)
+            scope = {**scope, "state": {**scope.get("state", {}), "owner": owner}}
         return await self.app(scope, receive, send)
 
 
@@ -223,16 +280,22 @@ class _Job:
 
 
 def create_app(
-    engine: Engine, max_body: int = DEFAULT_MAX_BODY, api_key: str | None = None
+    engine: Engine,
+    max_body: int = DEFAULT_MAX_BODY,
+    api_keys: list[str] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_key``, the
-    ``/v1`` routes answer only requests that carry ``Authorization: Bearer API_KEY``."""
+    """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_keys``, every
+    route but ``/health`` answers only requests that carry ``Authorization: Bearer KEY``
+    for one of them, and each key sees only its own sessions. A request's ``model`` may
+    be the served id, ``default`` or one of ``aliases`` (the model's registry name and
+    Hugging Face id)."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
-    if api_key is not None:
-        app.add_middleware(BearerKey, key=api_key)
-    names = {engine.model_id, "default"}
+    if api_keys:
+        app.add_middleware(ApiKeys, keys=list(api_keys))
+    names = {engine.model_id, "default", *aliases}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -261,11 +324,16 @@ def create_app(
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/sessions")
-    async def sessions():
-        stats = engine.stats
+    async def sessions(http: Request):
+        stats, owner = engine.stats, owner_of(http)
+        mine = [
+            {k: v for k, v in s.items() if k != "owner"}
+            for s in stats.get("sessions", [])
+            if s.get("owner", "") == owner
+        ]
         return {
             "object": "list",
-            "data": stats.get("sessions", []),
+            "data": mine,
             **stats.get("counters", {}),
             "batch": stats.get("batch", {}),
         }
@@ -280,8 +348,8 @@ def create_app(
         job = _Job(asyncio.get_running_loop())
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         request = EngineRequest(
-            emit=job.emit, stop=stop or None, temp=body.temperature, top_p=body.top_p,
-            seed=body.seed, logprobs=body.alternatives(), **make,
+            emit=job.emit, stop=stop or None, seed=body.seed, logprobs=body.alternatives(),
+            owner=owner_of(http), **body.sampling(), **make,
         )  # fmt: skip
         engine.submit(request)
         first = await job.events.get()
@@ -327,6 +395,11 @@ def create_app(
     ):
         if body.top_logprobs and not body.logprobs:
             return error(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        if x_session_id is not None and not SESSION_ID.fullmatch(x_session_id):
+            return error(
+                400, "X-Session-ID: must be 1 to 128 visible ASCII characters (no spaces)",
+                "X-Session-ID",
+            )  # fmt: skip
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         make = {
             "messages": messages,

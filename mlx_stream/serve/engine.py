@@ -9,12 +9,19 @@ Contract:
   not fit evicts the least recently used idle session to disk (``save_cache``); it
   comes back on its next request. When nothing can be evicted the request is refused
   (:class:`Busy`: HTTP 429 with ``Retry-After``), never an out-of-memory.
-- Sessions are named by the client or found by their transcript: a request whose
-  messages extend a session's transcript by one user message feeds only that message;
-  one that replaces the session's last turn (an edit or a regeneration) restores the
-  checkpoint from before that turn; anything else rebuilds the conversation from the
-  pinned system prompt plus the tail that fits the window. A wrapped ring matches no
-  token prefix, so matching is on the transcript, never on the KV cache.
+- A session's caches always encode exactly the transcript it records, after every
+  ending (complete, stop, cancel, disconnect, error, eviction, restore); its checkpoint
+  encodes the transcript one turn shorter and is restored only for that transcript.
+  Sessions belong to an owner (a hash of the caller's API key; one owner without keys)
+  and a request only ever sees its owner's sessions. A request names its session
+  (``X-Session-ID``) or is matched on its transcript: one whose messages extend a
+  session's transcript by one user message feeds only that message; one that replaces
+  the last turn (an edit or a regeneration) restores the checkpoint from before it, in
+  place with the session's id, as a new session (a fork) without one; anything else is
+  rebuilt from the pinned system prompt plus the tail that fits the window. A request
+  without an id never takes over a session whose transcript it does not extend
+  (``isolate``: it is never matched at all). A wrapped ring matches no token prefix, so
+  matching is on the transcript, never on the KV cache.
 - Pinned system prompt (``keep_system``): the rendered system prompt is the session's
   sinks; sessions with the same system prompt start from one prefilled snapshot.
 - One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
@@ -57,8 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.logprobs import TokenLogprobs
-from mlx_stream.session import (
+from mlx_stream.generate.session import (
     ChatSession,
     Checkpoint,
     Reply,
@@ -66,6 +72,7 @@ from mlx_stream.session import (
     cache_count,
     clean_text,
 )
+from mlx_stream.serve.logprobs import TokenLogprobs
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
@@ -90,7 +97,9 @@ class BadRequest(UserError):
 class Request:
     """One generation request, built by the HTTP side.
 
-    ``messages`` (chat) or ``prompt`` (plain completion). Events reach ``emit`` from the
+    ``messages`` (chat) or ``prompt`` (plain completion). ``owner`` names the caller's
+    namespace of sessions (a hash of its API key; ``""`` without keys): a request only
+    ever sees and continues sessions of its own owner. Events reach ``emit`` from the
     worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
     token's entry from :class:`~mlx_stream.logprobs.TokenLogprobs` when ``logprobs``
     is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
@@ -108,17 +117,23 @@ class Request:
     stop: list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    owner: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
-        "logprobs")  # fmt: skip
+        "logprobs", "owner")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
 @dataclass
 class Entry:
-    """A session the server knows: resident (``session`` set) or on disk (``path``)."""
+    """A session the server knows: resident (``session`` set) or on disk (``path``).
+
+    ``messages`` is the transcript its caches encode; ``checkpoint`` (resident only)
+    encodes ``checkpoint.messages``, a transcript one turn shorter, and is only ever
+    restored for a request whose history is exactly that.
+    """
 
     id: str
     system: str | None
@@ -132,6 +147,11 @@ class Entry:
     tokens_seen: int = 0
     sinks: int = 0
     transient: bool = False  # a plain completion: dropped when done
+    owner: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.owner, self.id)
 
 
 @dataclass
@@ -177,6 +197,9 @@ class Engine:
         batching (bool): Decode sessions together in one batched call per round.
             Default: True (refused, with the reason in the stats, where inexact).
         cluster (distributed.Cluster, optional): The ranks a sharded model runs on.
+        isolate (bool): Never match a request without ``X-Session-ID`` to a session
+            (each starts its own). Default: False (a request that extends one of its
+            owner's transcripts continues that session).
     """
 
     def __init__(
@@ -194,6 +217,7 @@ class Engine:
         chunk: int = DEFAULT_CHUNK,
         batching: bool = True,
         cluster: Any = None,
+        isolate: bool = False,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self._logprobs = TokenLogprobs(tokenizer)
@@ -207,13 +231,13 @@ class Engine:
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
         self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
         self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
-        self.max_sessions, self.chunk = max_sessions, chunk
+        self.max_sessions, self.chunk, self.isolate = max_sessions, chunk, isolate
         self._tmp = None
         if state_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
             state_dir = self._tmp.name
         self.state_dir = Path(state_dir)
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
         self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
         self._bytes_by_sinks: dict[int, int] = {}
         self._active: list[_Job] = []
@@ -236,7 +260,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
-        need = self.call(lambda: self.weights + self.session_bytes(self.settings.sinks)).result()
+        sinks = self.settings.cache.sinks
+        need = self.call(lambda: self.weights + self.session_bytes(sinks)).result()
         self.call(self._publish).result()
         if need > self.budget:
             self.stop()
@@ -276,14 +301,14 @@ class Engine:
 
     def _make_batch(self) -> None:
         """The batch every session decodes in, or the reason there is none."""
-        from mlx_stream.batch import Batch
         from mlx_stream.errors import Unsupported
+        from mlx_stream.generate.batch import Batch
 
         if not self.batching:
             return
         if self.draft_model is not None:
             self.batch_refusal = "a draft model: each request decodes alone, interleaved"
-        elif self.settings.kv_bits is not None:
+        elif self.settings.cache.kv_bits is not None:
             self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
         else:
             try:
@@ -461,7 +486,7 @@ class Engine:
         reply = session.last
         finish = reply.finish_reason if reply is not None else None
         self._end(job, rollback=False)
-        sinks, window = session.sinks, session.settings.window
+        sinks, window = session.sinks, session.settings.cache.window
         seen = cache_count(session.caches)
         prompt = reply.prompt_tokens if reply is not None else 0
         usage = {
@@ -501,9 +526,10 @@ class Engine:
         if sinks not in self._bytes_by_sinks:
             import mlx.core as mx
 
+            policy = self.settings.cache.replace(sinks=sinks)
+            settings = dataclasses.replace(self.settings, cache=policy)
             probe = ChatSession(
-                self.model, self.tokenizer, dataclasses.replace(self.settings, sinks=sinks),
-                draft_model=self.draft_model,
+                self.model, self.tokenizer, settings, draft_model=self.draft_model
             )  # fmt: skip
             probe.prefill(self.tokenizer.decode([0]) or " ")
             mx.eval([c.state for c in probe.caches])
@@ -536,7 +562,8 @@ class Engine:
         """Save a resident session to disk and free its memory."""
         # The id may come from the client (X-Session-ID): the file is named by its hash,
         # so no id reads as a path out of the state folder.
-        path = self.state_dir / ("session-" + hashlib.sha256(entry.id.encode()).hexdigest()[:32])
+        name = f"{entry.owner}\0{entry.id}".encode()
+        path = self.state_dir / ("session-" + hashlib.sha256(name).hexdigest()[:32])
         entry.session.save(path)
         entry.path, entry.session, entry.checkpoint = path, None, None
         self.evictions += 1
@@ -545,7 +572,7 @@ class Engine:
             self._drop(min(stored, key=lambda e: e.last_used))
 
     def _drop(self, entry: Entry) -> None:
-        self.entries.pop(entry.id, None)
+        self.entries.pop(entry.key, None)
         if entry.path is not None:
             for suffix in (".safetensors", ".json", ".draft.safetensors"):
                 with contextlib.suppress(OSError):
@@ -563,10 +590,10 @@ class Engine:
             session = ChatSession(
                 self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
             )
-        if session.sinks > settings.window:
+        if session.sinks > settings.cache.window:
             raise BadRequest(
                 f"the system prompt has {session.sinks} tokens; the server pins at most "
-                f"--window ({settings.window}) tokens of it"
+                f"--window ({settings.cache.window}) tokens of it"
             )
         return session
 
@@ -609,9 +636,7 @@ class Engine:
             self._admit_completion(request)
             return
         system, history, user = split_messages(request.messages)
-        entry, mode = self._find(request.session_id, system, history)
-        if entry.busy:
-            raise Busy(f"session {entry.id} is answering another request; retry shortly")
+        entry, mode, source = self._find(request, system, history)
         try:
             self._resident(entry)
         except BaseException:
@@ -619,13 +644,16 @@ class Engine:
                 self._drop(entry)
             raise
         session, tail = entry.session, None
-        if mode == "restore" and entry.checkpoint is not None:
-            session.restore(entry.checkpoint)  # the checkpoint from before the turn
-        elif mode in ("restore", "rebuild"):
+        if mode == "restore":  # the checkpoint encodes exactly ``history``
+            session.restore(source.checkpoint)
+            entry.checkpoint = source.checkpoint
+        elif mode == "rebuild":
             self._rebuild(entry, system, history)
-            session, tail = entry.session, self.settings.window
+            session = entry.session
+            tail = self.settings.cache.window if history else None
         else:
             entry.checkpoint = session.checkpoint()
+        entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         cached = cache_count(session.caches)
         box: list = []
         tokens = session.stream(
@@ -647,38 +675,68 @@ class Engine:
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.checkpoint = session.checkpoint()
 
-    def _find(self, session_id: str | None, system: str | None, history: list) -> tuple:
-        """The entry for a chat request and how to continue it: ``append`` (the history
-        is its transcript), ``restore`` (its transcript minus the last turn),
-        ``rebuild`` (anything else) or ``new``."""
+    def _find(self, request: Request, system: str | None, history: list) -> tuple:
+        """``(entry, mode, source)`` for a chat request, among its owner's sessions only.
+
+        ``append``: the entry's transcript is the history. ``restore``: ``source``'s
+        checkpoint encodes exactly the history (an edit or a regeneration of the last
+        turn); with the session's own id it restores in place, without one it forks a new
+        session and the original stays for its owner. ``rebuild``: from the history alone
+        (an id whose transcript does not match, or a history no session holds). ``new``:
+        no history. Without an id, only a history that is not empty is matched, and only
+        when the server is not ``isolate``-d.
+        """
+        owner, session_id = request.owner, request.session_id
         if session_id is not None:
-            entry = self.entries.get(session_id)
+            entry = self.entries.get((owner, session_id))
             if entry is None:
-                entry = self.entries[session_id] = Entry(id=session_id, system=system)
-                return entry, "new"
-            candidates = [entry]
-        else:
-            candidates = [e for e in self.entries.values() if not e.busy and not e.transient]
-            candidates.sort(key=lambda e: -e.last_used)
-        for entry in candidates:
+                entry = self._add(Entry(id=session_id, system=system, owner=owner))
+                return entry, "rebuild" if history else "new", None
+            if entry.busy:
+                raise Busy(f"session {entry.id} is answering another request; retry shortly")
             if entry.system == system and entry.messages == history:
-                return entry, "append"
-        for entry in candidates:
-            if entry.system == system and entry.messages[:-2] == history and entry.messages:
-                return entry, "restore"
-        if session_id is not None:
-            entry = candidates[0]
-            entry.system = system
-            return entry, "rebuild"
-        entry = Entry(id=self._new_id(16), system=system)
-        self.entries[entry.id] = entry
-        return entry, "new" if not history else "rebuild"
+                return entry, "append", None
+            if self._restorable(entry, system, history):
+                return entry, "restore", entry
+            return entry, "rebuild", None
+        if history and not self.isolate:
+            mine = [
+                e for e in self.entries.values()
+                if e.owner == owner and not e.busy and not e.transient
+            ]  # fmt: skip
+            mine.sort(key=lambda e: -e.last_used)
+            for entry in mine:
+                if entry.system == system and entry.messages == history:
+                    return entry, "append", None
+            for entry in mine:
+                if self._restorable(entry, system, history):
+                    fork = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
+                    return fork, "restore", entry
+        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
+        return entry, "rebuild" if history else "new", None
+
+    @staticmethod
+    def _restorable(entry: Entry, system: str | None, history: list) -> bool:
+        """Whether ``entry``'s checkpoint encodes exactly ``system`` + ``history``."""
+        cp = entry.checkpoint
+        return (
+            entry.session is not None
+            and cp is not None
+            and cp.system == system
+            and cp.messages == history
+        )
+
+    def _add(self, entry: Entry) -> Entry:
+        self.entries[entry.key] = entry
+        return entry
 
     def _admit_completion(self, request: Request) -> None:
-        entry = Entry(id="completion-" + self._new_id(12), system=None, transient=True)
-        self.entries[entry.id] = entry
+        entry = Entry(
+            id="completion-" + self._new_id(12), system=None, transient=True, owner=request.owner
+        )
+        self._add(entry)
         try:
-            self._make_room(self.session_bytes(self.settings.sinks) // 2, entry)
+            self._make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
@@ -741,16 +799,18 @@ class Engine:
             if e.transient:
                 continue
             seen = cache_count(e.session.caches) if e.session else e.tokens_seen
-            window = self.settings.window
+            window = self.settings.cache.window
             sessions.append(
                 {
                     "id": e.id,
+                    "owner": e.owner,
                     "resident": e.session is not None,
                     "turns": len(e.messages) // 2,
                     "tokens_seen": seen,
                     "tokens_evicted": max(0, seen - e.sinks - window),
                     "sinks": e.sinks,
                     "window": window,
+                    "cache": self.settings.cache_spec(e.sinks).to_json(),
                     "cache_bytes": e.bytes if e.session else 0,
                     "idle_s": round(now - e.last_used, 3),
                     "busy": e.busy,
@@ -762,7 +822,7 @@ class Engine:
                 "budget_bytes": self.budget,
                 "used_bytes": self.used_bytes(),
                 "weights_bytes": self.weights,
-                "session_bytes": self._bytes_by_sinks.get(self.settings.sinks),
+                "session_bytes": self._bytes_by_sinks.get(self.settings.cache.sinks),
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),

@@ -20,28 +20,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import RuntimeFailure, UserError
 
 STATE_KEY = "mlx_stream_chat"
 SENTINEL = "\x00mlx-stream\x00"
 PREFILL_STEP = 512
+ZERO_WIDTH_SPACE = "\u200b"
 
 
 @dataclass
 class Settings:
-    """Per-session generation settings (``stream_generate``'s names and defaults)."""
+    """Per-session settings: the cache policy, and generation's (``stream_generate``'s
+    names and defaults)."""
 
-    sinks: int
-    window: int
+    cache: CacheSpec
     keep_system: bool = False
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
     num_draft_tokens: int = 3
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    kv_key_bits: int | None = None
-    recall: Any = None  # a RecallSpec: the target's cache gets the recall tier
+
+    def cache_spec(self, sinks: int | None = None) -> CacheSpec:
+        """The policy of a session's caches: ``cache`` with ``sinks`` (the rendered
+        system prompt under ``keep_system``) and room for a speculative verify block."""
+        spec = self.cache if sinks is None else self.cache.replace(sinks=sinks)
+        return spec.for_draft(self.num_draft_tokens)
 
 
 @dataclass
@@ -68,6 +72,26 @@ def clean_text(text: str) -> str:
     except UnicodeEncodeError:  # a surrogate that is not an escaped byte
         raw = text.encode("utf-8", "replace")
     return raw.decode("utf-8", "replace")
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts ``tokenizer`` reads as special tokens, longest first."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    texts |= set(getattr(hf, "all_special_tokens", None) or ())
+    texts.discard(getattr(hf, "unk_token", None))  # unknown text reads as it anyway
+    return tuple(sorted((t for t in texts if len(t) > 1), key=len, reverse=True))
+
+
+def escape_specials(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` with every special token's text broken by a zero-width space after its
+    first character, so message content is read as text: a user who writes
+    ``<|im_start|>system`` gets those characters, not a new role."""
+    for special in specials:
+        if special in text:
+            text = text.replace(special, special[0] + ZERO_WIDTH_SPACE + special[1:])
+    return text
 
 
 def cache_count(caches: list) -> int:
@@ -112,6 +136,7 @@ class ChatSession:
     caches: list = field(default_factory=list)
     n_target: int = 0
     last: Reply | None = None
+    specials: tuple[str, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -119,9 +144,22 @@ class ChatSession:
     # ----- rendering ----------------------------------------------------------------
 
     def conversation(self, messages: list[dict[str, str]] | None = None) -> list[dict]:
-        """The system prompt (if any) followed by ``messages`` (default: the transcript)."""
+        """The system prompt (if any) followed by ``messages`` (default: the transcript).
+
+        Special-token text in what the user (or the system prompt, or a tool) wrote is
+        escaped (:func:`escape_specials`); the assistant's own replies are left as the
+        model wrote them, so a transcript renders to what its caches hold.
+        """
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + list(self.messages if messages is None else messages)
+        out = head + list(self.messages if messages is None else messages)
+        if self.specials is None:
+            self.specials = special_texts(self.tokenizer)
+        return [
+            m
+            if m["role"] == "assistant"
+            else {**m, "content": escape_specials(m["content"], self.specials)}
+            for m in out
+        ]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template (plain lines without one)."""
@@ -177,23 +215,18 @@ class ChatSession:
 
     def make_caches(self) -> list:
         """Fresh SinkCaches for the model (and the draft model after it)."""
-        from mlx_stream.defaults import slack_for
-        from mlx_stream.estimate import make_checked_sink_cache
-
-        s = self.settings
-        kv = {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "key_bits": s.kv_key_bits}
-        kv["slack"] = slack_for(s.num_draft_tokens)  # a verify block and its rollback
-        caches = make_checked_sink_cache(self.model, self.sinks, s.window, recall=s.recall, **kv)
+        spec = self.settings.cache_spec(self.sinks)
+        caches = spec.build(self.model)
         self.n_target = len(caches)
-        if self.draft_model is not None:
-            caches += make_checked_sink_cache(self.draft_model, self.sinks, s.window, **kv)
+        if self.draft_model is not None:  # the recall tier serves the target only
+            caches += spec.replace(recall=None).build(self.draft_model)
         return caches
 
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
         """The engine's streaming generator over ``tokens`` with the session's caches;
         ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
         ``top_p``) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
-        from mlx_stream.decode import stream_generate
+        from mlx_stream.generate.decode import stream_generate
 
         s = self.settings
         kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
@@ -203,7 +236,7 @@ class ChatSession:
             self.tokenizer,
             tokens,
             sinks=self.sinks,
-            window=s.window,
+            window=s.cache.window,
             draft_model=self.draft_model,
             num_draft_tokens=s.num_draft_tokens,
             prompt_cache=self.caches,
@@ -214,7 +247,7 @@ class ChatSession:
         """Feed ``text`` (rendered, the start of the conversation) into empty caches."""
         import mlx.core as mx
 
-        from mlx_stream.cache import max_call_tokens
+        from mlx_stream.cache.sink import max_call_tokens
 
         tokens = self.encode(text)
         groups = [(self.model, self.caches[: self.n_target])]
@@ -234,7 +267,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation; keep the model, settings and system prompt."""
         self.messages, self.fed_text, self.pending, self.last = [], "", [], None
-        self.sinks = self.settings.sinks
+        self.sinks = self.settings.cache.sinks
         if self.settings.keep_system:
             self.sinks = self.system_tokens()
             if self.sinks == 0:
@@ -252,7 +285,7 @@ class ChatSession:
         The reply, finished or not, joins the transcript and the cache; an exception
         raised by ``write`` stops it the same way and is raised again afterwards.
         """
-        from mlx_stream.decode import StopOnInterrupt
+        from mlx_stream.generate.decode import StopOnInterrupt
 
         turn = self.stream(user_text)
         with StopOnInterrupt() as ctrl_c:
@@ -367,7 +400,7 @@ class ChatSession:
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/stats`` and the line after each reply."""
-        from mlx_stream.reclaim import memory_snapshot
+        from mlx_stream.cache.reclaim import memory_snapshot
 
         first = self.caches[0]
         seen = cache_count(self.caches)
@@ -376,9 +409,9 @@ class ChatSession:
             "turns": len(self.messages) // 2,
             "tokens_seen": seen,
             "sinks": self.sinks,
-            "window": self.settings.window,
+            "window": self.settings.cache.window,
             "sinks_used": min(seen, self.sinks),
-            "window_used": min(max(0, seen - self.sinks), self.settings.window),
+            "window_used": min(max(0, seen - self.sinks), self.settings.cache.window),
             "cache_bytes": sum(int(getattr(c, "nbytes", 0) or 0) for c in self.caches),
             "capacity": getattr(first, "capacity", None),
             "active_memory": mem.active,
@@ -395,16 +428,16 @@ class ChatSession:
             "fed_text": self.fed_text,
             "pending": self.pending,
             "sinks": self.sinks,
-            "window": self.settings.window,
+            "window": self.settings.cache.window,
             "keep_system": self.settings.keep_system,
         }
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Save the KV cache and the transcript (each file atomically); with a draft
         model its cache goes to ``PATH.draft.safetensors``."""
-        from mlx_stream.cache import save_cache
+        from mlx_stream.cache.sink import save_cache
 
-        if self.settings.recall is not None:
+        if self.settings.cache.recall is not None:
             raise UserError("/save does not carry the recall store yet (chat without --recall)")
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
@@ -421,9 +454,9 @@ class ChatSession:
 
     def load(self, path: str | Path) -> Path:
         """Restore a conversation saved by :meth:`save`."""
-        if self.settings.recall is not None:
+        if self.settings.cache.recall is not None:
             raise UserError("/load does not carry the recall store yet (chat without --recall)")
-        from mlx_stream.cache import load_cache
+        from mlx_stream.cache.sink import load_cache
 
         cache_path, _ = checkpoint_paths(path)
         draft_path = draft_cache_path(cache_path)
@@ -449,7 +482,7 @@ class ChatSession:
         self.fed_text = state["fed_text"]
         self.pending = state["pending"]
         self.sinks = state["sinks"]
-        self.settings.window = state["window"]
+        self.settings.cache = self.settings.cache.replace(window=state["window"])
         self.last = None
         return cache_path
 

@@ -39,10 +39,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream import kvstore
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.positions import Move, check_model, model_type, position_limit
+from mlx_stream.cache.ring import Ring
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
-from mlx_stream.positions import Move, check_model, model_type, position_limit
-from mlx_stream.ring import Ring
 
 POSITIONS = ("cache", "absolute")
 DEFAULT_SINKS = 4
@@ -410,37 +411,28 @@ class SinkCache(mlx_cache._BaseCache):
         return tuple(pad(b) for b in buf) if isinstance(buf, tuple) else pad(buf)
 
     @property
+    def spec(self) -> CacheSpec:
+        """The cache's policy as one value."""
+        return CacheSpec(self.sinks, self.window, self.slack, self.stride, self.positions,
+                         self.value_bits, self.kv_group_size, self.key_bits)  # fmt: skip
+
+    @property
     def meta_state(self) -> dict:
         return {
-            "sinks": self.sinks,
-            "window": self.window,
-            "slack": self.slack,
-            "stride": self.stride,
-            "positions": self.positions,
+            **self.spec.to_json(),
             "tokens_seen": self.tokens_seen,
             "filled": self.ring.filled,
             "layout_applied": list(self._layout_applied),
             "slots": self.ring.slots.tolist(),
-            "kv_bits": self.value_bits,
-            "kv_group_size": self.kv_group_size,
-            "key_bits": self.key_bits,
         }
 
     @meta_state.setter
     def meta_state(self, meta: dict) -> None:
+        s = CacheSpec.from_json(meta)  # also a file from before kv_bits existed
         self.__init__(
-            meta["sinks"],
-            meta["window"],
-            meta["slack"],
-            meta["stride"],
-            None,
-            meta["positions"],
-            meta.get("kv_bits"),
-            meta.get("kv_group_size", 64),
-            meta.get("key_bits"),
-            self.move,
-            self.additive_mask,
-        )
+            s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
+            s.kv_group_size, s.key_bits, self.move, self.additive_mask,
+        )  # fmt: skip
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
         self._layout_applied = tuple(meta["layout_applied"])
@@ -466,23 +458,9 @@ def validate_sizes(
     kv_group_size: int = 64,
     key_bits: int | None = None,
 ) -> None:
-    """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache cannot have."""
-    if window < 1:
-        raise Unsupported(f"window must be at least 1 (got {window})")
-    if sinks < 0:
-        raise Unsupported(f"sinks must be 0 or more (got {sinks})")
-    if slack < 1:
-        raise Unsupported(f"slack must be at least 1 (got {slack})")
-    if stride < 1:
-        raise Unsupported(f"stride must be at least 1 (got {stride})")
-    if positions not in POSITIONS:
-        raise Unsupported(f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
-    if kv_bits not in (None, 4, 8):
-        raise Unsupported(f"kv_bits must be 4 or 8 (got {kv_bits})")
-    if key_bits not in (None, 4, 8) or (key_bits is not None and kv_bits is None):
-        raise Unsupported(f"key_bits must be 4 or 8, with kv_bits set (got {key_bits})")
-    if kv_bits is not None and kv_group_size not in (32, 64, 128):
-        raise Unsupported(f"kv_group_size must be 32, 64 or 128 (got {kv_group_size})")
+    """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache
+    cannot have (the checks of :class:`~mlx_stream.cache.spec.CacheSpec`)."""
+    CacheSpec(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
 
 
 #: Bounded caches a model makes itself, kept as they are (PASS-THROUGH).
@@ -519,7 +497,8 @@ def make_sink_cache(
     ``ArraysCache`` SSM state, ``ChunkedKVCache``) are kept as they are. Where each
     layer's cached tensors carry positions is found and verified on the model itself
     (``mlx_stream.positions.check_model``, once per model); a model the cache cannot
-    serve exactly is refused here, before the first token, with one line.
+    serve exactly is refused here, before the first token, with one line. The public
+    shorthand for ``CacheSpec(sinks, window, ...).build(model, check_memory=False)``.
 
     Args:
         model (nn.Module): An mlx-lm model.
@@ -543,25 +522,33 @@ def make_sink_cache(
     Raises:
         Unsupported: Impossible sizes, or a model this cache would serve inexactly.
     """
-    slack = stride if slack is None else slack
-    validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
+    spec = CacheSpec(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits,
+                     recall)  # fmt: skip
+    return build_sink_cache(model, spec)
+
+
+def build_sink_cache(model: nn.Module, spec: CacheSpec) -> list:
+    """The prompt cache of ``make_sink_cache`` for a :class:`CacheSpec` (what
+    ``CacheSpec.build`` returns, without its memory check)."""
+    s = spec
     caches = mlx_cache.make_prompt_cache(model)
     for i, c in enumerate(caches):
         if type(c) is not mlx_cache.KVCache and not isinstance(c, KEPT):
             _refuse_layer(model, i, c)
     verdict = check_model(model, caches)
-    if recall is not None:  # refuses what it cannot serve; installs the attention hook
+    if s.recall is not None:  # refuses what it cannot serve; installs the attention hook
         from mlx_stream.recall.tier import check
 
-        slack = check(model, caches, verdict, recall, window, stride, positions, slack)
-    if positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
+        slack = check(model, caches, verdict, s.recall, s.window, s.stride, s.positions, s.slack)
+        s = s.replace(slack=slack)
+    if s.positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
         if verdict.refusal:
             raise Unsupported(
                 verdict.refusal + "; stream-run and eval can run it with --positions absolute"
                 " (chat and serve need cache positions)"
             )
         limit = position_limit(model)
-        ring = Ring(sinks, window, slack, stride, positions)
+        ring = Ring(s.sinks, s.window, s.slack, s.stride, s.positions)
         highest = ring.max_offset + ring.room(ring.max_offset) - 1
         if limit is not None and highest >= limit[0]:
             raise Unsupported(
@@ -573,14 +560,14 @@ def make_sink_cache(
     for i, c in enumerate(caches):
         if type(c) is mlx_cache.KVCache:
             c = SinkCache(
-                sinks, window, slack, stride, None, positions, kv_bits, kv_group_size,
-                key_bits, verdict.moves.get(i), verdict.additive_mask,
+                s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
+                s.kv_group_size, s.key_bits, verdict.moves.get(i), verdict.additive_mask,
             )  # fmt: skip
         out.append(c)
-    if recall is not None:
+    if s.recall is not None:
         from mlx_stream.recall.tier import attach
 
-        attach(recall, out)
+        attach(s.recall, out)
     return out
 
 

@@ -1,0 +1,248 @@
+"""One frozen value for a cache policy: every setting of the sink + window cache.
+
+Contract: a :class:`CacheSpec` holds the eight settings a SinkCache is built from
+(``sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits``) and is
+valid once constructed: ``__post_init__`` refuses impossible settings with one line
+(:class:`CacheSettingError`, an ``Unsupported``: exit 2), naming the Python field, or
+the CLI flag when it was built from the user's options (:meth:`CacheSpec.for_model`).
+It is the one place those settings are checked (``sink.validate_sizes`` and the CLI
+delegate here), turned into bytes (:meth:`CacheSpec.bytes`), into JSON (the form
+checkpoints, ``/v1/sessions``, ``--json`` outputs and cache files carry) and into a
+prompt cache (:meth:`CacheSpec.build`).
+
+Imports nothing heavy at module level (``import mlx_stream.cache.estimate`` and the
+CLI's ``--help`` stay free of MLX): ``build`` and ``bytes`` import what they use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_stream.defaults import (
+    DEFAULT_SINKS,
+    DEFAULT_STRIDE,
+    DEFAULT_WINDOW,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    POSITIONS,
+)
+from mlx_stream.errors import Unsupported
+
+#: The CLI flag of each setting a user chooses (slack and stride have none).
+FLAGS = {
+    "sinks": "--sinks",
+    "window": "--window",
+    "positions": "--positions",
+    "kv_bits": "--kv-bits",
+    "kv_group_size": "--kv-group-size",
+    "key_bits": "--kv-key-bits",
+}
+FIELDS = ("sinks", "window", "slack", "stride", "positions", "kv_bits", "kv_group_size", "key_bits")
+
+
+class _Names(dict):
+    """Field -> the name shown to the user; a field without one is shown as itself."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+class CacheSettingError(Unsupported):
+    """A cache setting a SinkCache cannot have: one line naming it (as a field or as
+    the CLI flag) and what it must be. Exit code 2; also a ``ValueError``."""
+
+    def __init__(self, setting: str, requirement: str, names: dict | None = None):
+        self.setting, self.requirement = setting, requirement
+        super().__init__(f"{{{setting}}} {requirement}".format_map(_Names(names or {})))
+
+    def flagged(self) -> CacheSettingError:
+        """The same refusal naming the CLI flags."""
+        return CacheSettingError(self.setting, self.requirement, FLAGS)
+
+
+def _refusal(s: CacheSpec) -> tuple[str, str] | None:
+    """The first setting of ``s`` a SinkCache cannot have, with what it must be (other
+    settings named as ``{field}``), or ``None``."""
+    bits = " or ".join(map(str, KV_BITS))
+    if s.window < 1:
+        return "window", f"must be at least 1 (got {s.window})"
+    if s.sinks < 0:
+        return "sinks", f"must be 0 or more (got {s.sinks})"
+    if s.slack < 1:
+        return "slack", f"must be at least 1 (got {s.slack})"
+    if s.stride < 1:
+        return "stride", f"must be at least 1 (got {s.stride})"
+    if s.positions not in POSITIONS:
+        return "positions", f"must be one of {', '.join(POSITIONS)} (got {s.positions!r})"
+    if s.kv_bits not in (None, *KV_BITS):
+        return "kv_bits", f"must be {bits} (got {s.kv_bits})"
+    if s.key_bits not in (None, *KV_BITS) or (s.key_bits is not None and s.kv_bits is None):
+        return "key_bits", f"must be {bits}, with {{kv_bits}} set (got {s.key_bits})"
+    if s.kv_group_size not in KV_GROUP_SIZES:
+        sizes = ", ".join(map(str, KV_GROUP_SIZES[:-1])) + f" or {KV_GROUP_SIZES[-1]}"
+        return "kv_group_size", f"must be {sizes} (got {s.kv_group_size})"
+    return None
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A sink + window cache policy: what ``make_sink_cache`` builds, as one value.
+
+    Attributes:
+        sinks (int): First tokens kept forever. Default: ``4``.
+        window (int): Most recent tokens each query sees. Default: ``1024``.
+        slack (int): Extra slots: the largest multi-token call (prefill chunk,
+            speculative verify block) and the deepest rollback are ``slack + 1``
+            tokens. Default (``None``): ``stride``; see :meth:`for_draft`.
+        stride (int): Sinks move and the buffer rebases only at multiples of this
+            token index. Default: ``64``.
+        positions (str): ``"cache"`` (bounded StreamingLLM positions) or
+            ``"absolute"`` (positions grow with the stream). Default: ``"cache"``.
+        kv_bits (int, optional): Store keys and values quantized to 4 or 8 bits.
+            Default: ``None`` (the model's float dtype).
+        kv_group_size (int): Quantization group size: 32, 64 or 128. Default: ``64``.
+        key_bits (int, optional): Bits of the keys when they differ from
+            ``kv_bits``; normalized to ``kv_bits`` when not given.
+        recall (RecallSpec, optional): The recall tier (``mlx_stream.recall``): evicted
+            blocks kept and brought back; not part of the JSON form. Default: off.
+
+    Raises:
+        CacheSettingError: A setting a SinkCache cannot have (one line).
+    """
+
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
+    slack: int | None = None
+    stride: int = DEFAULT_STRIDE
+    positions: str = "cache"
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    key_bits: int | None = None
+    recall: Any = None
+
+    def __post_init__(self) -> None:
+        if self.slack is None:  # make_sink_cache's rule: a stride's worth of slack
+            object.__setattr__(self, "slack", self.stride)
+        refusal = _refusal(self)
+        if refusal is not None:
+            raise CacheSettingError(*refusal)
+        if self.key_bits is None:  # one spelling per policy: 8-bit keys of an 8-bit cache
+            object.__setattr__(self, "key_bits", self.kv_bits)
+
+    # ----- constructors ---------------------------------------------------------------
+
+    @classmethod
+    def for_model(
+        cls,
+        entry: Any = None,
+        sinks: int | None = None,
+        window: int | None = None,
+        positions: str = "cache",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        key_bits: int | None = None,
+        num_draft_tokens: int | None = None,
+    ) -> CacheSpec:
+        """The policy a command runs: the registry entry's sizes, the user's options
+        over them. Refusals name the CLI flags (``--window must be at least 1``).
+
+        Args:
+            entry: The registry entry (``ModelSpec``: its ``sinks`` and ``window``), or
+                ``None`` for a model given by path (the package defaults).
+            sinks, window (int, optional): ``--sinks`` / ``--window``; ``None``: the
+                entry's.
+            positions, kv_bits, kv_group_size, key_bits: The other cache options.
+            num_draft_tokens (int, optional): Speculative draft tokens per round: the
+                slack then holds a verify block (:meth:`for_draft`).
+
+        Raises:
+            CacheSettingError: An option a SinkCache cannot have, naming its flag.
+        """
+        if sinks is None:
+            sinks = entry.sinks if entry is not None else DEFAULT_SINKS
+        if window is None:
+            window = entry.window if entry is not None else DEFAULT_WINDOW
+        try:
+            spec = cls(sinks, window, None, DEFAULT_STRIDE, positions, kv_bits, kv_group_size,
+                       key_bits)  # fmt: skip
+        except CacheSettingError as e:
+            raise e.flagged() from None
+        return spec if num_draft_tokens is None else spec.for_draft(num_draft_tokens)
+
+    def for_draft(self, num_draft_tokens: int) -> CacheSpec:
+        """This policy with room for a speculative verify block of ``num_draft_tokens
+        + 1`` tokens and its rollback (the slack rule: at least that, and at least
+        the slack it has, which covers a prefill chunk of ``DEFAULT_CHUNK``)."""
+        return self.replace(slack=max(self.slack, num_draft_tokens + 1))
+
+    def replace(self, **changes: Any) -> CacheSpec:
+        """A copy with ``changes`` (validated like any other)."""
+        return dataclasses.replace(self, **changes)
+
+    # ----- JSON -----------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """The eight settings as a JSON-ready dict (field names as keys)."""
+        return {name: getattr(self, name) for name in FIELDS}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CacheSpec:
+        """The policy a JSON dict holds: :meth:`to_json`'s form, or a SinkCache's
+        ``meta_state`` (other keys ignored). Files written before quantization
+        existed lack the last three settings: their defaults then.
+
+        Raises:
+            Unsupported: Not a dict, a setting missing or of the wrong type, or
+                settings a SinkCache cannot have.
+        """
+        if not isinstance(data, dict) or any(k not in data for k in ("sinks", "window")):
+            raise Unsupported(f"not a cache policy (got {str(data)[:80]})")
+        values = {k: data[k] for k in FIELDS if k in data}
+        for k, v in values.items():
+            kind = str if k == "positions" else int
+            optional = k in ("slack", "kv_bits", "key_bits")
+            if not (type(v) is kind or (optional and v is None)):
+                what = "a string" if kind is str else "an integer"
+                raise Unsupported(f"cache setting {k!r} must be {what} (got {v!r})")
+        return cls(**values)
+
+    # ----- what it costs and what it builds -------------------------------------------
+
+    def bytes_for(self, layout: Any) -> int:
+        """Exact bytes of a full cache of this policy for an ``estimate.KVLayout``."""
+        from mlx_stream.cache.estimate import cache_bytes
+
+        return cache_bytes(layout, self.sinks, self.window, self.slack, self.positions,
+                           self.kv_bits, self.kv_group_size, self.key_bits, self.stride)  # fmt: skip
+
+    def bytes(self, model: Any) -> int:
+        """Exact bytes of this policy's full cache for ``model`` (what ``sum(c.nbytes)``
+        reaches once every slot is written), worked out without allocating; ``0`` for a
+        model with no layer it makes a SinkCache."""
+        from mlx_stream.cache.estimate import model_layout
+
+        layout = model_layout(model)
+        return 0 if layout is None else self.bytes_for(layout)
+
+    def build(self, model: Any, check_memory: bool = True) -> list:
+        """The model's prompt cache under this policy (``make_sink_cache``).
+
+        Args:
+            model: An mlx-lm model.
+            check_memory (bool): First refuse a cache larger than the memory available
+                or a group size that does not divide the head dimension, with one line
+                (``estimate.make_checked_sink_cache``). Default: ``True``.
+
+        Raises:
+            UserError: The cache would not fit (bytes needed and available).
+            Unsupported: A model this cache would serve inexactly.
+        """
+        if check_memory:
+            from mlx_stream.cache.estimate import check_spec
+
+            check_spec(model, self)
+        from mlx_stream.cache.sink import build_sink_cache
+
+        return build_sink_cache(model, self)
