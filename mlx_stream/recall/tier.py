@@ -15,9 +15,10 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
   it, and at the end of each prompt fed by ``generate_step`` (so the question's
   queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
   then rolled back and fed again under that selection, so the question's own tokens
-  see what it recalls). Candidates are the blocks every layer
-  stored at earlier boundaries (a block joins them one boundary after it is stored); ``k`` winners, in stream order, one selection for all layers. So the
-  result does not depend on how a prompt is split into calls: chunked prefill,
+  see what it recalls). Candidates are the blocks every layer stored at earlier
+  boundaries (a block joins them one boundary after it is stored); ``k`` winners, in
+  stream order, one selection for all layers. So the result does not depend on how a
+  prompt is split into calls: chunked prefill,
   token-by-token decode and speculative verify blocks see the same selection at every
   token. What does differ: a stream fed as several prompts (chat turns) also refreshes
   at each prompt's end.
@@ -31,8 +32,10 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
   bounded: no key sits more than ``k * block`` positions beyond where the sinks alone
   would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
   model's mask extended by the region's valid slots (``mlx_stream.recall.hook``).
-  Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer; the
-  concatenation is a per-call temporary.
+  Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer
+  (``stream`` adds a moved copy of the sinks; the slack covers the prompt-end
+  rollback); the concatenation is a per-call temporary, and for ``slack + 2`` tokens
+  after each rebase the cache keeps a copy of the moved keys so that rollback is exact.
 * **Rollback.** ``trim`` forgets the queries of the trimmed tokens, stored blocks
   holding a trimmed token and selections refreshed after the point trimmed back to
   (a stored block a row can see again is no candidate until it is evicted again).
@@ -272,14 +275,14 @@ class Recall:
         tokens again, attending to what the prompt chose (the question's own tokens
         then see the blocks it recalls; a boundary refresh does not replace that
         selection before the prompt's end)."""
-        import mlx.core as mx
-
         from mlx_stream.cache.sink import max_call_tokens
 
         n = self.layers[0].tokens_seen
         if n == self.refreshed_at:
             return
         self.refresh_now()
+        if self.refreshed_at != n:
+            return  # nothing to choose from yet
         sel, bs = self.selection, self.block
         start = max((n - 1) // bs * bs - (self.spec.refeed - 1) * bs, n - len(fed), 0)
         if not sel or not self.spec.refeed or start >= n:
