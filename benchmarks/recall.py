@@ -115,20 +115,36 @@ def ranks(tier, prompt, row: dict) -> None:
 
 
 def render(records: list[dict]) -> str:
-    """A markdown table: found / trials per length, needle and cache."""
+    """Markdown: found / trials per length, needle and cache (with how often the
+    needle's blocks were among those recalled), then the needle's rank per selector."""
     cells: dict = {}
+    picked: dict = {}
     for r in records:
         if r.get("bench") != "recall-needle":
             continue
         key = (r.get("length_asked", r["length"]), r["kind"], r.get("haystack", "filler"))
         cells.setdefault(key, {}).setdefault(r["cache"], []).append(r["found"])
-    out = ["| prompt tokens | needle | haystack | window alone | window + recall | full cache |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+        if r["cache"] == "recall" and "needle_selected" in r:
+            picked.setdefault(key, []).append(r["needle_selected"])
+    out = ["| prompt tokens | needle | haystack | window alone | window + recall | full cache "
+           "| needle's blocks recalled |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for key in sorted(cells):
         got = cells[key]
         row = [f"{sum(got[c])}/{len(got[c])}" if c in got else "—"
                for c in ("window", "recall", "full")]  # fmt: skip
+        sel = picked.get(key)
+        row.append(f"{sum(sel)}/{len(sel)}" if sel else "—")
         out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(row) + " |")
+    ranked = [r for r in records if r.get("bench") == "recall-needle" and r.get("ranks")]
+    if ranked:
+        names = sorted({s for r in ranked for s in r["ranks"]})
+        out += ["", "| prompt tokens | depth | candidate blocks | blocks k | "
+                + " | ".join(f"rank, {n}" for n in names) + " |",
+                "|---|---|---|---|" + "---|" * len(names)]  # fmt: skip
+        for r in ranked:
+            ranks = [",".join(str(x) for x in r["ranks"].get(n, [])) or "—" for n in names]
+            out.append(f"| {r['length']} | {r['depth']} | {r['candidate_blocks']} | "
+                       f"{r['blocks']} | " + " | ".join(ranks) + " |")  # fmt: skip
     return "\n".join(out)
 
 
