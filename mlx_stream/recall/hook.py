@@ -19,13 +19,11 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
-from mlx_lm.models import base
 from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.errors import Unsupported
 
 NAME = "scaled_dot_product_attention"
-_ORIGINAL = base.scaled_dot_product_attention
 
 
 def _wrap(original):
