@@ -273,7 +273,6 @@ def _recall_line(config: dict, folder, policy: str, sinks: int) -> str:
     )
 
 
-
 def _is_repo(name: str | None, reg) -> bool:
     from mlx_stream.models import hub
 

@@ -182,7 +182,5 @@ RecallRam = Annotated[
 ]
 RecallDir = Annotated[
     Path | None,
-    typer.Option(
-        "--recall-dir", help="Folder for the spilled store. Default: a temporary folder."
-    ),
+    typer.Option("--recall-dir", help="Folder for the spilled store. Default: a temporary folder."),
 ]
