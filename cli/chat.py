@@ -137,11 +137,12 @@ def read_line(interactive: bool) -> str:
     return raw.decode("utf-8", "replace").rstrip("\r\n")
 
 
-def run(session: ChatSession, interactive: bool, console) -> None:
+def run(session: ChatSession, interactive: bool, console, per_reply=None) -> None:
     """The read-reply loop until /quit or end of input.
 
     A failing command or reply ends only itself: one line on stderr, then the prompt
     again with the conversation as it was (a reply cut short keeps what it streamed).
+    ``per_reply()`` gives each reply's extra ``stream_generate`` arguments.
     """
 
     def write(text: str) -> None:
@@ -167,7 +168,7 @@ def run(session: ChatSession, interactive: bool, console) -> None:
                 if not handle_command(session, line, say):
                     return
                 continue
-            session.reply(line, write)
+            session.reply(line, write, **(per_reply() if per_reply else {}))
         except Exception as exc:  # noqa: BLE001 - one operation fails, the chat goes on
             from mlx_stream.distributed import is_peer_lost
 
@@ -199,6 +200,7 @@ def chat(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
+    json_schema: opt.JsonSchema = None,
     recall: opt.Recall = False,
     recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
     recall_bits: opt.RecallBits = None,
@@ -215,6 +217,8 @@ def chat(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_sampling(temp, top_p)
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
+    if json_schema is not None and draft_model is not None:
+        fail("--json-schema is not available with --draft-model")
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
     from mlx_stream import distributed as dist
 
@@ -262,4 +266,14 @@ def chat(
             "/help for commands, Ctrl-C stops a reply, Ctrl-D exits",
             style="dim",
         )
-    run(session, interactive, console)
+    per_reply = None
+    if json_schema is not None:
+        from mlx_stream.serve.structured import Grammars, schema_file_grammar
+
+        grammar, grammars = schema_file_grammar(json_schema), Grammars(tokenizer)
+
+        def per_reply() -> dict:
+            return {"logits_processors": [grammars.constraint(grammar)]}
+
+        per_reply()  # a tokenizer llguidance cannot read fails now, not at the first turn
+    run(session, interactive, console, per_reply)

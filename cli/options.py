@@ -84,6 +84,10 @@ KvGroupSize = Annotated[
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 Csv = Annotated[Path | None, typer.Option("--csv", help="Write per-row CSV here (atomic).")]
 Prompt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text.")]
+JsonSchema = Annotated[
+    Path | None,
+    typer.Option("--json-schema", help="Constrain replies to JSON matching this JSON Schema file."),
+]
 
 # chat
 System = Annotated[str | None, typer.Option(help="System prompt.")]

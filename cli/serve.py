@@ -20,6 +20,7 @@ from cli.common import (
     load_model,
     stderr_console,
 )
+from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
@@ -80,7 +81,19 @@ Isolate = Annotated[
 ]
 StateDir = Annotated[
     Path | None,
-    typer.Option("--state-dir", help="Where evicted sessions are saved. Default: a temp folder."),
+    typer.Option(
+        "--state-dir",
+        help="Where evicted sessions are saved, and every resident one on exit (SIGTERM): "
+        "a restart with the same folder continues them. Default: a temp folder.",
+    ),
+]
+MaxPromptTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-prompt-tokens",
+        help="Most tokens one request may feed (its new message); more is refused "
+        "with 413. A long prompt goes in a chunk at a time between other requests.",
+    ),
 ]
 
 
@@ -117,6 +130,7 @@ def serve(
     window: opt.Window = None,
     keep_system: KeepSystem = True,
     max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
+    max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
     memory_budget: MemoryBudget = "auto",
     max_sessions: MaxSessions = None,
     state_dir: StateDir = None,
@@ -137,12 +151,15 @@ def serve(
     Clients resend the whole conversation each turn; the server finds the session by
     its transcript (or an X-Session-ID header) and feeds only the new message. Memory
     is weights + sessions x a fixed size: a session that does not fit evicts an idle
-    one to disk, and when none is idle the request gets 429 with Retry-After.
+    one to disk, and when none is idle the request gets 429 with Retry-After. A
+    request's max_tokens is capped at --max-tokens. SIGTERM ends running requests,
+    saves the sessions to --state-dir and exits.
 
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
     """
     check_positive(max_tokens, "--max-tokens")
+    check_positive(max_prompt_tokens, "--max-prompt-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_positive(max_sessions, "--max-sessions")
     check_positive(port, "--port", 0)
@@ -194,7 +211,7 @@ def serve(
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
-        cluster=cluster, isolate=isolate,
+        cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:
@@ -220,7 +237,18 @@ def serve(
             port=port,
             log_level="warning",
             access_log=False,
+            timeout_graceful_shutdown=5,  # seconds, then open connections are cut
         )
-        uvicorn.Server(config).run()
+        import signal
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                engine.drain()  # running requests end at once: their streams get their end
+                super().handle_exit(sig, frame)
+
+        # uvicorn raises the signal again once it has stopped: handled here, it lets
+        # engine.stop() save the sessions and the process exit 0.
+        signal.signal(signal.SIGTERM, lambda sig, frame: engine.drain())
+        Server(config).run()
     finally:
         engine.stop()

@@ -193,10 +193,11 @@ def evaluate(
 
 def answer(
     model: Any, tokenizer: Any, caches: list, pending: int | None, prompt: str, max_tokens: int,
-    write: Any,
+    write: Any, processors: list | None = None,
 ) -> str:  # fmt: skip
     """Ask ``prompt`` of what the window holds (the document's last token, still
-    pending, goes first) and stream the reply through ``write``."""
+    pending, goes first) and stream the reply through ``write`` (``processors``: e.g.
+    a ``--json-schema`` constraint)."""
     from mlx_stream.generate.decode import stream_generate
 
     if getattr(tokenizer, "chat_template", None):
@@ -213,7 +214,8 @@ def answer(
         tokenizer.encode(text, add_special_tokens=False)
     )
     parts = []
-    for r in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches):
+    for r in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches,
+                             logits_processors=processors):  # fmt: skip
         parts.append(r.text)
         write(r.text)
     return "".join(parts)
@@ -283,6 +285,7 @@ def stream_run(
     segment: opt.Segment = opt.DEFAULT_SEGMENT,
     limit_tokens: opt.LimitTokens = None,
     prompt: opt.Prompt = None,
+    json_schema: opt.JsonSchema = None,
     max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
     json_out: opt.Json = False,
     csv: opt.Csv = None,
@@ -316,6 +319,8 @@ def stream_run(
     check_cache(sinks, window, positions, **kv)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
+    if json_schema is not None and prompt is None:
+        fail("--json-schema constrains the answer to --prompt: pass --prompt too")
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
     if recall_policy is not None and (checkpoint or resume):
         fail("--checkpoint and --resume do not carry the recall store yet: drop --recall")
@@ -349,6 +354,11 @@ def stream_run(
         )
         cache = cache_spec(spec, sinks, window, positions=positions, **kv)
         cache = cache.replace(recall=recall_policy)
+        constraint = None
+        if json_schema is not None:  # checked before the long run, used after it
+            from mlx_stream.serve.structured import Grammars, schema_file_grammar
+
+            constraint = Grammars(tokenizer).constraint(schema_file_grammar(json_schema))
         from mlx_stream.eval.perplexity import iter_tokens
         from mlx_stream.models.loader import resolve_dtype
 
@@ -383,7 +393,10 @@ def stream_run(
             if not json_out:
                 print(text, end="", flush=True)
 
-        extra["answer"] = answer(target, tokenizer, caches, tokens.last, prompt, max_tokens, write)
+        extra["answer"] = answer(
+            target, tokenizer, caches, tokens.last, prompt, max_tokens, write,
+            [constraint] if constraint is not None else None,
+        )  # fmt: skip
         if not json_out:
             print(flush=True)
     if json_out:

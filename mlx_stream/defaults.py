@@ -24,6 +24,11 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 DEFAULT_CHUNK = 64
 DEFAULT_CHECKPOINT_EVERY = 4096
 
+# Tokens one server request may feed (mlx_stream.serve.engine: its new message; a history
+# is never fed past the window). 16k is what small models are trained on and what an edge
+# CPU prefills in about a minute, a chunk per round between the other requests' tokens.
+DEFAULT_MAX_PROMPT_TOKENS = 16384
+
 # Reclaiming MLX's buffer pool (mlx_stream.cache.reclaim).
 DEFAULT_RECLAIM_EVERY = 256
 RECLAIM_MODES = ("crossing", "exact", "none")

@@ -317,3 +317,61 @@ def real_model(real_model_path):
     from mlx_stream.models import loader
 
     return loader.load(real_model_path, return_info=True)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A template with tool support in Qwen2.5's format (mlx-lm infers its json_tools parser).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n{% elif messages[0]['role'] == "
+    "'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% elif m['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{{ m['content'] }}{% for tool_call in m.tool_calls %}{% set tool_call = "
+    'tool_call.function %}<tool_call>\n{"name": "{{ tool_call.name }}", '
+    '"arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}'
+    "<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_bpe_model_folder(path, template: str = CHATML):
+    """A tiny llama with a byte-level BPE tokenizer (what llguidance needs: any JSON
+    can be written), ChatML specials and ``template``, saved as an mlx-lm folder."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True)
+    bpe = _tiny_bpe()
+    vocab = bpe.get_vocab_size()
+    model = tiny.make_model("llama", vocab_size=vocab)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = tiny.make_config("llama", vocab_size=vocab)
+    config["eos_token_id"] = [bpe.token_to_id("<|im_end|>"), bpe.token_to_id("<|endoftext|>")]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None,
+        additional_special_tokens=["<|im_start|>", "<|endoftext|>"], chat_template=template,
+    ).save_pretrained(str(path))  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_model_dir(tmp_path_factory):
+    """A tiny llama with a byte-level BPE tokenizer and a ChatML template."""
+    return save_bpe_model_folder(tmp_path_factory.mktemp("tiny-bpe") / "tiny-bpe")
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_model_dir(tmp_path_factory):
+    """The same with a template that supports tools (Qwen2.5's format)."""
+    path = tmp_path_factory.mktemp("tiny-tools") / "tiny-tools"
+    return save_bpe_model_folder(path, TOOLS_TEMPLATE)

@@ -372,13 +372,15 @@ def test_ctrl_c_ends_every_rank_with_one_line(folders, tmp_path):
     assert err.strip().splitlines() == ["Error: interrupted; every rank stops"]
 
 
-def start_server(n: int, folder: Path, tmp_path: Path) -> tuple[str, list[subprocess.Popen]]:
+def start_server(
+    n: int, folder: Path, tmp_path: Path, sizes: list[str] = SMALL
+) -> tuple[str, list[subprocess.Popen]]:
     """``mlx-stream serve`` on ``n`` ranks started by hand (one: a single process);
     returns rank 0's URL once it answers, and the ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["serve", "-m", str(folder), *SMALL, "--max-tokens", "40", "--port", str(port)]
+    args = ["serve", "-m", str(folder), "--max-tokens", "40", *sizes, "--port", str(port)]
     args += ["--distributed", "off" if n == 1 else "auto"]
     (tmp_path / f"ranks-{n}").mkdir()
     procs = start_ranks(n, args, tmp_path / f"ranks-{n}")
@@ -431,9 +433,53 @@ def test_serve_replies_equal_one_process_and_followers_end_with_rank_0(folders, 
         finally:
             stop_ranks(procs)
         assert "Error" not in err, err
-        assert codes[0] == -signal.SIGTERM
+        assert codes[0] == 0  # SIGTERM: requests ended, sessions saved, a clean exit
     assert replies[2] == replies[1] and all(replies[1])
     assert "tensor over 2 ranks" in err and "--distributed: one request at a time" in err
+
+
+@pytest.mark.slow
+def test_sharded_serve_runs_agent_requests_in_step(tiny_bpe_model_dir, tmp_path):
+    """Tools, a forced call, its result, a seeded sampled reply with logit_bias and a
+    JSON-schema reply on 2 ranks: what one process replies (every rank builds the same
+    constraint, call ids and transcript, so the ranks stay in step)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}},
+        "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+    def post(url, body):
+        request = urllib.request.Request(
+            url + "/v1/chat/completions", data=json.dumps({"model": "default", **body}).encode(),
+            method="POST", headers={"content-type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=LAUNCH_TIMEOUT) as r:
+            return json.loads(r.read())["choices"][0]
+
+    results = {}
+    for n in (1, 2):
+        # --max-tokens caps a request's max_tokens: room for the forced call's 200
+        sizes = ["--window", "1024", "--max-tokens", "200"]
+        url, procs = start_server(n, tiny_bpe_model_dir, tmp_path, sizes)
+        try:
+            ask = [{"role": "user", "content": "weather"}]
+            first = post(url, {"messages": ask, "tools": [weather], "tool_choice": "required",
+                               "max_tokens": 200})  # fmt: skip
+            (call,) = first["message"]["tool_calls"]
+            follow = [*ask, first["message"],
+                      {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]  # fmt: skip
+            second = post(url, {"messages": follow, "tools": [weather], "temperature": 1.0,
+                                "seed": 3, "logit_bias": {"40": 5}, "max_tokens": 8})  # fmt: skip
+            schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"], "additionalProperties": False}}}  # fmt: skip
+            third = post(url, {"messages": [{"role": "user", "content": "ok?"}],
+                               "response_format": schema, "max_tokens": 60})  # fmt: skip
+            results[n] = (first, second, third)
+        finally:
+            stop_ranks(procs)
+    assert results[2] == results[1]
+    assert results[1][0]["finish_reason"] == "tool_calls"
+    assert isinstance(json.loads(results[1][2]["message"]["content"])["ok"], bool)
 
 
 @pytest.mark.real_model

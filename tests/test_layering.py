@@ -153,3 +153,18 @@ def test_the_cache_package_re_exports_the_sink_cache_api():
         "validate_sizes",
         "CacheSpec",
     }
+
+
+@pytest.mark.parametrize("part", ["admission", "store", "matching", "refusals"])
+def test_the_serve_engines_parts_never_import_the_engine(part):
+    """The engine composes its parts; none of them runs back up to it (no cycle)."""
+    assert f"mlx_stream.serve.{part}" in MODULES
+    assert offenders(f"mlx_stream.serve.{part}", ("mlx_stream.serve.engine",)) == []
+
+
+def test_the_engine_re_exports_what_the_http_side_imports():
+    from mlx_stream.serve import engine, matching, refusals
+
+    assert engine.Entry is matching.Entry and engine.split_messages is matching.split_messages
+    for name in ("Busy", "BadRequest", "TooLarge", "Unsaved"):
+        assert getattr(engine, name) is getattr(refusals, name)

@@ -208,20 +208,23 @@ def test_evicted_sessions_stay_in_the_state_folder_whatever_their_id(engine, tmp
 
 
 def test_a_session_that_cannot_be_saved_stays_and_only_the_newcomer_fails(engine, tmp_path):
-    """Eviction cannot write (the state folder is gone): the request that needed the
-    room gets a 500 naming the cause; the session it would have evicted stays in
-    memory and its next turn is served from its cache."""
+    """Eviction cannot write (a file stands where the state folder was): the request
+    that needed the room gets a 507 naming the cause; the session it would have
+    evicted stays in memory and its next turn is served from its cache."""
+    import shutil
+
     e = engine(sessions=1)
     history = [{"role": "user", "content": "hello"}]
     first, _ = ask(e, history, session_id="kept")
-    tmp_path.rmdir()
+    shutil.rmtree(tmp_path)
+    tmp_path.write_text("not a folder")
     text, refusal = ask(e, [{"role": "user", "content": "the sea"}], session_id="new")
-    assert text is None and refusal[1] == 500 and "cannot save" in refusal[2], refusal
+    assert text is None and refusal[1] == 507 and "unwritable" in refusal[2], refusal
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "ship"}]
     text, usage = ask(e, history, session_id="kept")
     assert text is not None and usage["prompt_tokens_details"]["cached_tokens"] > 0
     assert e.evictions == 0
-    tmp_path.mkdir()  # the fault is gone: the newcomer's retry is served
+    tmp_path.unlink()  # the fault is gone: the newcomer's retry is served
     text, _ = ask(e, [{"role": "user", "content": "the sea"}], session_id="new")
     assert text is not None and e.evictions == 1
 

@@ -4,15 +4,15 @@ Contract: a :class:`Batch` holds the rows of one model. A row is a session's pro
 cache (its SinkCaches) plus what it still has to do. :meth:`Batch.step` does one round:
 every newcomer feeds one prefill chunk on its own cache (so running rows keep
 streaming while a long prompt goes in), a newcomer whose prompt is in joins the
-batch (its caches copied into the :class:`~mlx_stream.batch_cache.BatchSinkCache`
+batch (its caches copied into the :class:`~mlx_stream.cache.batched.BatchSinkCache`
 rows), then every batched row feeds its pending token in ONE model call and samples
 its next token with its own parameters (temperature, top-p, seed). Pipelined like
 mlx-lm's loops: a step's call is built on the previous step's tokens before they are
 read, so a sampled token reaches the row's ``inbox`` one step later, already fed; it
 waits there until the row's consumer takes it.
 
-:func:`Batch.tokens` is a token source with :func:`mlx_stream.decode.generate_step`'s
-signature, so :func:`mlx_stream.decode.stream_generate` (detokenizing, stop strings,
+:func:`Batch.tokens` is a token source with :func:`mlx_stream.generate.decode.generate_step`'s
+signature, so :func:`mlx_stream.generate.decode.stream_generate` (detokenizing, stop strings,
 eos) and a session's turn bookkeeping run unchanged on top of a batch. When the source
 stops (finished or closed), the row leaves the batch: its caches are copied back out
 and hold the prompt and every token its inbox received (every yielded token, as
@@ -69,6 +69,7 @@ class Row:
     inbox: deque = field(default_factory=deque)
     pending: tuple | None = None  # (tokens, logprobs, index): sampled, not read yet
     joined: bool = False
+    processors: list = field(default_factory=list)  # this row's logits processors
 
 
 def _as_input(token) -> mx.array:
@@ -76,6 +77,15 @@ def _as_input(token) -> mx.array:
     if isinstance(token, mx.array):
         return token.astype(mx.uint32)
     return mx.array([token], dtype=mx.uint32)
+
+
+def _process(row: Row, logits: mx.array) -> mx.array:
+    """``row``'s logits (1, V) through its processors, which are handed the token the
+    row sampled last (its first call: none sampled yet, a placeholder)."""
+    last = row.next_input if row.next_input is not None else 0
+    for processor in row.processors:
+        logits = processor(_as_input(last), logits)
+    return logits
 
 
 class Batch:
@@ -107,6 +117,7 @@ class Batch:
         top_p: float = 1.0,
         seed: int | None = None,
         max_tokens: int = -1,
+        processors: list | None = None,
     ) -> Row:
         """A new row: ``prompt`` (at least one token) is prefilled in chunks on
         ``caches`` over the next rounds, then the row joins the batch."""
@@ -120,6 +131,7 @@ class Batch:
                 raise Unsupported(why)
         seed = random.getrandbits(31) if seed is None else seed
         row = Row(list(caches), list(prompt), temp=temp, top_p=top_p, budget=max_tokens)
+        row.processors = list(processors or [])
         row.key = mx.random.key(seed)
         self.waiting.append(row)
         return row
@@ -206,8 +218,10 @@ class Batch:
 
     @staticmethod
     def _draw(rows: list[Row], logits: mx.array) -> tuple[mx.array, mx.array]:
-        """Each row's next token (B,) drawn with its own parameters, and the
-        logprobs (B, V); not evaluated yet."""
+        """Each row's next token (B,) drawn with its own parameters (after its own
+        logits processors), and the logprobs (B, V); not evaluated yet."""
+        if any(row.processors for row in rows):
+            logits = mx.concatenate([_process(r, logits[b : b + 1]) for b, r in enumerate(rows)])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1)
         drawn = []
@@ -239,20 +253,21 @@ class Batch:
         """A token source for ``stream_generate(..., steps=...)`` decoding on this batch
         with these sampling parameters. ``drive(row)`` runs rounds until ``row`` has a
         token (default: :meth:`step`; the server's also hands other sessions theirs);
-        ``on_row(row)`` is told the row once it is made."""
+        ``on_row(row)`` is told the row once it is made. Called with ``poll=True`` (by
+        ``stream_generate(..., poll=True)``), the source drives nothing: it yields
+        ``None`` while its row has no token, and its consumer runs the rounds."""
         drive = drive or (lambda row: self.step())
 
         def source(prompt, model, prompt_cache, sampler=None, logits_processors=None, *,
-                   max_tokens=256, draft_model=None, state=None, **_: Any):  # fmt: skip
+                   max_tokens=256, draft_model=None, state=None, poll=False,
+                   **_: Any):  # fmt: skip
             if model is not self.model or draft_model is not None:
                 raise Unsupported("a batch decodes its own model only, without a draft model")
-            if logits_processors:
-                raise Unsupported("logits processors are not batched")
             prompt = _as_tokens(prompt).tolist()
             state = state if state is not None else DecodeState()
             state.prompt_tokens = len(prompt)
             tic = time.perf_counter()
-            row = self.add(prompt_cache, prompt, temp, top_p, seed, max_tokens)
+            row = self.add(prompt_cache, prompt, temp, top_p, seed, max_tokens, logits_processors)
             if on_row is not None:
                 on_row(row)
             try:
@@ -260,7 +275,10 @@ class Batch:
                     while not row.inbox:
                         if row not in self:
                             return
-                        drive(row)
+                        if poll:
+                            yield None
+                        else:
+                            drive(row)
                     token, logprobs = row.inbox.popleft()
                     if state.generated == 0:
                         state.prompt_time = time.perf_counter() - tic

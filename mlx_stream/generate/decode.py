@@ -152,7 +152,8 @@ def generate_step(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     state: DecodeState | None = None,
     stream: Any = generation_stream,
-) -> Generator[tuple[int, mx.array, bool], None, None]:
+    poll: bool = False,
+) -> Generator[tuple[int, mx.array, bool] | None, None, None]:
     """Generate tokens from ``prompt``, updating ``prompt_cache`` in place.
 
     Args:
@@ -173,10 +174,12 @@ def generate_step(
             (prompt tokens processed, prompt tokens).
         state (DecodeState, optional): Filled in as the generator runs.
         stream: The MLX stream to run on. Default: mlx-lm's generation stream.
+        poll (bool): Yield ``None`` after each prefill chunk, so a consumer serving
+            several requests can do other work (or stop) while a long prompt goes in.
 
     Yields:
         tuple[int, mx.array, bool]: The token, its logprobs (V,), and whether it was a
-        draft token the target accepted.
+        draft token the target accepted (``None`` between prefill chunks with ``poll``).
     """
     prompt = _as_tokens(prompt)
     if prompt.size == 0:
@@ -199,21 +202,24 @@ def generate_step(
     history = _extend(None, prompt) if processors else None
 
     tic = time.perf_counter()
-    with mx.stream(stream):
-        # Prefill all but the last prompt token, every model in the same chunks.
-        total, done, rest = prompt.size, 0, prompt[:-1]
-        progress(0, total)
-        while rest.size:
+    # Prefill all but the last prompt token, every model in the same chunks.
+    total, done, rest = prompt.size, 0, prompt[:-1]
+    progress(0, total)
+    while rest.size:
+        with mx.stream(stream):  # entered per chunk: a poll yields outside of it
             n = min(_call_size(c, prefill_step_size, rest.size) for _, c in models)
             for m, c in models:
                 m(rest[None, :n], cache=c)
             mx.eval([[layer.state for layer in c] for _, c in models])
-            rest = rest[n:]
-            state.prompt_processed = state.cache_tokens = done = done + n
-            progress(done, total)
-            reclaim.step(done - n, done)
-    for m, c in models:  # recall: the prompt's own queries choose what its end recalls
-        recall_prompt_end(m, c, prompt[:-1])
+        rest = rest[n:]
+        state.prompt_processed = state.cache_tokens = done = done + n
+        progress(done, total)
+        reclaim.step(done - n, done)
+        if poll:
+            yield None
+    with mx.stream(stream):
+        for m, c in models:  # recall: the prompt's own queries choose what its end recalls
+            recall_prompt_end(m, c, prompt[:-1])
 
     run = _speculative if draft_model is not None else _plain
     yield from run(
@@ -387,6 +393,7 @@ class GenerationResponse:
             first SinkCache of the target; None without one.
         reclaims: Pool reclaims so far (``ReclaimSchedule.reclaims``).
         finish_reason: ``"stop"`` (eos or stop string), ``"length"``, or None.
+        stop_string: The stop string that ended the text, on the last response.
     """
 
     text: str
@@ -403,6 +410,7 @@ class GenerationResponse:
     cache_fill: float | None
     reclaims: int
     finish_reason: str | None = None
+    stop_string: str | None = None
 
 
 def _cache_fill(cache: list) -> float | None:
@@ -435,7 +443,10 @@ def stream_generate(
     state: DecodeState | None = None,
     steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
     cache_spec: CacheSpec | None = None,
-) -> Generator[GenerationResponse, None, None]:
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable] | None = None,
+    poll: bool = False,
+) -> Generator[GenerationResponse | None, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
 
@@ -470,6 +481,12 @@ def stream_generate(
         cache_spec (CacheSpec, optional): The policy of new SinkCaches, in place of
             ``sinks``, ``window`` and ``slack`` (with a draft model, given room for a
             verify block: ``CacheSpec.for_draft``).
+        sampler (Callable, optional): Replaces the sampler made from ``temp`` and
+            ``top_p`` (e.g. one with its own random key); ``seed`` is then not applied.
+        logits_processors (list[Callable], optional): More processors, after the
+            repetition penalty's (each called once per sampled token, in order).
+        poll (bool): Passed to the token generator: ``None`` is yielded (and passed
+            on) while the prompt goes in, a chunk at a time, instead of blocking.
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
@@ -485,7 +502,7 @@ def stream_generate(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
     prompt = _as_tokens(prompt)
-    if seed is not None:
+    if seed is not None and sampler is None:
         mx.random.seed(seed)
     if prompt_cache is None:
         if cache_spec is None:
@@ -499,11 +516,12 @@ def stream_generate(
     state = state if state is not None else DecodeState()
     tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
-        make_sampler(temp, top_p, min_p),
-        make_logits_processors(repetition_penalty=repetition_penalty),
+        sampler or make_sampler(temp, top_p, min_p),
+        make_logits_processors(repetition_penalty=repetition_penalty) + list(logits_processors or []),
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
         prompt_progress_callback=prompt_progress_callback, state=state,
+        **({"poll": True} if poll else {}),
     )  # fmt: skip
     detokenizer = tokenizer.detokenizer
     # mlx-lm's text state machine holds back text that may begin a stop string.
@@ -528,22 +546,31 @@ def stream_generate(
 
     wired = set_wired_limit()  # Metal only, like mlx-lm's wired_limit; None elsewhere
     tic = time.perf_counter()
+    emitted = 0  # characters of text yielded
     try:
-        for token, logprobs, from_draft in tokens:
+        for item in tokens:
+            if item is None:  # no token yet (polled): the consumer may do other work
+                yield None
+                continue
+            token, logprobs, from_draft = item
             last = token in eos or state.generated == max_tokens
             if token not in eos:
                 detokenizer.add_token(token)
             if last:
                 detokenizer.finalize()
             text_state, text, name = machine.step(text_state, detokenizer.last_segment)
-            if name is None:  # a stop string ended the text
-                yield response(token, logprobs, from_draft, text, "stop")
+            if name is None:  # a stop string ended the text: the one right after the text
+                at, full = emitted + len(text), detokenizer.text
+                last_response = response(token, logprobs, from_draft, text, "stop")
+                last_response.stop_string = next((s for s in stops if full.startswith(s, at)), None)
+                yield last_response
                 return
             if last:
                 text_state, tail, _ = machine.flush(text_state)
                 reason = "stop" if token in eos else "length"
                 yield response(token, logprobs, from_draft, text + tail, reason)
                 return
+            emitted += len(text)
             yield response(token, logprobs, from_draft, text)
     finally:
         tokens.close()

@@ -60,6 +60,13 @@ class Reply:
     finish_reason: str | None = None
 
 
+def _new_messages(user_text: str | list[dict]) -> list[dict]:
+    """A turn's new messages: a user message's text, or messages (tool results)."""
+    if isinstance(user_text, str):
+        return [{"role": "user", "content": user_text}]
+    return [dict(m) for m in user_text]
+
+
 def clean_text(text: str) -> str:
     """``text`` with undecodable input made replacement characters (U+FFFD).
 
@@ -137,6 +144,7 @@ class ChatSession:
     n_target: int = 0
     last: Reply | None = None
     specials: tuple[str, ...] | None = field(default=None, repr=False)
+    tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
 
     def __post_init__(self) -> None:
         self.reset()
@@ -164,9 +172,12 @@ class ChatSession:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template (plain lines without one)."""
         tok = self.tokenizer
+        extra: dict[str, Any] = {}
+        if self.tools is not None:
+            messages, extra = self.tools.for_template(messages)
         if getattr(tok, "chat_template", None):
             return tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         return "".join(m["content"] + "\n" for m in messages)
 
@@ -197,15 +208,16 @@ class ChatSession:
         text = self.system_text()
         return len(self.encode(text)) if text else 0
 
-    def turn_tokens(self, user_text: str) -> tuple[list[int], str]:
-        """Tokens to feed for a new user message, and the rendered conversation after it."""
-        messages = self.messages + [{"role": "user", "content": user_text}]
+    def turn_tokens(self, user_text: str | list[dict]) -> tuple[list[int], str]:
+        """Tokens to feed for a new user message (or new messages: tool results), and
+        the rendered conversation after it."""
+        messages = self.messages + _new_messages(user_text)
         full = self.render(self.conversation(messages))
         if full.startswith(self.fed_text):
             new = full[len(self.fed_text) :]
         else:
             # The template rewrote earlier turns: render the new message alone.
-            new = self.render([{"role": "user", "content": user_text}])
+            new = self.render(_new_messages(user_text))
             bos = getattr(self.tokenizer, "bos_token", None)
             if bos and new.startswith(bos):
                 new = new[len(bos) :]
@@ -279,15 +291,16 @@ class ChatSession:
         self.system = text or None
         self.reset()
 
-    def reply(self, user_text: str, write: Callable[[str], None]) -> Reply:
+    def reply(self, user_text: str, write: Callable[[str], None], **overrides: Any) -> Reply:
         """Stream a reply to ``user_text`` through ``write``; Ctrl-C stops it early.
 
         The reply, finished or not, joins the transcript and the cache; an exception
         raised by ``write`` stops it the same way and is raised again afterwards.
+        ``overrides``: per-call settings, see :meth:`generate`.
         """
         from mlx_stream.generate.decode import StopOnInterrupt
 
-        turn = self.stream(user_text)
+        turn = self.stream(user_text, **overrides)
         with StopOnInterrupt() as ctrl_c:
             try:
                 for response in turn:
@@ -298,14 +311,20 @@ class ChatSession:
                 turn.close()
         return self.last
 
-    def stream(self, user_text: str, tail: int | None = None, **overrides: Any) -> Iterator[Any]:
+    def stream(
+        self, user_text: str | list[dict], tail: int | None = None, **overrides: Any
+    ) -> Iterator[Any]:
         """Generate a reply to ``user_text``, yielding ``stream_generate``'s responses.
 
         However the generator ends (finished, or ``close()``-d by its consumer), the
         reply so far joins the transcript and the cache, and :attr:`last` describes it.
+        With a polled token source (see
+        :func:`~mlx_stream.generate.decode.stream_generate`) it yields ``None`` between
+        prefill chunks; closed there, the caches hold part of the prompt: restore a
+        checkpoint.
 
         Args:
-            user_text (str): The new user message.
+            user_text (str | list[dict]): The new user message, or the new messages.
             tail (int, optional): Feed at most the last ``tail`` new tokens (a rebuilt
                 conversation keeps only what fits the window).
             **overrides: Per-call settings, see :meth:`generate`.
@@ -323,6 +342,9 @@ class ChatSession:
         gen = self.generate(tokens, **overrides)
         try:
             for response in gen:
+                if response is None:  # polled: no token yet (see stream_generate)
+                    yield None
+                    continue
                 last = response
                 generated.append(response.token)
                 texts.append(response.text)
@@ -337,10 +359,7 @@ class ChatSession:
             self._settle(before, len(tokens), generated)
             # The text the consumer saw (a stop string is cut from it).
             text = "".join(texts)
-            self.messages += [
-                {"role": "user", "content": user_text},
-                {"role": "assistant", "content": text},
-            ]
+            self.messages += [*_new_messages(user_text), {"role": "assistant", "content": text}]
             self.fed_text = full + text
             self.last = Reply(
                 text=text,

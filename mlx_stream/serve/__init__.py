@@ -1,7 +1,12 @@
 """Serving: the OpenAI-compatible server behind ``mlx-stream serve``.
 
-Lives here: the engine (``engine``: sessions, admission, the scheduler's worker
-thread), the HTTP routes (``app``: FastAPI) and token logprobs (``logprobs``).
+Lives here: the engine (``engine``: sessions and the scheduler's worker thread,
+composing ``admission``: the byte budget, ``store``: the state folder, ``matching``:
+which session a request continues, ``refusals``: the errors), the HTTP routes
+(``app``: FastAPI) and token logprobs (``logprobs``); for agents, per-request
+sampling (``sampling``), llguidance constraints (``structured``), tool calls
+(``tools``) and the other APIs' translations into the engine's one request type (``anthropic``: Messages API, ``responses``: Responses API;
+``fields``, ``events``: what they share).
 
 May import: ``generate``, ``cache``, ``models``, ``distributed`` and the package's
 base modules; nothing imports it but the CLI. Never typer or rich

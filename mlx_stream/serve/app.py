@@ -2,8 +2,8 @@
 
 Contract: request bodies are validated by pydantic models (bad JSON or a bad field is
 a 400 naming the field, in OpenAI's error shape); every model call happens on the
-:class:`~mlx_stream.server.Engine`'s worker thread, this side only turns requests into
-:class:`~mlx_stream.server.Request` objects and the worker's events into JSON or
+:class:`~mlx_stream.serve.engine.Engine`'s worker thread, this side only turns requests into
+:class:`~mlx_stream.serve.engine.Request` objects and the worker's events into JSON or
 server-sent events. A streaming client that disconnects cancels its request.
 """
 
@@ -25,8 +25,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_stream.serve.engine import Engine
+from mlx_stream.errors import UserError
+from mlx_stream.serve.engine import Engine, TooLarge
 from mlx_stream.serve.engine import Request as EngineRequest
+from mlx_stream.serve.fields import field_of, openai_fields
 from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
@@ -48,13 +50,24 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def engine(self) -> dict[str, Any]:
+        """The message as the engine takes it (tool calls and results kept)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -65,12 +78,7 @@ class StreamOptions(BaseModel):
 # request that sets one otherwise is refused (400 naming it), never answered as if it
 # had not been set; fields that change no output (user, metadata, ...) are ignored.
 UNSUPPORTED: dict[str, tuple] = {
-    "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -92,6 +100,12 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def sampling(self) -> dict[str, float | None]:
         """``temp`` and ``top_p`` for the engine: greedy where they ask for it."""
@@ -146,6 +160,15 @@ def error(status: int, message: str, param: str | None = None, headers=None) -> 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def error_at(path: str, status: int, message: str, param=None, headers=None) -> JSONResponse:
+    """:func:`error` in the shape of the API that ``path`` belongs to."""
+    from mlx_stream.serve import anthropic
+
+    if path.startswith(anthropic.PREFIX):
+        return anthropic.error(status, message, headers)
+    return error(status, message, param, headers)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -185,7 +208,8 @@ class BodyLimit:
         await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope, receive, send):
-        response = error(413, f"the request body is larger than {self.limit:,} bytes")
+        message = f"the request body is larger than {self.limit:,} bytes"
+        response = error_at(scope.get("path", ""), 413, message)
         await response(scope, receive, send)
 
 
@@ -200,7 +224,6 @@ def _replay(messages: list[dict], receive):
 
 def read_api_keys(path) -> list[str]:
     """The keys in a keys file: one per line, blank lines and ``#`` comments skipped."""
-    from mlx_stream.errors import UserError
 
     try:
         text = open(path, encoding="utf-8").read()
@@ -224,8 +247,9 @@ def owner_of(request: Request) -> str:
 
 
 class ApiKeys:
-    """401 for a request without ``Authorization: Bearer KEY`` naming one of ``keys``
-    (compared in constant time); ``/health`` stays open for probes. The key's owner
+    """401 for a request without ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``,
+    what Anthropic's clients send) naming one of ``keys`` (compared in constant time);
+    ``/health`` stays open for probes. The key's owner
     (:func:`owner_of_key`) goes with the request: each key has its own sessions."""
 
     def __init__(self, app, keys: list[str]):
@@ -234,15 +258,20 @@ class ApiKeys:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("path", "") != "/health":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            token = token.strip()
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            token, keyed = token.strip(), headers.get(b"x-api-key", b"").strip()
             owner = None
             for key, name in self.keys:  # every key compared: the time says nothing
                 if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
                     owner = name
+                if hmac.compare_digest(keyed, key):  # Anthropic's clients send x-api-key
+                    owner = name
             if owner is None:
-                response = error(401, "a valid API key is required (Authorization: Bearer KEY)")
+                message = (
+                    "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+                )
+                response = error_at(scope["path"], 401, message)
                 return await response(scope, receive, send)
             scope = {**scope, "state": {**scope.get("state", {}), "owner": owner}}
         return await self.app(scope, receive, send)
@@ -300,11 +329,11 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error(400, message, param)
+        return error_at(request.url.path, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail))
+        return error_at(request.url.path, exc.status_code, str(exc.detail))
 
     def check_model(name: str | None) -> JSONResponse | None:
         if name is None or name in names:
@@ -345,18 +374,27 @@ def create_app(
         field = body.unsupported()
         if field is not None:
             return error(400, f"{field}: not supported by this server (leave it out)", field)
+        try:
+            agents = openai_fields(body)
+        except UserError as exc:
+            return error(400, str(exc), field_of(str(exc)))
         job = _Job(asyncio.get_running_loop())
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         request = EngineRequest(
             emit=job.emit, stop=stop or None, seed=body.seed, logprobs=body.alternatives(),
-            owner=owner_of(http), **body.sampling(), **make,
+            owner=owner_of(http), **body.sampling(), **agents, **make,
         )  # fmt: skip
+        try:
+            await asyncio.to_thread(engine.precheck, request)
+        except TooLarge as exc:
+            return error(413, str(exc))
         engine.submit(request)
         first = await job.events.get()
         if first[0] == "error":
             _, status, message, retry = first
             headers = {"Retry-After": str(retry)} if retry else None
-            return error(status, message, headers=headers)
+            param = field_of(message) if status == 400 else None
+            return error(status, message, param, headers=headers)
         session_id = first[1].get("session_id")
         headers = {"X-Session-ID": session_id} if session_id else None
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -370,13 +408,18 @@ def create_app(
                 headers=headers,
             )
         try:
-            texts, logprobs, end = [], [], None
+            texts, logprobs, end, calls = [], [], None, []
             while end is None:
-                event = await job.events.get()
+                event = await _next_event(job, http)
+                if event is None:  # the client left: its request stops (mid-prefill too)
+                    request.cancelled.set()
+                    return error(499, "the client closed the connection")
                 if event[0] == "text":
                     texts.append(event[1])
                     if event[2] is not None:
                         logprobs.append(event[1:])
+                elif event[0] == "tool_call":
+                    calls.append(event[2])
                 elif event[0] == "end":
                     end = event
                 else:
@@ -384,7 +427,7 @@ def create_app(
         except asyncio.CancelledError:
             request.cancelled.set()
             raise
-        whole = shape.whole("".join(texts), end[2], end[1], logprobs)
+        whole = shape.whole("".join(texts), end[2], end[1], logprobs, calls)
         return JSONResponse(whole, headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -400,7 +443,7 @@ def create_app(
                 400, "X-Session-ID: must be 1 to 128 visible ASCII characters (no spaces)",
                 "X-Session-ID",
             )  # fmt: skip
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.engine() for m in body.messages]
         make = {
             "messages": messages,
             "session_id": x_session_id,
@@ -411,6 +454,11 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         return await run(body, {"prompt": body.prompt, "max_tokens": body.max_tokens}, "text", http)
+
+    from mlx_stream.serve import anthropic, responses
+
+    anthropic.register(app, engine, check_model)  # POST /v1/messages (Claude Code)
+    responses.register(app, engine, check_model)  # POST /v1/responses (Codex)
 
     return app
 
@@ -451,10 +499,14 @@ class _Shape:
         return {"id": self.ident, "object": obj, "created": self.created, "model": self.model}
 
     def whole(
-        self, text: str, finish: str, usage: dict, logprobs: list[tuple[str, dict]]
-    ) -> dict[str, Any]:
+        self, text: str, finish: str, usage: dict, logprobs: list[tuple[str, dict]],
+        calls: list[dict] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            if calls:
+                message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                choice["message"] = message
             if self.logprobs:
                 choice["logprobs"] = self._logprobs(logprobs)
         else:
@@ -479,8 +531,29 @@ class _Shape:
         choice["finish_reason"] = finish
         return {**self._head(True), "choices": [choice]}
 
+    def call_chunk(self, index: int, call: dict) -> dict[str, Any]:
+        """A streamed tool call: one delta holding the whole call (its ``index``)."""
+        delta = {"tool_calls": [{"index": index, **call}]}
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {**self._head(True), "choices": [choice]}
+
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": usage}
+
+
+async def _next_event(job: _Job, http: Request) -> tuple | None:
+    """The job's next event, or ``None`` once the client has gone away (a plain
+    response's handler is not cancelled when its client leaves: ask every 0.25 s)."""
+    get = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=0.25)
+            if done:
+                return get.result()
+            if await http.is_disconnected():
+                return None
+    finally:
+        get.cancel()  # a no-op once it is done
 
 
 def _event(data: dict[str, Any]) -> str:
@@ -495,6 +568,8 @@ async def _sse(job: _Job, cancelled: threading.Event, shape: _Shape, include_usa
             event = await job.events.get()
             if event[0] == "text":
                 yield _event(shape.chunk(event[1], None, logprob=event[2]))
+            elif event[0] == "tool_call":
+                yield _event(shape.call_chunk(event[1], event[2]))
             elif event[0] == "end":
                 _, usage, finish = event
                 yield _event(shape.chunk(None, finish))

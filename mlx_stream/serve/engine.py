@@ -2,13 +2,21 @@
 all model work on one MLX thread.
 
 Contract:
-- Every session is a :class:`~mlx_stream.session.ChatSession` whose SinkCaches have a
+- Every session is a :class:`~mlx_stream.generate.session.ChatSession` whose SinkCaches have a
   fixed size, so a session costs a known number of bytes (its caches plus the
   checkpoint taken before its current turn, measured from real caches). Admission:
   ``weights + snapshots + resident sessions x bytes <= budget``. A session that does
-  not fit evicts the least recently used idle session to disk (``save_cache``); it
-  comes back on its next request. When nothing can be evicted the request is refused
-  (:class:`Busy`: HTTP 429 with ``Retry-After``), never an out-of-memory.
+  not fit evicts the least recently used idle session to disk (``save_cache``) or
+  shared snapshot (never one in use; room is made for a session and its snapshot
+  together, so the sum never exceeds the budget); it comes back on its next request.
+  When nothing can be evicted the request is refused (:class:`Busy`: HTTP 429 with
+  ``Retry-After``, only while a session is busy), never an out-of-memory.
+- The state folder: each saved session is listed in ``index.json`` (written
+  atomically, with the sha256 of its files), so a restart finds it again; files the
+  index does not name are removed at start; a lost or corrupt file means the session
+  is rebuilt from the client's history; a folder that cannot be written refuses the
+  request that needed the room (:class:`Unsaved`: 507) and the session stays.
+  :meth:`Engine.drain` (SIGTERM) ends every request and saves every resident session.
 - A session's caches always encode exactly the transcript it records, after every
   ending (complete, stop, cancel, disconnect, error, eviction, restore); its checkpoint
   encodes the transcript one turn shorter and is restored only for that transcript.
@@ -26,16 +34,26 @@ Contract:
   sinks; sessions with the same system prompt start from one prefilled snapshot.
 - One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
   session with decode work steps together in ONE batched model call
-  (:class:`~mlx_stream.batch.Batch`: one row per session, each in its own fixed-size
+  (:class:`~mlx_stream.generate.batch.Batch`: one row per session, each in its own fixed-size
   cache, its own sampling parameters and stop strings); a newcomer's prompt is
-  prefilled a chunk per round meanwhile, so running sessions keep streaming. Where
+  prefilled a chunk per round meanwhile (batched or not: token sources are polled),
+  so running sessions keep streaming and new requests are admitted; a prompt over
+  ``max_prompt_tokens`` is refused before any prefill (:class:`TooLarge`: 413). Where
   batching is refused (a draft model, quantized KV, a model whose batched step is not
   exact: the reason is in the stats), each round advances every request by at most
   ``chunk`` tokens instead (fair interleaving: no request waits for another's long
-  reply). A cancelled request (a client that went away) stops at the next token and
-  its session goes back to the checkpoint from before the turn.
+  reply). A cancelled request (a client that went away) stops at the next token or
+  prefill chunk and its session goes back to the checkpoint from before the turn.
 
-The HTTP side (:mod:`mlx_stream.api`) only translates requests into :class:`Request`
+Parts, one concern each: :mod:`~mlx_stream.serve.admission` (the byte budget: what a
+session and a snapshot cost, what to evict), :mod:`~mlx_stream.serve.store` (the state
+folder), :mod:`~mlx_stream.serve.matching` (which session a request continues, and
+how), :mod:`~mlx_stream.serve.refusals` (the errors a request is refused with). This
+module composes them: the worker thread, its scheduler and the sessions' lifecycle;
+it re-exports the names the HTTP side imports (:class:`Entry`, :func:`split_messages`,
+the refusals).
+
+The HTTP side (:mod:`mlx_stream.serve.app`) only translates requests into :class:`Request`
 objects and events back into responses.
 
 Sharded (``cluster``: ``serve --distributed``): rank 0 owns HTTP; its worker takes one
@@ -47,14 +65,12 @@ rank's sessions stay the same.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
+import functools
 import json
 import os
 import queue
 import random
-import tempfile
 import threading
 import time
 import uuid
@@ -63,6 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.session import (
     ChatSession,
@@ -72,25 +89,21 @@ from mlx_stream.generate.session import (
     cache_count,
     clean_text,
 )
+from mlx_stream.serve import matching
+from mlx_stream.serve.admission import Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
+from mlx_stream.serve.matching import Entry, split_messages
+from mlx_stream.serve.refusals import (
+    DEFAULT_RETRY_AFTER,  # noqa: F401 - re-exported
+    BadRequest,
+    Busy,
+    TooLarge,
+    Unsaved,
+)
+from mlx_stream.serve.store import MAX_STORED, SessionStore
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
-DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
-MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
-MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
-
-
-class Busy(Exception):
-    """No memory for another session now: every resident session is busy (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: int = DEFAULT_RETRY_AFTER):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class BadRequest(UserError):
-    """A request the engine cannot serve as asked (HTTP 400), with one line saying why."""
 
 
 @dataclass
@@ -101,7 +114,7 @@ class Request:
     namespace of sessions (a hash of its API key; ``""`` without keys): a request only
     ever sees and continues sessions of its own owner. Events reach ``emit`` from the
     worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
-    token's entry from :class:`~mlx_stream.logprobs.TokenLogprobs` when ``logprobs``
+    token's entry from :class:`~mlx_stream.serve.logprobs.TokenLogprobs` when ``logprobs``
     is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
     status, message, retry_after)``. Setting ``cancelled`` stops the request at its
     next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
@@ -118,40 +131,24 @@ class Request:
     seed: int | None = None
     logprobs: int | None = None
     owner: str = ""
+    # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
+    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
+    # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    grammar: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    top_k: int | None = None
+    matched_stop: str | None = None  # set by the engine: the stop string that ended it
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
-        "logprobs", "owner")  # fmt: skip
+        "logprobs", "owner", "logit_bias", "presence_penalty", "frequency_penalty", "grammar",
+        "tools", "tool_choice", "top_k")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
-
-
-@dataclass
-class Entry:
-    """A session the server knows: resident (``session`` set) or on disk (``path``).
-
-    ``messages`` is the transcript its caches encode; ``checkpoint`` (resident only)
-    encodes ``checkpoint.messages``, a transcript one turn shorter, and is only ever
-    restored for a request whose history is exactly that.
-    """
-
-    id: str
-    system: str | None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    session: ChatSession | None = None
-    checkpoint: Checkpoint | None = None
-    path: Path | None = None
-    bytes: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False
-    tokens_seen: int = 0
-    sinks: int = 0
-    transient: bool = False  # a plain completion: dropped when done
-    owner: str = ""
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.owner, self.id)
 
 
 @dataclass
@@ -162,27 +159,15 @@ class _Job:
     cached: int
     started: float = field(default_factory=time.perf_counter)
     batched: bool = False
-    row: Any = None  # its mlx_stream.batch.Row, once its first token was asked for
+    row: Any = None  # its mlx_stream.generate.batch.Row, once its first token was asked for
     running: bool = False  # inside next(tokens): never re-entered
-
-
-def weights_bytes(model: Any) -> int:
-    """Bytes of a model's parameters."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def physical_memory() -> int:
-    """Bytes of memory of this machine (0 when unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    sent: int = 0  # tokens its consumer got
 
 
 class Engine:
-    """Sessions, admission by bytes and the one MLX worker thread.
+    """Sessions and the one MLX worker thread that runs them, admitted by bytes
+    (:class:`~mlx_stream.serve.admission.Admission`), saved to the state folder
+    (:class:`~mlx_stream.serve.store.SessionStore`).
 
     Args:
         model, tokenizer: The loaded model.
@@ -192,7 +177,10 @@ class Engine:
         keep_system (bool): Make the rendered system prompt the sinks. Default: True.
         budget (int, optional): Memory budget in bytes. Default: 75% of the machine.
         max_sessions (int, optional): Most resident sessions. Default: no limit.
-        state_dir (Path, optional): Where evicted sessions go. Default: a temp folder.
+        state_dir (Path, optional): Where evicted sessions go, listed in its
+            ``index.json`` (a restart with the same folder finds them again).
+            Default: a temp folder.
+        max_prompt_tokens (int): Most tokens one request may feed (HTTP 413 over it).
         chunk (int): Tokens a request advances per scheduler round when not batched.
         batching (bool): Decode sessions together in one batched call per round.
             Default: True (refused, with the reason in the stats, where inexact).
@@ -218,9 +206,13 @@ class Engine:
         batching: bool = True,
         cluster: Any = None,
         isolate: bool = False,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.max_prompt_tokens = max_prompt_tokens
+        self._closing = False  # draining: requests are refused (503)
         self._logprobs = TokenLogprobs(tokenizer)
+        self._grammars, self._vocab = None, None
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.cluster, self._ids = cluster, None
         if cluster is not None:
@@ -229,17 +221,13 @@ class Engine:
                 state_dir = Path(state_dir) / f"rank-{cluster.rank}"
                 state_dir.mkdir(exist_ok=True)
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
-        self.weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
-        self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
-        self.max_sessions, self.chunk, self.isolate = max_sessions, chunk, isolate
-        self._tmp = None
-        if state_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
-            state_dir = self._tmp.name
-        self.state_dir = Path(state_dir)
+        weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
+        self.chunk, self.isolate = chunk, isolate
+        self.store = SessionStore(state_dir, self._config)
         self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
-        self.snapshots: dict[str, tuple[Checkpoint, int]] = {}
-        self._bytes_by_sinks: dict[int, int] = {}
+        self.admission = Admission(
+            self.entries, weights, budget, max_sessions, measure=self._measure, evict=self._evict
+        )
         self._active: list[_Job] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -256,7 +244,10 @@ class Engine:
 
     def start(self) -> None:
         """Start the worker; measure a session's bytes first and refuse a budget
-        that cannot hold the weights and one session."""
+        that cannot hold the weights and one session. Sessions the state folder's
+        index lists (and whose files are intact) are found again."""
+        for entry in self.store.load(discard=self.cluster is not None):
+            self.entries[entry.key] = entry  # on disk: loaded on its next request
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
         self.call(self._make_batch).result()
@@ -272,16 +263,26 @@ class Engine:
             )
 
     def stop(self) -> None:
-        """Stop the worker (active requests end without a reply)."""
-        self._stopping = True
+        """Drain (see :meth:`drain`), then stop the worker."""
+        self._closing = True
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        self._stopping = True
+        self.store.cleanup()
+
+    def drain(self) -> None:
+        """Stop taking requests (503 from now on) and end the running ones at the
+        worker's next round (a stream gets its end, cut short); :meth:`stop` then
+        saves the resident sessions. Any thread, a signal handler included: it only
+        sets a flag (a lock taken here could be held by the code it interrupted)."""
+        self._closing = True
 
     def submit(self, request: Request) -> None:
         """Queue a generation request (any thread)."""
+        if self._closing:
+            request.emit(("error", 503, "the server is shutting down", None))
+            return
         self._queue.put(request)
 
     def follow(self) -> None:
@@ -317,26 +318,27 @@ class Engine:
                 self.batch_refusal = str(exc)
 
     def _steps(self, request: Request, box: list) -> Any:
-        """The token source of a batched request (``None``: it decodes alone); its
-        row is recorded on the job in ``box`` once made."""
+        """The token source of a request, polled: it yields ``None`` while its prompt
+        goes in (a chunk per round, between the other requests' tokens and the
+        newcomers' admission). Batched, its row is recorded on the job in ``box``."""
         if self._batch is None:
-            return None
+            from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
+            from mlx_stream.generate.decode import generate_step
+
+            def alone(*args: Any, **kw: Any) -> Any:  # prefilled in a batch's chunks
+                return generate_step(
+                    *args, **{**kw, "prefill_step_size": DEFAULT_PREFILL_CHUNK, "poll": True}
+                )
+
+            return alone
         s = self.settings
-        return self._batch.tokens(
-            drive=self._drive,
+        source = self._batch.tokens(
             temp=s.temp if request.temp is None else request.temp,
             top_p=s.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
             on_row=lambda row: setattr(box[0], "row", row),
         )
-
-    def _drive(self, row: Any) -> None:
-        """One batch round while a newcomer waits for its first token (its prompt
-        goes in a chunk per round): the other sessions get their tokens meanwhile."""
-        self._batch.step()
-        for job in list(self._active):
-            if job.row is not None and job.row is not row and job.row.inbox:
-                self._advance_safely(job)
+        return functools.partial(source, poll=True)
 
     def _run(self) -> None:
         if self.cluster is not None:
@@ -349,13 +351,29 @@ class Engine:
                 item = False
             while item is not False:
                 if item is None:
+                    self._drain()
+                    self._quiesce()
                     return
                 self._handle(item)
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     item = False
+            if self._closing:
+                self._end_all()
             self._round()
+
+    def _quiesce(self) -> None:
+        """Finish MLX's work queued from this thread: the process may exit next, and
+        MLX aborts ("terminate called") when an exit finds a worker's evaluation
+        still running."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        self._batch = None
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        mx.clear_streams()  # MLX's cleanup for a thread that used it, before it ends
 
     def _run_in_step(self) -> None:
         """The worker of a sharded engine: one request at a time, run to its end,
@@ -370,12 +388,14 @@ class Engine:
                     item = cluster.share_text(None)
                     self._queue.put(FOLLOW)
                     if item is None:
+                        self._quiesce()
                         return
                     item = Request(emit=lambda event: None, **json.loads(item))
                 elif item is None or isinstance(item, Request):
                     wire = None if item is None else {k: getattr(item, k) for k in WIRE}
                     cluster.share_text(None if wire is None else json.dumps(wire))
                     if item is None:
+                        self._quiesce()
                         return
                 self._handle(item)
                 while self._active:
@@ -403,13 +423,21 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
             return
+        if self._closing:
+            item.emit(("error", 503, "the server is shutting down", None))
+            return
         try:
+            self._bound(item)
             self._admit(item)
         except Busy as exc:
             self.refusals += 1
             item.emit(("error", 429, str(exc), exc.retry_after))
+        except Unsaved as exc:  # the state folder is full: only this request is refused
+            item.emit(("error", 507, str(exc), None))
         except RuntimeFailure as exc:  # the server's fault (a session it could not save)
             item.emit(("error", 500, str(exc), None))
+        except TooLarge as exc:
+            item.emit(("error", 413, str(exc), None))
         except UserError as exc:
             item.emit(("error", 400, str(exc), None))
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
@@ -417,6 +445,45 @@ class Engine:
                 raise
             item.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
         self._publish()
+
+    def _bound(self, request: Request) -> None:
+        """Cap the request's ``max_tokens`` at the server's; :class:`TooLarge` for a
+        prompt over ``max_prompt_tokens``, counted before any prefill (the new message
+        of a chat: its history is matched, or fed no further back than the window)."""
+        cap = self.settings.max_tokens
+        if request.max_tokens is not None and not 0 < request.max_tokens <= cap:
+            request.max_tokens = cap
+        if request.messages is not None:
+            text = request.messages[-1].get("content", "") if request.messages else ""
+        else:
+            text = request.prompt or ""
+        given = self._count(clean_text(text))
+        if given > self.max_prompt_tokens:
+            raise TooLarge(
+                f"the prompt has {given:,} tokens; this server takes at most "
+                f"{self.max_prompt_tokens:,} per request (--max-prompt-tokens)"
+            )
+
+    def _count(self, text: str) -> int:
+        """Tokens of ``text``; with a fast tokenizer's Rust core (which keeps no
+        per-call state and lets go of the GIL), from any thread."""
+        core = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+        if core is not None:
+            return len(core.encode(text, add_special_tokens=False).ids)
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def precheck(self, request: Request) -> None:
+        """The worker's size check, run by the HTTP side on its own thread before the
+        request is queued (a 4 MB prompt takes seconds to count: the worker serves
+        the others meanwhile); :class:`TooLarge` over the limit. Without a fast
+        tokenizer (not safe off the worker) the worker alone checks."""
+        if getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None):
+            try:
+                self._bound(request)
+            except TooLarge:
+                raise
+            except Exception:  # noqa: BLE001 - the worker checks again and says why
+                pass
 
     def _round(self) -> None:
         """One scheduler round: newcomers start (their prefill interleaved with the
@@ -444,7 +511,7 @@ class Engine:
 
     def _advance(self, job: _Job) -> None:
         """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
-        has ready, or its first token)."""
+        has ready, or its first token); one prefill chunk of a prompt still going in."""
         job.running, ending = True, False
         for i in range(self.chunk if not job.batched else 1 << 30):
             if self._cancelled(job, i == 0):
@@ -453,12 +520,18 @@ class Engine:
                 return
             if job.batched and job.row is not None and not job.row.inbox and not ending:
                 break  # its next token comes with the next batch step
-            response = next(job.tokens, None)
-            if response is None:
+            try:
+                response = next(job.tokens)
+            except StopIteration:
                 job.running = False
                 self._finish(job)
                 return
+            if response is None:
+                break  # a prefill chunk went in: the others' turn
+            job.sent += 1
             ending = response.finish_reason is not None
+            if ending and getattr(response, "stop_string", None):
+                job.request.matched_stop = response.stop_string
             logprob = None
             top = job.request.logprobs
             if top is not None and not (ending and response.token in self._eos):
@@ -480,11 +553,13 @@ class Engine:
             return uuid.uuid4().hex[:n]
         return f"{self._ids.getrandbits(4 * n):0{n}x}"
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job, cut: bool = False) -> None:
         entry = job.entry
         session = entry.session
         reply = session.last
-        finish = reply.finish_reason if reply is not None else None
+        finish = "length" if cut else reply.finish_reason if reply is not None else None
+        if hasattr(job.request.emit, "settle"):  # a reply that called tools: its transcript
+            job.request.emit.settle(session)
         self._end(job, rollback=False)
         sinks, window = session.sinks, session.settings.cache.window
         seen = cache_count(session.caches)
@@ -498,6 +573,33 @@ class Engine:
         }
         self._publish()
         job.request.emit(("end", usage, finish or "stop"))
+
+    def _drain(self) -> None:
+        """End every running request (:meth:`_end_all`), then save every resident
+        session to the state folder."""
+        self._end_all()
+        if self.store.temporary or self.cluster is not None:
+            return  # a temporary folder outlives nothing; ranks save only in step
+        for entry in [e for e in self.entries.values() if e.session and not e.transient]:
+            try:
+                self._evict(entry)
+            except Unsaved as exc:
+                import sys
+
+                sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
+
+    def _end_all(self) -> None:
+        """End every running request: one that has sent tokens keeps its reply so far
+        (its stream ends with ``length``), one still prefilling goes back to its
+        checkpoint (503); queued ones are refused as they come."""
+        self._closing = True
+        for job in list(self._active):
+            if job.sent:
+                job.tokens.close()  # the reply so far joins the transcript and cache
+                self._finish(job, cut=True)
+            else:
+                self._end(job, rollback=True)
+                job.request.emit(("error", 503, "the server is shutting down", None))
 
     def _end(self, job: _Job, rollback: bool) -> None:
         """Close the request's generator; on ``rollback`` its session goes back to the
@@ -520,52 +622,55 @@ class Engine:
 
     # ----- admission --------------------------------------------------------------------
 
-    def session_bytes(self, sinks: int) -> int:
-        """Bytes of one resident session with ``sinks`` sinks: its caches and its
-        checkpoint, measured once from real caches (after their one allocation)."""
-        if sinks not in self._bytes_by_sinks:
-            import mlx.core as mx
+    @property
+    def budget(self) -> int:
+        """The memory budget in bytes (settable)."""
+        return self.admission.budget
 
-            policy = self.settings.cache.replace(sinks=sinks)
-            settings = dataclasses.replace(self.settings, cache=policy)
-            probe = ChatSession(
-                self.model, self.tokenizer, settings, draft_model=self.draft_model
-            )  # fmt: skip
-            probe.prefill(self.tokenizer.decode([0]) or " ")
-            mx.eval([c.state for c in probe.caches])
-            cache = sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
-            self._bytes_by_sinks[sinks] = 2 * cache
-        return self._bytes_by_sinks[sinks]
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.admission.budget = value
+
+    @property
+    def weights(self) -> int:
+        """Bytes of the weights (and the draft model's)."""
+        return self.admission.weights
+
+    @property
+    def snapshots(self) -> dict[str, tuple[Checkpoint, int]]:
+        """The shared system-prompt snapshots: ``(checkpoint, bytes)`` by prompt."""
+        return self.admission.snapshots
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks (its caches and its
+        checkpoint), see :meth:`Admission.session_bytes`."""
+        return self.admission.session_bytes(sinks)
 
     def used_bytes(self) -> int:
         """Weights + snapshots + resident sessions."""
-        snaps = sum(b for _, b in self.snapshots.values())
-        return self.weights + snaps + sum(e.bytes for e in self.entries.values() if e.session)
+        return self.admission.used_bytes()
 
-    def _make_room(self, need: int, keep: Entry) -> None:
-        """Evict idle sessions (least recently used first) until ``need`` more bytes
-        fit the budget and the session count; :class:`Busy` when none is left."""
-        while True:
-            resident = [e for e in self.entries.values() if e.session is not None]
-            over_count = self.max_sessions is not None and len(resident) >= self.max_sessions
-            if not over_count and self.used_bytes() + need <= self.budget:
-                return
-            idle = [e for e in resident if not e.busy and e is not keep]
-            if not idle:
-                raise Busy(
-                    f"no memory for another session: {len(resident)} sessions are busy "
-                    f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
-                )
-            self._evict(min(idle, key=lambda e: e.last_used))
+    def _measure(self, sinks: int) -> int:
+        """Bytes of one session's caches with ``sinks`` sinks, from real caches (after
+        their one allocation)."""
+        import mlx.core as mx
+
+        policy = self.settings.cache.replace(sinks=sinks)
+        settings = dataclasses.replace(self.settings, cache=policy)
+        probe = ChatSession(
+            self.model, self.tokenizer, settings, draft_model=self.draft_model
+        )  # fmt: skip
+        probe.prefill(self.tokenizer.decode([0]) or " ")
+        mx.eval([c.state for c in probe.caches])
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
 
     def _evict(self, entry: Entry) -> None:
-        """Save a resident session to disk and free its memory."""
-        # The id may come from the client (X-Session-ID): the file is named by its hash,
-        # so no id reads as a path out of the state folder.
-        name = f"{entry.owner}\0{entry.id}".encode()
-        path = self.state_dir / ("session-" + hashlib.sha256(name).hexdigest()[:32])
-        entry.session.save(path)
+        """Save a resident session to disk (listed in the state folder's index) and
+        free its memory; :class:`Unsaved` when the folder cannot take it (the
+        session then stays resident)."""
+        path, record = self.store.save(entry)
         entry.path, entry.session, entry.checkpoint = path, None, None
+        entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
         stored = [e for e in self.entries.values() if e.session is None]
         if len(stored) > MAX_STORED:
@@ -574,22 +679,17 @@ class Engine:
     def _drop(self, entry: Entry) -> None:
         self.entries.pop(entry.key, None)
         if entry.path is not None:
-            for suffix in (".safetensors", ".json", ".draft.safetensors"):
-                with contextlib.suppress(OSError):
-                    entry.path.with_name(entry.path.name + suffix).unlink()
+            self.store.forget(entry)
 
-    def _new_session(self, system: str | None) -> ChatSession:
-        """A session for ``system`` whose caches are not allocated yet."""
+    def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
+        """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
         settings = dataclasses.replace(self.settings, keep_system=self.keep_system)
+        kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
         try:
-            session = ChatSession(
-                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
-            )
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
         except UserError:  # keep_system without any system prompt: plain sinks
             settings.keep_system = False
-            session = ChatSession(
-                self.model, self.tokenizer, settings, system=system, draft_model=self.draft_model
-            )
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
         if session.sinks > settings.cache.window:
             raise BadRequest(
                 f"the system prompt has {session.sinks} tokens; the server pins at most "
@@ -597,37 +697,67 @@ class Engine:
             )
         return session
 
-    def _from_snapshot(self, session: ChatSession, keep: Entry) -> None:
+    def _from_snapshot(self, session: ChatSession, keep: Entry, extra: int = 0) -> None:
         """Start ``session`` from its system prompt's shared prefilled snapshot (made,
-        and admitted by bytes, on first use)."""
+        and admitted by bytes, on first use), making room for ``extra`` more bytes
+        too (the session itself, not counted yet). Without room for a shared copy
+        (or none is busy to free it), the session prefills its own."""
+        admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
         if not head:
+            admission.make_room(extra, keep)
             return
-        snap = self.snapshots.pop(head, None)
-        if snap is None:
-            size = self.session_bytes(session.sinks) // 2
-            self._make_room(size, keep)
-            session.prefill(head)
-            snap = (session.checkpoint(), size)
-        else:
+        snap = admission.snapshots.get(head)
+        if snap is not None:
+            admission.make_room(extra, keep, head)
             session.restore(snap[0])
-        self.snapshots[head] = snap  # most recently used last
-        while len(self.snapshots) > MAX_SNAPSHOTS:
-            self.snapshots.pop(next(iter(self.snapshots)))
-
-    def _resident(self, entry: Entry) -> None:
-        """Make ``entry`` resident: admitted by bytes, then loaded from disk or new."""
-        if entry.session is not None:
-            return
-        session = self._new_session(entry.system)
-        need = self.session_bytes(session.sinks)
-        self._make_room(need, entry)
-        if entry.path is not None:
-            session.load(entry.path)
-            self.restores += 1
+            admission.touch_snapshot(head)
         else:
-            self._from_snapshot(session, entry)
+            size = self.session_bytes(session.sinks) // 2
+            shared = admission.fits(extra + size, keep, head)
+            admission.make_room(extra + size if shared else extra, keep, head)
+            session.prefill(head)
+            if shared:
+                admission.add_snapshot(head, session.checkpoint(), size)
+
+    def _resident(self, entry: Entry) -> bool:
+        """Make ``entry`` resident: admitted by bytes, then loaded from disk or new.
+
+        Returns:
+            True when its saved session was lost or corrupt (its files and index
+            record are dropped): it starts fresh, for the caller to rebuild from
+            the client's history.
+        """
+        if entry.session is not None:
+            return False
+        session = self._new_session(entry.system, entry.tools)
+        need = self.session_bytes(session.sinks)
+        lost = False
+        if entry.path is not None:
+            self.admission.make_room(need, entry)
+            try:
+                self.store.check(entry)
+                session.load(entry.path)
+                self.restores += 1
+            except UserError:
+                self.store.forget(entry)
+                session, lost = self._new_session(entry.system, entry.tools), True
+        if entry.path is None:
+            self._from_snapshot(session, entry, extra=need)
         entry.session, entry.bytes, entry.sinks = session, need, session.sinks
+        return lost
+
+    # ----- the state folder -------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        """What saved caches depend on: a restart with another model or cache shape
+        finds none of them (they would load with sizes the budget does not count)."""
+        return {
+            "model": self.model_id, "weights_bytes": self.weights,
+            "cache": self.settings.cache.to_json(), "keep_system": self.keep_system,
+            "num_draft_tokens": self.settings.num_draft_tokens,
+            "draft_model": self.draft_model is not None,
+        }  # fmt: skip
 
     # ----- requests -------------------------------------------------------------------
 
@@ -635,20 +765,27 @@ class Engine:
         if request.messages is None:
             self._admit_completion(request)
             return
+        plan, extra = self._agents(request)
         system, history, user = split_messages(request.messages)
-        entry, mode, source = self._find(request, system, history)
+        toolset = plan.toolset if plan is not None else None
+        entry, mode, source = matching.find(
+            self.entries, request, system, history, toolset,
+            isolate=self.isolate, new_id=self._new_id,
+        )  # fmt: skip
+        checkpoint = source.checkpoint if source is not None else None  # room may evict it
         try:
-            self._resident(entry)
+            if self._resident(entry):  # its saved file was lost: rebuilt from the history
+                mode = "rebuild"
         except BaseException:
             if entry.session is None and entry.path is None:  # refused before it began
                 self._drop(entry)
             raise
         session, tail = entry.session, None
         if mode == "restore":  # the checkpoint encodes exactly ``history``
-            session.restore(source.checkpoint)
-            entry.checkpoint = source.checkpoint
+            session.restore(checkpoint)
+            entry.checkpoint = checkpoint
         elif mode == "rebuild":
-            self._rebuild(entry, system, history)
+            self._rebuild(entry, system, history, toolset)
             session = entry.session
             tail = self.settings.cache.window if history else None
         else:
@@ -659,72 +796,59 @@ class Engine:
         tokens = session.stream(
             user, tail=tail, max_tokens=request.max_tokens, temp=request.temp,
             top_p=request.top_p, stop=request.stop, seed=request.seed,
-            steps=self._steps(request, box),
+            steps=self._steps(request, box), **extra,
         )  # fmt: skip
         box.append(self._start(request, entry, tokens, cached, batched=self._batch is not None))
 
-    def _rebuild(self, entry: Entry, system: str | None, history: list[dict]) -> None:
+    def _agents(self, request: Request) -> tuple[Any, dict]:
+        """A request's tool plan and sampling arguments (mlx_stream.serve), checked
+        before any session is touched; with tools, its ``emit`` becomes a
+        :class:`~mlx_stream.serve.tools.CallStream`."""
+        from mlx_stream.serve import sampling, tools
+        from mlx_stream.serve.structured import Grammars
+
+        plan = None
+        if request.messages is not None:
+            messages = request.messages
+            request.messages = [tools.canonical_message(m, i) for i, m in enumerate(messages)]
+            tools.check_results(request.messages)
+            plan = tools.ToolPlan.make(request.tools, request.tool_choice, self.tokenizer)
+        elif request.tools:
+            raise BadRequest("tools: only chat requests take tools")
+        grammar = request.grammar  # a response_format outranks an auto call's grammar
+        if plan is not None and plan.grammar and (grammar is None or plan.choice != "auto"):
+            grammar = plan.grammar
+        if self._vocab is None:
+            self._vocab = len(self.tokenizer.get_vocab())
+        constraint = None
+        if grammar is not None:
+            self._grammars = self._grammars or Grammars(self.tokenizer)
+            constraint = self._grammars.constraint(grammar)
+        s = self.settings
+        extra = sampling.overrides(
+            request, s.temp if request.temp is None else request.temp,
+            s.top_p if request.top_p is None else request.top_p, self._vocab, constraint,
+            draft=self.draft_model is not None,
+        )  # fmt: skip
+        if plan is not None and not isinstance(request.emit, tools.CallStream):
+            salt = json.dumps(request.messages[-1], sort_keys=True) + str(len(request.messages))
+            request.emit = tools.CallStream(plan, request.emit, salt=salt)
+        return plan, extra
+
+    def _rebuild(
+        self, entry: Entry, system: str | None, history: list[dict], tools: Any = None
+    ) -> None:
         """Start ``entry`` over from its system prompt's snapshot with ``history`` as
         its transcript (the next turn feeds the tail of it that fits the window)."""
-        session = self._new_session(system)
+        session = self._new_session(system, tools)
         need = self.session_bytes(session.sinks)
         if need > entry.bytes:
-            self._make_room(need - entry.bytes, entry)
+            self.admission.make_room(need - entry.bytes, entry)
         self._from_snapshot(session, entry)
         session.messages = [dict(m) for m in history]
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
+        entry.tools = tools
         entry.checkpoint = session.checkpoint()
-
-    def _find(self, request: Request, system: str | None, history: list) -> tuple:
-        """``(entry, mode, source)`` for a chat request, among its owner's sessions only.
-
-        ``append``: the entry's transcript is the history. ``restore``: ``source``'s
-        checkpoint encodes exactly the history (an edit or a regeneration of the last
-        turn); with the session's own id it restores in place, without one it forks a new
-        session and the original stays for its owner. ``rebuild``: from the history alone
-        (an id whose transcript does not match, or a history no session holds). ``new``:
-        no history. Without an id, only a history that is not empty is matched, and only
-        when the server is not ``isolate``-d.
-        """
-        owner, session_id = request.owner, request.session_id
-        if session_id is not None:
-            entry = self.entries.get((owner, session_id))
-            if entry is None:
-                entry = self._add(Entry(id=session_id, system=system, owner=owner))
-                return entry, "rebuild" if history else "new", None
-            if entry.busy:
-                raise Busy(f"session {entry.id} is answering another request; retry shortly")
-            if entry.system == system and entry.messages == history:
-                return entry, "append", None
-            if self._restorable(entry, system, history):
-                return entry, "restore", entry
-            return entry, "rebuild", None
-        if history and not self.isolate:
-            mine = [
-                e for e in self.entries.values()
-                if e.owner == owner and not e.busy and not e.transient
-            ]  # fmt: skip
-            mine.sort(key=lambda e: -e.last_used)
-            for entry in mine:
-                if entry.system == system and entry.messages == history:
-                    return entry, "append", None
-            for entry in mine:
-                if self._restorable(entry, system, history):
-                    fork = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
-                    return fork, "restore", entry
-        entry = self._add(Entry(id=self._new_id(16), system=system, owner=owner))
-        return entry, "rebuild" if history else "new", None
-
-    @staticmethod
-    def _restorable(entry: Entry, system: str | None, history: list) -> bool:
-        """Whether ``entry``'s checkpoint encodes exactly ``system`` + ``history``."""
-        cp = entry.checkpoint
-        return (
-            entry.session is not None
-            and cp is not None
-            and cp.system == system
-            and cp.messages == history
-        )
 
     def _add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry
@@ -736,7 +860,7 @@ class Engine:
         )
         self._add(entry)
         try:
-            self._make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
+            self.admission.make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
             settings = dataclasses.replace(self.settings, keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
@@ -750,23 +874,30 @@ class Engine:
             self._drop(entry)
             raise BadRequest("prompt: must not be empty")
         box: list = []
-        generator = self._completion(session, tokens, request, self._steps(request, box))
+        try:
+            _, extra = self._agents(request)
+        except BaseException:
+            self._drop(entry)
+            raise
+        generator = self._completion(session, tokens, request, self._steps(request, box), extra)
         box.append(self._start(request, entry, generator, 0, batched=self._batch is not None))
 
     @staticmethod
     def _completion(
-        session: ChatSession, tokens: list[int], request: Request, steps: Any = None
-    ) -> Iterator[Any]:
+        session: ChatSession, tokens: list[int], request: Request, steps: Any = None,
+        extra: dict | None = None,
+    ) -> Iterator[Any]:  # fmt: skip
         """A plain completion of ``tokens`` on ``session``'s caches; sets ``session.last``."""
         generator = session.generate(
             tokens, max_tokens=request.max_tokens, temp=request.temp, top_p=request.top_p,
-            stop=request.stop, seed=request.seed, steps=steps,
+            stop=request.stop, seed=request.seed, steps=steps, **(extra or {}),
         )  # fmt: skip
         last, generated = None, 0
         try:
-            for last in generator:
-                generated += 1
-                yield last
+            for response in generator:
+                if response is not None:  # None: polled during the prefill
+                    last, generated = response, generated + 1
+                yield response
         finally:
             generator.close()
             session.last = Reply(
@@ -822,7 +953,7 @@ class Engine:
                 "budget_bytes": self.budget,
                 "used_bytes": self.used_bytes(),
                 "weights_bytes": self.weights,
-                "session_bytes": self._bytes_by_sinks.get(self.settings.cache.sinks),
+                "session_bytes": self.admission.bytes_by_sinks.get(self.settings.cache.sinks),
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
@@ -840,18 +971,3 @@ class Engine:
                 "active": len(self._active),
             },
         }
-
-
-def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
-    """``(system, history, user)`` of a chat request: a leading system message, the
-    turns before the last, and the last (a user message). Text is decoded leniently."""
-    messages = [{"role": m["role"], "content": clean_text(m["content"])} for m in messages]
-    if not messages:
-        raise BadRequest("messages: must hold at least one message")
-    system = None
-    if messages[0]["role"] in ("system", "developer"):
-        system = messages[0]["content"]
-        messages = messages[1:]
-    if not messages or messages[-1]["role"] != "user":
-        raise BadRequest("messages: the last message must be from the user")
-    return system, messages[:-1], messages[-1]["content"]

@@ -1,0 +1,161 @@
+"""Admission by bytes: what the resident sessions and shared snapshots cost, and what
+to evict, least recently used first, so that they fit the memory budget.
+
+Contract: ``weights + snapshots + resident sessions x bytes <= budget`` (and at most
+``max_sessions`` resident) holds after every :meth:`Admission.make_room`. A session
+costs its caches plus the checkpoint taken before its current turn (twice its
+caches, measured once per sink count from real caches); a shared system-prompt
+snapshot costs half that. Room is made by evicting idle sessions (through the
+``evict`` callback: the engine saves them to its state folder) and snapshots (here),
+never a busy session, the one being admitted or the snapshot it starts from; when
+even all of that would not make room nothing is evicted and the request is refused:
+:class:`~mlx_stream.serve.refusals.Busy` (429) while a session is busy, else
+:class:`~mlx_stream.serve.refusals.BadRequest` (the budget can never hold it).
+Pure bookkeeping over the engine's entries: no MLX work here (measuring a session is
+the ``measure`` callback), no files.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mlx_stream.generate.session import Checkpoint
+from mlx_stream.serve.matching import Entry
+from mlx_stream.serve.refusals import BadRequest, Busy
+
+MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes of a model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def physical_memory() -> int:
+    """Bytes of memory of this machine (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class Admission:
+    """The byte budget of one engine's sessions and snapshots.
+
+    Args:
+        entries (dict): The engine's sessions by ``(owner, id)`` (read, never
+            changed here: a resident one costs its ``bytes``).
+        weights (int): Bytes of the model's weights (always resident).
+        budget (int, optional): Memory budget in bytes. Default: 75% of the machine.
+        max_sessions (int, optional): Most resident sessions. Default: no limit.
+        measure (Callable[[int], int]): Bytes of one session's caches with the given
+            number of sinks (called once per sink count).
+        evict (Callable[[Entry], None]): Save an idle resident session and free it
+            (raises to refuse the request that needed the room).
+    """
+
+    def __init__(
+        self,
+        entries: dict[tuple[str, str], Entry],
+        weights: int,
+        budget: int | None,
+        max_sessions: int | None,
+        *,
+        measure: Callable[[int], int],
+        evict: Callable[[Entry], None],
+    ):
+        self.entries, self.weights, self.max_sessions = entries, weights, max_sessions
+        self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
+        self.measure, self.evict = measure, evict
+        self.snapshots: dict[str, tuple[Checkpoint, int]] = {}  # least recently used first
+        self.bytes_by_sinks: dict[int, int] = {}
+        self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks: its caches and its
+        checkpoint, measured once from real caches (after their one allocation)."""
+        if sinks not in self.bytes_by_sinks:
+            self.bytes_by_sinks[sinks] = 2 * self.measure(sinks)
+        return self.bytes_by_sinks[sinks]
+
+    def used_bytes(self) -> int:
+        """Weights + snapshots + resident sessions."""
+        snaps = sum(b for _, b in self.snapshots.values())
+        return self.weights + snaps + sum(e.bytes for e in self.entries.values() if e.session)
+
+    def fits(self, need: int, keep: Entry, head: str | None = None) -> bool:
+        """Whether :meth:`make_room` can make room for ``need`` more bytes."""
+        return self._room(need, keep, self._evictable(keep, head))
+
+    def make_room(self, need: int, keep: Entry, head: str | None = None) -> None:
+        """Evict idle sessions and shared snapshots, least recently used first, until
+        ``need`` more bytes fit the budget (and, while ``keep`` is not resident, one
+        more session fits the count). Never what is in use: busy sessions, ``keep``,
+        the snapshot of the system prompt ``head``. Nothing is evicted when even all
+        of that would not make room: :class:`Busy` if a session is busy (room comes
+        back), else :class:`BadRequest` (the budget can never hold it)."""
+        if not self.fits(need, keep, head):
+            busy = sum(e.busy for e in self.entries.values() if e.session is not None)
+            if not busy:
+                raise BadRequest(
+                    f"no memory for this session: it needs {need:,} bytes and the "
+                    f"--memory-budget ({self.budget:,} bytes) cannot hold them"
+                )
+            raise Busy(
+                f"no memory for another session: {busy} sessions are busy "
+                f"({self.used_bytes():,} of {self.budget:,} bytes); retry shortly"
+            )
+        while not self._room(need, keep, []):
+            _, what = min(self._evictable(keep, head), key=lambda t: t[0])
+            if isinstance(what, Entry):
+                self.evict(what)
+            else:
+                self._forget_snapshot(what)
+
+    def add_snapshot(self, head: str, checkpoint: Checkpoint, size: int) -> None:
+        """Keep ``checkpoint`` (``size`` bytes, room made for it) as the shared
+        snapshot of the system prompt ``head``."""
+        self.snapshots[head] = (checkpoint, size)
+        self.touch_snapshot(head)
+
+    def touch_snapshot(self, head: str) -> None:
+        """Mark ``head``'s snapshot used now; the least recently used beyond
+        :data:`MAX_SNAPSHOTS` are dropped."""
+        self.snapshots[head] = self.snapshots.pop(head)  # most recently used last
+        self._snapshot_used[head] = time.monotonic()
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            self._forget_snapshot(next(iter(self.snapshots)))
+
+    def _evictable(self, keep: Entry, head: str | None) -> list[tuple[float, Any]]:
+        """``(last used, entry or snapshot key)`` of what may be evicted now."""
+        out: list[tuple[float, Any]] = [
+            (e.last_used, e)
+            for e in self.entries.values()
+            if e.session is not None and not e.busy and e is not keep
+        ]
+        out += [(self._snapshot_used.get(h, 0.0), h) for h in self.snapshots if h != head]
+        return out
+
+    def _room(self, need: int, keep: Entry, gone: list[tuple[float, Any]]) -> bool:
+        """Whether ``need`` more bytes (and ``keep``, if not resident) fit once
+        ``gone`` (from :meth:`_evictable`) is evicted."""
+        freed = sessions = 0
+        for _, what in gone:
+            if isinstance(what, Entry):
+                freed, sessions = freed + what.bytes, sessions + 1
+            else:
+                freed += self.snapshots[what][1]
+        resident = sum(e.session is not None for e in self.entries.values()) - sessions
+        count = resident + (keep.session is None)
+        if self.max_sessions is not None and count > self.max_sessions:
+            return False
+        return self.used_bytes() - freed + need <= self.budget
+
+    def _forget_snapshot(self, head: str) -> None:
+        self.snapshots.pop(head, None)
+        self._snapshot_used.pop(head, None)

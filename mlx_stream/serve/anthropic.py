@@ -1,0 +1,333 @@
+"""Anthropic's Messages API on ``serve``: ``POST /v1/messages`` (whole or streamed)
+and ``POST /v1/messages/count_tokens``, what Claude Code speaks.
+
+Contract: a request is translated into the engine's one request type (the same
+sessions, batching, admission by bytes and cancellation as chat completions) and its
+events back into Anthropic's shapes:
+- ``system`` (text or text blocks) -> a system message; ``text`` blocks -> content;
+  an assistant's ``tool_use`` blocks -> its tool calls (same ids); a user's
+  ``tool_result`` blocks -> tool messages, each answering a ``tool_use`` of the
+  assistant message before it (else 400 naming ``messages.I.content.J.tool_use_id``).
+- ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice``
+  (``auto``, ``any``, ``tool`` + ``name``, ``none``) -> function tools.
+- ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``max_tokens`` are read
+  from the body (recent SDKs send sampling fields as extra body fields).
+- Replies: ``content`` blocks (``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
+  ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the one that matched),
+  ``usage`` (``input_tokens`` = tokens fed this turn, ``cache_read_input_tokens`` =
+  tokens the session's cache already held). Streamed:
+  ``message_start``, ``content_block_start`` / ``content_block_delta`` (``text_delta``,
+  ``input_json_delta``) / ``content_block_stop`` per block, ``message_delta`` with the
+  stop reason and usage, ``message_stop``.
+- Errors: ``{"type": "error", "error": {"type", "message"}}`` (:func:`error`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlx_stream.errors import UserError
+from mlx_stream.serve import events
+from mlx_stream.serve.fields import sampling_args, session_header
+
+PREFIX = "/v1/messages"
+KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    """Anthropic's error body."""
+    body = {"type": "error", "error": {"type": KINDS.get(status, "api_error"), "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Block(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+
+
+class Message(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[Block] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class CountRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else block.type
+        text = block.get("text") if isinstance(block, dict) else block.text
+        if kind != "text":
+            raise UserError(f"{where}.{j}.type: only text blocks are supported here, not {kind!r}")
+        parts.append(text or "")
+    return "".join(parts)
+
+
+def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
+    """The engine request fields of an Anthropic body (``messages``, ``tools``,
+    ``tool_choice``); a :class:`UserError` naming the field for what cannot be served."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system, "system")})
+    open_ids: set[str] = set()
+    for i, m in enumerate(body.messages):
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+            open_ids = set()
+            continue
+        texts, calls = [], []
+        for j, b in enumerate(m.content):
+            if b.type == "text":
+                texts.append(b.text or "")
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.id or not b.name:
+                    raise UserError(f"{where}.{j}: a tool_use block needs an id and a name")
+                arguments = json.dumps(b.input or {}, ensure_ascii=False)
+                calls.append({"id": b.id, "type": "function",
+                              "function": {"name": b.name, "arguments": arguments}})  # fmt: skip
+            elif b.type == "tool_result" and m.role == "user":
+                if b.tool_use_id not in open_ids:
+                    raise UserError(
+                        f"{where}.{j}.tool_use_id: {b.tool_use_id!r} matches no tool_use "
+                        "block of the assistant message before it"
+                    )
+                content = _text(b.content, f"{where}.{j}.content")
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+            else:
+                raise UserError(
+                    f"{where}.{j}.type: {b.type!r} is not supported in a {m.role} message"
+                )
+        if m.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            messages.append(message)
+            open_ids = {c["id"] for c in calls}
+        else:
+            if texts:
+                messages.append({"role": "user", "content": "".join(texts)})
+            open_ids = set()
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                          "parameters": t.input_schema}}
+        for t in body.tools or []
+    ]  # fmt: skip
+    choice = getattr(body, "tool_choice", None)
+    tool_choice = None
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise UserError("tool_choice.name: required when type is tool")
+        tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
+        tool_choice = tool_choice or {"type": "function", "function": {"name": choice.name}}
+    return {"messages": messages, "tools": tools or None, "tool_choice": tool_choice}
+
+
+def _usage(usage: dict) -> dict[str, int]:
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0) - cached,
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _stop(finish: str, request: Any) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a reply that ended with ``finish``."""
+    if finish == "stop" and request.matched_stop is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": request.matched_stop}
+    return {"stop_reason": STOP.get(finish, "end_turn"), "stop_sequence": None}
+
+
+def _tool_use(call: dict) -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": fn["name"],
+        "input": json.loads(fn["arguments"]),
+    }
+
+
+def register(app: FastAPI, engine: Any, check_model) -> None:
+    """Add the Messages API routes to ``app`` (served by ``engine``)."""
+
+    from mlx_stream.serve.app import owner_of
+
+    @app.post(PREFIX)
+    async def messages(
+        body: MessagesRequest, http: Request, x_session_id: Annotated[str | None, Header()] = None
+    ):
+        bad_id = session_header(x_session_id)
+        if bad_id is not None:
+            return error(400, bad_id)
+        if check_model(body.model) is not None:
+            return error(404, f"model {body.model!r} is not served here ({engine.model_id!r} is)")
+        try:
+            fields = to_engine(body)
+        except UserError as exc:
+            return error(400, str(exc))
+        job, request, first = await events.start(
+            engine, session_id=x_session_id, max_tokens=body.max_tokens, top_k=body.top_k,
+            stop=body.stop_sequences or None, owner=owner_of(http),
+            **sampling_args(body.temperature, body.top_p), **fields,
+        )  # fmt: skip
+        if first[0] == "error":
+            _, status, message, retry = first
+            return error(status, message, {"Retry-After": str(retry)} if retry else None)
+        session_id = first[1].get("session_id")
+        headers = {"X-Session-ID": session_id} if session_id else None
+        ident = "msg_" + uuid.uuid4().hex[:24]
+        if body.stream:
+            stream = _stream(job, request, ident, engine.model_id)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        reply = await events.drain(job, request)
+        if reply.error is not None:
+            return error(*reply.error)
+        content = ([{"type": "text", "text": reply.text}] if reply.text else []) + [
+            _tool_use(c) for c in reply.calls
+        ]
+        whole = {
+            "id": ident, "type": "message", "role": "assistant", "model": engine.model_id,
+            "content": content, **_stop(reply.finish, request), "usage": _usage(reply.usage),
+        }  # fmt: skip
+        return JSONResponse(whole, headers=headers)
+
+    @app.post(PREFIX + "/count_tokens")
+    async def count_tokens(body: CountRequest):
+        try:
+            fields = to_engine(body)
+            return {"input_tokens": count(engine, fields["messages"], fields["tools"])}
+        except UserError as exc:
+            return error(400, str(exc))
+
+
+def count(engine: Any, messages: list[dict], tools: list[dict] | None) -> int:
+    """Tokens of ``messages`` (and ``tools``) rendered as the session would feed them."""
+    from mlx_stream.serve.tools import ToolSet, canonical_message, function_tools
+
+    messages = [canonical_message(m, i) for i, m in enumerate(messages)]
+    toolset = ToolSet.make(function_tools(tools), engine.tokenizer)
+    extra: dict[str, Any] = {}
+    if toolset is not None:
+        messages, extra = toolset.for_template(messages)
+    tok = engine.tokenizer
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
+    else:
+        text = "".join(m["content"] + "\n" for m in messages)
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def _sse(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job: events.Job, request: Any, ident: str, model: str):
+    """Anthropic's event sequence for one reply; a client that goes away cancels it."""
+    try:
+        message = {"id": ident, "type": "message", "role": "assistant", "model": model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
+        yield _sse("message_start", {"message": message})
+        index, text_open = 0, False
+        while True:
+            event = await job.events.get()
+            if event[0] == "text" and event[1]:
+                if not text_open:
+                    block = {"type": "text", "text": ""}
+                    yield _sse("content_block_start", {"index": index, "content_block": block})
+                    text_open = True
+                delta = {"type": "text_delta", "text": event[1]}
+                yield _sse("content_block_delta", {"index": index, "delta": delta})
+            elif event[0] == "tool_call":
+                if text_open:
+                    yield _sse("content_block_stop", {"index": index})
+                    index, text_open = index + 1, False
+                block = {**_tool_use(event[2]), "input": {}}
+                yield _sse("content_block_start", {"index": index, "content_block": block})
+                delta = {
+                    "type": "input_json_delta",
+                    "partial_json": event[2]["function"]["arguments"],
+                }
+                yield _sse("content_block_delta", {"index": index, "delta": delta})
+                yield _sse("content_block_stop", {"index": index})
+                index += 1
+            elif event[0] == "end":
+                if text_open:
+                    yield _sse("content_block_stop", {"index": index})
+                delta = _stop(event[2], request)
+                yield _sse("message_delta", {"delta": delta, "usage": _usage(event[1])})
+                yield _sse("message_stop", {})
+                break
+            elif event[0] == "error":
+                body = {"type": KINDS.get(event[1], "api_error"), "message": event[2]}
+                yield _sse("error", {"error": body})
+                break
+    finally:
+        request.cancelled.set()  # a no-op once the engine has finished the request

@@ -1,0 +1,371 @@
+"""OpenAI's Responses API on ``serve``: ``POST /v1/responses`` (whole or streamed) and
+``GET /v1/responses/{id}``, what Codex speaks.
+
+Contract: a request is translated into the engine's one request type and its events
+back into Responses shapes; nothing here runs the model.
+- ``input``: text (one user message) or items: messages (``role`` + text or
+  ``input_text`` / ``output_text`` parts), ``function_call`` items (joined to the
+  assistant message before them as its tool calls) and ``function_call_output`` items
+  (tool results, each answering a ``function_call`` before it, else a 400 naming
+  ``input.I.call_id``). ``instructions`` is the system message (not carried over
+  from a previous response, as OpenAI defines it).
+- ``previous_response_id``: the conversation of that response (kept here, in memory,
+  the newest :data:`MAX_STORED`, unless it was made with ``store: false``) followed
+  by the new input, on the same engine
+  session: the session's cache goes on and only the new input is fed.
+- ``tools`` (function tools, flat: ``name``, ``parameters``), ``tool_choice``,
+  ``text.format`` (``json_object`` / ``json_schema``: structured output),
+  ``temperature``, ``top_p``, ``max_output_tokens``.
+- Output: a ``message`` item with ``output_text`` and one ``function_call`` item per
+  call; usage with ``input_tokens_details.cached_tokens``; ``status`` ``incomplete``
+  when ``max_output_tokens`` ended it. Streamed: ``response.created``,
+  ``response.in_progress``, ``response.output_item.added``,
+  ``response.content_part.added``, ``response.output_text.delta`` / ``.done``,
+  ``response.function_call_arguments.delta`` / ``.done``,
+  ``response.output_item.done``, ``response.completed``, each with its
+  ``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlx_stream.errors import UserError
+from mlx_stream.serve import events
+from mlx_stream.serve.fields import field_of, sampling_args, session_header
+from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
+
+MAX_STORED = 1024  # responses kept for previous_response_id and GET
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, Any] | None = None
+    store: bool = True
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content or []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise UserError(f"{where}.{j}.type: only text parts are supported, not {kind!r}")
+        out.append(part.get("text") or "")
+    return "".join(out)
+
+
+def input_messages(items: str | list[dict], open_ids: set[str]) -> list[dict[str, Any]]:
+    """Engine messages of a Responses ``input`` (``open_ids``: calls not yet answered,
+    from the previous response, updated)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        where = f"input.{i}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise UserError(f"{where}.role: must be user, assistant, system or developer")
+            out.append(
+                {"role": role, "content": _parts_text(item.get("content"), f"{where}.content")}
+            )
+            if role == "user":
+                open_ids.clear()
+        elif kind == "function_call":
+            if not item.get("call_id") or not item.get("name"):
+                raise UserError(f"{where}: a function_call needs a call_id and a name")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}  # fmt: skip
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+            open_ids.add(item["call_id"])
+        elif kind == "function_call_output":
+            if item.get("call_id") not in open_ids:
+                raise UserError(
+                    f"{where}.call_id: {item.get('call_id')!r} answers no function_call"
+                )
+            output = item.get("output")
+            output = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        else:
+            raise UserError(f"{where}.type: {kind!r} is not supported")
+    return out
+
+
+def function_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses' flat function tools as chat completions' nested ones."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if tool.get("type") != "function":
+            raise UserError(f"tools.{i}.type: only function tools are supported")
+        spec = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": spec})
+    return out or None
+
+
+def _choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+class Store:
+    """Responses kept for ``previous_response_id`` and ``GET``: the response object,
+    the conversation after it and its session (newest :data:`MAX_STORED`), each seen
+    only by its owner (the API key that made it, as sessions are)."""
+
+    def __init__(self, limit: int = MAX_STORED):
+        self.limit, self.items = limit, OrderedDict()
+
+    def put(self, ident: str, response: dict, messages: list[dict], session, owner: str):
+        self.items[(owner, ident)] = (response, messages, session)
+        while len(self.items) > self.limit:
+            self.items.popitem(last=False)
+
+    def get(self, ident: str, owner: str):
+        return self.items.get((owner, ident))
+
+
+def _usage(usage: dict) -> dict[str, Any]:
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0),
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": usage.get("completion_tokens", 0),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.get("total_tokens", 0),
+    }
+
+
+class _Shape:
+    """The response object of one request, built up as its events arrive."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.id = "resp_" + uuid.uuid4().hex[:24]
+        self.message_id = "msg_" + uuid.uuid4().hex[:24]
+        self.body, self.model, self.created = body, model, int(time.time())
+        self.text, self.calls, self.usage, self.finish = "", [], None, None
+
+    def message_item(self, status: str = "completed") -> dict[str, Any]:
+        part = {"type": "output_text", "text": self.text, "annotations": []}
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": [part]}  # fmt: skip
+
+    @staticmethod
+    def call_item(call: dict, status: str = "completed") -> dict[str, Any]:
+        fn = call["function"]
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+                "call_id": call["id"], "name": fn["name"], "arguments": fn["arguments"],
+                "status": status}  # fmt: skip
+
+    def output(self) -> list[dict[str, Any]]:
+        items = [self.message_item()] if self.text or not self.calls else []
+        return items + [self.call_item(c) for c in self.calls]
+
+    def response(self, status: str) -> dict[str, Any]:
+        b = self.body
+        incomplete = {"reason": "max_output_tokens"} if self.finish == "length" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": self.output() if status != "in_progress" else [],
+            "instructions": b.instructions, "previous_response_id": b.previous_response_id,
+            "tools": b.tools or [], "tool_choice": b.tool_choice or "auto",
+            "parallel_tool_calls": True, "temperature": b.temperature, "top_p": b.top_p,
+            "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
+            "text": b.text or {"format": {"type": "text"}}, "error": None,
+            "incomplete_details": incomplete,
+            "usage": _usage(self.usage) if self.usage is not None else None,
+        }  # fmt: skip
+
+    def reply_message(self) -> dict[str, Any]:
+        """The reply in the engine's message shape (for the stored conversation)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return message
+
+
+def error(status: int, message: str, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error" if status == 400
+                      else "server_error", "param": field_of(message), "code": None}}  # fmt: skip
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def register(app: FastAPI, engine: Any, check_model) -> None:
+    """Add the Responses API routes to ``app`` (served by ``engine``)."""
+    from mlx_stream.serve.app import owner_of
+
+    store = Store()
+
+    @app.post("/v1/responses")
+    async def create(
+        body: ResponsesRequest, http: Request, x_session_id: Annotated[str | None, Header()] = None
+    ):
+        bad_id = session_header(x_session_id)
+        if bad_id is not None:
+            return error(400, bad_id)
+        owner = owner_of(http)
+        bad = check_model(body.model)
+        if bad is not None:
+            return bad
+        session_id, history, open_ids = x_session_id, [], set()
+        if body.previous_response_id is not None:
+            previous = store.get(body.previous_response_id, owner)
+            if previous is None:
+                return error(
+                    404, f"previous_response_id: no response {body.previous_response_id!r} here"
+                )
+            _, history, session_id = previous
+            history = [m for m in history if m["role"] not in ("system", "developer")]
+            if history and history[-1].get("tool_calls"):
+                open_ids = {c["id"] for c in history[-1]["tool_calls"]}
+        try:
+            new = input_messages(body.input, open_ids)
+            fmt = (body.text or {}).get("format")
+            grammar = _grammar(fmt)
+            tools = function_tools(body.tools)
+        except UserError as exc:
+            return error(400, str(exc))
+        head = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        messages = head + history + new
+        job, request, first = await events.start(
+            engine, messages=messages, session_id=session_id, max_tokens=body.max_output_tokens,
+            grammar=grammar, tools=tools, tool_choice=_choice(body.tool_choice), owner=owner,
+            **sampling_args(body.temperature, body.top_p),
+        )  # fmt: skip
+        if first[0] == "error":
+            _, status, message, retry = first
+            return error(status, message, {"Retry-After": str(retry)} if retry else None)
+        session_id = first[1].get("session_id")
+        headers = {"X-Session-ID": session_id} if session_id else None
+        shape = _Shape(body, engine.model_id)
+
+        def keep() -> dict[str, Any]:
+            status = "incomplete" if shape.finish == "length" else "completed"
+            response = shape.response(status)
+            if body.store:  # store: false (Codex sends it) keeps nothing, as OpenAI does
+                conversation = [*request.messages, shape.reply_message()]
+                store.put(shape.id, response, conversation, session_id, owner)
+            return response
+
+        if body.stream:
+            stream = _stream(job, request, shape, keep)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        reply = await events.drain(job, request)
+        if reply.error is not None:
+            return error(*reply.error)
+        shape.text, shape.calls, shape.usage, shape.finish = (
+            reply.text,
+            reply.calls,
+            reply.usage,
+            reply.finish,
+        )
+        return JSONResponse(keep(), headers=headers)
+
+    @app.get("/v1/responses/{ident}")
+    async def retrieve(ident: str, http: Request):
+        stored = store.get(ident, owner_of(http))
+        if stored is None:
+            return error(404, f"no response {ident!r} here")
+        return stored[0]
+
+
+def _grammar(fmt: dict | None) -> str | None:
+    """The grammar of ``text.format`` (flat: ``{"type": "json_schema", "schema"}``)."""
+    if fmt and fmt.get("type") == "json_schema":
+        return json_schema_grammar(fmt.get("schema", {"type": "object"}), "text.format.schema")
+    return response_format_grammar(fmt, "text.format")
+
+
+async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
+    """The Responses event sequence of one reply; a client that goes away cancels it."""
+    sequence = 0
+
+    def sse(kind: str, **data: Any) -> str:
+        nonlocal sequence
+        sequence += 1
+        payload = {"type": kind, "sequence_number": sequence - 1, **data}
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    try:
+        yield sse("response.created", response=shape.response("in_progress"))
+        yield sse("response.in_progress", response=shape.response("in_progress"))
+        index, text_open = 0, False
+        while True:
+            event = await job.events.get()
+            if event[0] == "text" and event[1]:
+                if not text_open:
+                    item = {**shape.message_item("in_progress"), "content": []}
+                    yield sse("response.output_item.added", output_index=index, item=item)
+                    part = {"type": "output_text", "text": "", "annotations": []}
+                    yield sse("response.content_part.added", item_id=shape.message_id,
+                              output_index=index, content_index=0, part=part)  # fmt: skip
+                    text_open = True
+                shape.text += event[1]
+                yield sse("response.output_text.delta", item_id=shape.message_id,
+                          output_index=index, content_index=0, delta=event[1])  # fmt: skip
+            elif event[0] in ("tool_call", "end") and text_open:
+                yield sse("response.output_text.done", item_id=shape.message_id,
+                          output_index=index, content_index=0, text=shape.text)  # fmt: skip
+                part = {"type": "output_text", "text": shape.text, "annotations": []}
+                yield sse("response.content_part.done", item_id=shape.message_id,
+                          output_index=index, content_index=0, part=part)  # fmt: skip
+                yield sse(
+                    "response.output_item.done", output_index=index, item=shape.message_item()
+                )
+                index, text_open = index + 1, False
+            if event[0] == "tool_call":
+                call = event[2]
+                shape.calls.append(call)
+                item = shape.call_item(call, "in_progress")
+                yield sse(
+                    "response.output_item.added", output_index=index, item={**item, "arguments": ""}
+                )
+                args = call["function"]["arguments"]
+                yield sse("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=index, delta=args)  # fmt: skip
+                yield sse("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=index, arguments=args)  # fmt: skip
+                yield sse(
+                    "response.output_item.done", output_index=index, item=shape.call_item(call)
+                )
+                index += 1
+            elif event[0] == "end":
+                shape.usage, shape.finish = event[1], event[2]
+                response = keep()
+                kind = (
+                    "response.incomplete"
+                    if response["status"] == "incomplete"
+                    else "response.completed"
+                )
+                yield sse(kind, response=response)
+                break
+            elif event[0] == "error":
+                yield sse("error", code=str(event[1]), message=event[2], param=None)
+                break
+    finally:
+        request.cancelled.set()  # a no-op once the engine has finished the request
