@@ -25,6 +25,7 @@ from cli.common import (
     handle_errors,
     is_interactive,
     load_model,
+    recall_spec,
 )
 
 if TYPE_CHECKING:
@@ -200,6 +201,11 @@ def chat(
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
     json_schema: opt.JsonSchema = None,
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -213,6 +219,7 @@ def chat(
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     if json_schema is not None and draft_model is not None:
         fail("--json-schema is not available with --draft-model")
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)
@@ -235,7 +242,7 @@ def chat(
         )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                       key_bits=kv_key_bits)  # fmt: skip
+                       key_bits=kv_key_bits).replace(recall=recall_policy)  # fmt: skip
     if seed is not None:
         import mlx.core as mx
 

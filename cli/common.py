@@ -410,3 +410,21 @@ def is_interactive(stream=None) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def recall_spec(recall: bool, blocks: int, bits: int | None, ram_mb: int, folder: Any):
+    """The ``RecallSpec`` of the ``--recall*`` options (``None`` without ``--recall``);
+    a bad value is one line."""
+    if not recall:
+        return None
+    check_positive(blocks, "--recall-blocks")
+    check_positive(ram_mb, "--recall-ram", 0)
+    if bits not in (None, 4, 8):
+        fail(f"--recall-bits must be 4 or 8 (got {bits})")
+    from mlx_stream.recall import RecallSpec
+    from mlx_stream.recall.store import check_folder
+
+    if folder is not None:
+        check_folder(Path(folder))
+    return RecallSpec(blocks=blocks, bits=bits, ram_bytes=ram_mb * 1_000_000,
+                      folder=None if folder is None else str(folder))  # fmt: skip

@@ -25,6 +25,8 @@ from cli.common import (
     fail,
     handle_errors,
     load_model,
+    recall_spec,
+    sizes,
     stderr_console,
 )
 
@@ -70,6 +72,20 @@ Placements = Annotated[
 ]
 AnswerTokens = Annotated[int, typer.Option("--answer-tokens", help="Most tokens per answer.")]
 Seed = Annotated[int, typer.Option(help="Seed of the random pass keys.")]
+Lengths = Annotated[
+    str | None,
+    typer.Option(
+        "--length",
+        help="Long-context mode: prompt lengths in tokens, comma-separated (e.g. 4096,16384).",
+    ),
+]
+Depths = Annotated[
+    str, typer.Option("--depths", help="Needle depths in the haystack (0-1), comma-separated.")
+]
+Kinds = Annotated[str, typer.Option("--kinds", help="Needles, comma-separated: passkey, word.")]
+Haystack = Annotated[
+    str, typer.Option("--haystack", help="filler (repeated sentences) or a UTF-8 text file.")
+]
 Source = Annotated[
     str, typer.Argument(help="UTF-8 text file to compare the caches on.", show_default=False)
 ]
@@ -262,12 +278,30 @@ def recall(
         bool, typer.Option("--json", help="Print one JSON object per window and placement.")
     ] = False,
     dtype: opt.Dtype = "auto",
+    length: Lengths = None,
+    depths: Depths = "0.1,0.3,0.5,0.7,0.9",
+    kinds: Kinds = "passkey,word",
+    haystack: Haystack = "filler",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Passkey retrieval through the window, beside the full cache's accuracy.
 
     The key sits inside the window, just outside it, far outside it, or in the system
-    prompt pinned as the sinks (what chat's --keep-system does).
+    prompt pinned as the sinks (what chat's --keep-system does). With --length, long
+    contexts instead (past the trained length too): a pass key and a word fact at
+    --depths of a haystack, through the window alone, the window with --recall, and
+    the full cache where the prompt fits the model's context.
     """
+    if length is not None:
+        return _needles(
+            model, window, sinks, trials, answer_tokens, seed, json_out, dtype, length,
+            depths, kinds, haystack,
+            recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir),
+        )  # fmt: skip
     from_recall = ("inside", "just_outside", "far_outside", "system")
     windows = parse_ints(window, "--window", 1)
     placement_list = parse_choices(placements, "--placements", from_recall)
@@ -306,3 +340,80 @@ def recall(
             f"{r['accuracy']:.2f}", f"{r['reference_accuracy']:.2f}",
         )  # fmt: skip
     _console().print(table)
+
+
+def _needles(model, window, sinks, trials, answer_tokens, seed, json_out, dtype, length,
+             depths, kinds, haystack, recall) -> None:  # fmt: skip
+    """``eval recall --length``: needles at depths of long prompts, per cache."""
+    from mlx_stream.eval.needle import CACHES, KINDS
+
+    lengths = parse_ints(length, "--length", 64)
+    windows = parse_ints(window, "--window", 1) if window != "256,1024" else None
+    if windows is not None and len(windows) > 1:
+        fail("--length takes one --window")
+    try:
+        depth_list = [float(d) for d in depths.split(",")]
+    except ValueError:
+        fail(f"--depths must be comma-separated numbers (got {depths!r})")
+    if any(not 0 <= d <= 1 for d in depth_list):
+        fail("--depths must lie between 0 and 1")
+    kind_list = parse_choices(kinds, "--kinds", KINDS)
+    check_positive(sinks, "--sinks", 0)
+    check_positive(trials, "--trials")
+    check_positive(answer_tokens, "--answer-tokens")
+    text = None if haystack == "filler" else check_text_file(haystack)
+
+    target, tokenizer, spec = load_model(model, dtype)
+    from mlx_stream.eval.needle import filler_tokens, filler_unit, needle_eval
+
+    sinks, default_window = sizes(spec, sinks, None)
+    window_size = windows[0] if windows else default_window
+    need = max(lengths) + 256
+    align = 1
+    if text is None:
+        hay, align = filler_tokens(tokenizer, need), filler_unit(tokenizer)
+    else:
+        hay = list(tokenizer.encode(text.read_text(encoding="utf-8"), add_special_tokens=False))
+        if len(hay) < need:
+            fail(f"{haystack}: {len(hay)} tokens, --length {max(lengths)} needs {need}")
+    caches = [c for c in CACHES if c != "recall" or recall is not None]
+    rows = []
+    with progress_bar("eval recall") as callback:
+        total = len(lengths) * len(kind_list) * len(depth_list) * trials * len(caches)
+
+        def done(row):
+            rows.append(row)
+            callback(len(rows), total)
+            if json_out:
+                typer.echo(json.dumps(row))
+
+        try:
+            for t in range(trials):
+                needle_eval(
+                    target, tokenizer, hay, lengths, depth_list, kind_list, caches, sinks,
+                    window_size, recall, model_context(target), answer_tokens, seed + t, done,
+                    align=align,
+                )  # fmt: skip
+        except ValueError as exc:
+            fail(str(exc))
+    if json_out:
+        return
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    for col in ("length", "needle", "window", "window + recall", "full cache"):
+        table.add_column(col, justify="right")
+    for n in lengths:
+        for kind in kind_list:
+            mine = [r for r in rows if r["kind"] == kind and r["length_asked"] == n]
+            cells = []
+            for cache in CACHES:
+                got = [r["found"] for r in mine if r["cache"] == cache]
+                cells.append(f"{sum(got)}/{len(got)}" if got else "—")
+            table.add_row(str(n), kind, *cells)
+    _console().print(table)
+    _console().print(
+        f"window {window_size} + {sinks} sinks; needles found / trials over depths "
+        f"{', '.join(f'{d:g}' for d in depth_list)}; full cache only within the model's context"
+    )

@@ -258,6 +258,21 @@ def list_models(
     Console().print(table)
 
 
+def _recall_line(config: dict, folder, policy: str, sinks: int) -> str:
+    """``--recall``'s costs: the fixed device region and the store per 1k tokens."""
+    from mlx_stream.cache.estimate import activation_bytes, config_layout, human, recall_bytes
+    from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS
+
+    layout = config_layout(config, activation_bytes(folder, policy))
+    plain = recall_bytes(layout, sinks, DEFAULT_RECALL_BLOCKS)
+    eight = recall_bytes(layout, sinks, DEFAULT_RECALL_BLOCKS, bits=8)
+    return (
+        f"recall:      region {human(plain['region_bytes'])} on the device "
+        f"({DEFAULT_RECALL_BLOCKS} blocks); store {human(plain['store_bytes_per_1k_tokens'])} "
+        f"per 1k tokens ({human(eight['store_bytes_per_1k_tokens'])} at --recall-bits 8)"
+    )
+
+
 def _is_repo(name: str | None, reg) -> bool:
     from mlx_stream.models import hub
 
@@ -280,6 +295,7 @@ def _folder_lines(folder: Path, sinks: int, window: int) -> list[str]:
         f"stored as:   {stored}",
         f"loads as:    {policy} (auto on this backend)",
         f"memory:      {describe(estimate)} at sinks {sinks} + window {window}",
+        _recall_line(config, folder, policy, sinks),
     ]
 
 

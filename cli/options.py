@@ -17,6 +17,8 @@ from mlx_stream.defaults import (  # noqa: F401 - the commands read them from he
     DEFAULT_CHUNK,
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_RECALL_BLOCKS,
+    DEFAULT_RECALL_RAM_MB,
     DEFAULT_RECLAIM_EVERY,
 )
 
@@ -162,4 +164,28 @@ Distributed = Annotated[
         help="Shard the model over the ranks of mlx.launch: auto (when launched), tensor, "
         "pipeline or off.",
     ),
+]
+
+# The recall tier (mlx_stream.recall): evicted context brought back into attention.
+Recall = Annotated[
+    bool,
+    typer.Option(
+        "--recall",
+        help="Keep what leaves the window (host memory, then disk) and bring the blocks the "
+        "queries need back into attention; device memory stays fixed.",
+    ),
+]
+RecallBlocks = Annotated[
+    int, typer.Option("--recall-blocks", help="Blocks of 64 tokens brought back per step.")
+]
+RecallBits = Annotated[
+    int | None, typer.Option("--recall-bits", help="Store evicted blocks at 4 or 8 bits.")
+]
+RecallRam = Annotated[
+    int,
+    typer.Option("--recall-ram", help="MB of host memory for the store before it spills to disk."),
+]
+RecallDir = Annotated[
+    Path | None,
+    typer.Option("--recall-dir", help="Folder for the spilled store. Default: a temporary folder."),
 ]

@@ -37,6 +37,7 @@ from cli.common import (
     handle_errors,
     json_line,
     load_model,
+    recall_spec,
 )
 from mlx_stream.defaults import RECLAIM_MODES
 
@@ -99,6 +100,17 @@ def ignoring_eos(tokenizer: Any) -> Iterator[None]:
         tokenizer.eos_token_ids = saved
 
 
+RECALL_KEYS = ("recall_device_mb", "recall_store_mb")
+
+
+def recall_bytes(tier: Any) -> dict:
+    """The recall tier's device region (fixed) and store (growing), in MB."""
+    if tier is None:
+        return {}
+    return dict(zip(RECALL_KEYS, (round(tier.device_nbytes / MB, 3),
+                                  round(tier.store_nbytes / MB, 3))))  # fmt: skip
+
+
 def run_setting(
     setting: Setting,
     model: Any,
@@ -118,7 +130,8 @@ def run_setting(
 
     caches = make_caches(model, setting.cache, cache)
     if setting.draft:
-        caches += make_caches(draft_model, setting.cache, cache)
+        caches += make_caches(draft_model, setting.cache, cache.replace(recall=None))
+    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
     schedule = ReclaimSchedule(every, setting.schedule)
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -153,6 +166,7 @@ def run_setting(
                     "cache_memory_mb": round(mem.cache / MB, 3),
                     "peak_memory_mb": round(mem.peak / MB, 3),
                     "kv_cache_mb": round(sum(int(c.nbytes) for c in caches) / MB, 3),
+                    **recall_bytes(tier),
                     "reclaims": schedule.reclaims,
                     "from_draft": bool(getattr(r, "from_draft", False)),
                     "generation_tps": round(float(getattr(r, "generation_tps", 0.0)), 3),
@@ -182,6 +196,7 @@ def summarize(setting: Setting, rows: list[dict[str, Any]], cache: Any) -> dict:
         "active_memory_mb": {"start": active[0], "end": active[-1], "max": max(active)},
         "cache_memory_mb": {"max": max(pool), "end": pool[-1]},
         "kv_cache_mb": {"start": rows[0]["kv_cache_mb"], "end": rows[-1]["kv_cache_mb"]},
+        **{k: {"start": rows[0][k], "end": rows[-1][k]} for k in RECALL_KEYS if k in rows[0]},
         "peak_memory_mb": max(r["peak_memory_mb"] for r in rows),
         "tokens_per_second": round(len(latency) / decode_s, 3) if decode_s > 0 else None,
         "latency_ms": {
@@ -237,6 +252,13 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
         )
     console.print(table)
     for s in summaries:
+        if "recall_store_mb" in s:
+            d, st, kv = s["recall_device_mb"], s["recall_store_mb"], s["kv_cache_mb"]
+            console.print(
+                f"{s['setting']}: device KV {kv['end']:.1f} MB + recall region "
+                f"{d['end']:.1f} MB (fixed); recall store {st['start']:.1f}→{st['end']:.1f} "
+                "MB (host memory, then disk)"
+            )
         if "distributed" in s:
             d = s["distributed"]
             share = f"{d['collective_share']:.0%}" if d["collective_share"] is not None else "-"
@@ -323,6 +345,11 @@ def profile(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Profile memory and latency per decoded token.
 
@@ -339,6 +366,9 @@ def profile(
     check_cache(sinks, window, **kv)
     if kv_bits is not None and (cache != "sink" or (compare and not draft_model)):
         fail("--kv-bits quantizes the sink cache: use it with --cache sink, without --compare")
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    if recall_policy is not None and (cache != "sink" or compare):
+        fail("--recall extends the sink cache: use it with --cache sink, without --compare")
     text = read_prompt(prompt, file)
     for path in (csv, plot):
         if path is not None:
@@ -362,6 +392,7 @@ def profile(
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     drafted = num_draft_tokens if draft is not None else None  # a verify block in the slack
     policy = cache_spec(spec, sinks, window, num_draft_tokens=drafted, **kv)
+    policy = policy.replace(recall=recall_policy)
     estimate = memory_estimate(target, draft, policy)
     prompt_tokens = list(tokenizer.encode(text))
     runs: dict[str, list[dict]] = {}

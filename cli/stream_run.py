@@ -32,6 +32,7 @@ from cli.common import (
     json_line,
     lenient_stdin,
     load_model,
+    recall_spec,
     stderr_console,
 )
 
@@ -296,11 +297,17 @@ def stream_run(
     kv_group_size: opt.KvGroupSize = 64,
     kv_key_bits: opt.KvKeyBits = None,
     distributed: opt.Distributed = "auto",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
     Scores every token and reports perplexity overall and per segment. --prompt then
-    answers a question from what is still in the window. Ctrl-C (or SIGTERM) stops
+    answers a question from what is still in the window (with --recall: also from the
+    evicted blocks its queries choose). Ctrl-C (or SIGTERM) stops
     between model calls, saves --checkpoint and prints the figures so far.
     """
     check_positive(chunk, "--chunk")
@@ -314,6 +321,9 @@ def stream_run(
         fail("--prompt is empty")
     if json_schema is not None and prompt is None:
         fail("--json-schema constrains the answer to --prompt: pass --prompt too")
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    if recall_policy is not None and (checkpoint or resume):
+        fail("--checkpoint and --resume do not carry the recall store yet: drop --recall")
     if csv is not None:
         check_output_path(csv)
     if checkpoint is not None:
@@ -326,6 +336,8 @@ def stream_run(
     cluster = dist.join(distributed, model)
     if cluster is not None and (checkpoint or resume):
         fail("--checkpoint and --resume are not available with --distributed")
+    if cluster is not None and recall_policy is not None:
+        fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         f, size = open_source(path)
     else:  # the text lives on rank 0's machine: read what rank 0 shares
@@ -341,6 +353,7 @@ def stream_run(
             model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window, kv=kv
         )
         cache = cache_spec(spec, sinks, window, positions=positions, **kv)
+        cache = cache.replace(recall=recall_policy)
         constraint = None
         if json_schema is not None:  # checked before the long run, used after it
             from mlx_stream.serve.structured import Grammars, schema_file_grammar

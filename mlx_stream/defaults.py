@@ -14,6 +14,10 @@ POSITIONS = ("cache", "absolute")
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 
+# The recall tier (mlx_stream.recall).
+DEFAULT_RECALL_BLOCKS = 8
+DEFAULT_RECALL_RAM_MB = 1024
+
 # Decoding and evaluation (mlx_stream.generate.decode, mlx_stream.eval.perplexity).
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 3

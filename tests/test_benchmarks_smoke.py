@@ -217,3 +217,17 @@ def test_perplexity_skips_sections_set_to_zero(monkeypatch, tmp_path, tiny_model
     )  # fmt: skip
     configs = [r["config"] for r in lines]
     assert configs and all(c.startswith("sinks=") for c in configs)
+
+
+def test_recall(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall", monkeypatch, tmp_path, tiny_model_dir, "--caches", "recall,window",
+                "--ranks")  # fmt: skip
+    assert {r["cache"] for r in lines} == {"recall", "window"}
+    for r in lines:
+        assert ENVIRONMENT_KEYS | {"length", "kind", "depth", "found", "answer"} <= set(r)
+    assert all(r["store_bytes"] > 0 for r in lines if r["cache"] == "recall")
+    ranked = [r for r in lines if r["cache"] == "recall"][0]
+    assert set(ranked["ranks"]) == {"exact", "quest", "mean"}
+    assert all(0 <= x < ranked["candidate_blocks"] for v in ranked["ranks"].values() for x in v)
+    table = load_script("recall", monkeypatch).render(lines)
+    assert "| 400 | passkey | filler |" in table

@@ -90,6 +90,7 @@ def test_the_engine_never_imports_the_cli_typer_or_rich():
         ("models", ("serve", "eval", "generate")),
         ("generate", ("serve", "eval")),
         ("eval", ("serve",)),
+        ("recall", ("serve", "eval", "generate", "models")),
     ],
 )
 def test_no_import_runs_up_a_layer(folder, forbidden):

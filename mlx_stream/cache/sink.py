@@ -162,6 +162,9 @@ class SinkCache(mlx_cache._BaseCache):
     def tokens_seen(self) -> int:
         return self.ring.tokens_seen
 
+    recall = None  # the recall tier (mlx_stream.recall) this layer feeds, if any
+    recall_index = 0  # this layer's index among the tier's layers
+
     @property
     def rope(self) -> nn.Module | None:
         return self.move.rope if self.move is not None else None
@@ -367,6 +370,8 @@ class SinkCache(mlx_cache._BaseCache):
         if self.keys is None:
             self._allocate(keys, values)
         self._apply_layout(n, N)
+        if self.recall is not None:  # store what leaves the window before it is overwritten
+            self.recall.before_write(self, n, N)
         L = ring.fetched(N)
         channel = self.channel_keys
         packed_keys = None if channel else kvstore.pack(keys, self.key_bits, g)
@@ -513,6 +518,8 @@ class SinkCache(mlx_cache._BaseCache):
                     self.values = saved
                 self._undo = None
         ring.forget(n)
+        if self.recall is not None:
+            self.recall.trimmed(self, ring.tokens_seen)
         return n
 
     def size(self) -> int:
@@ -644,6 +651,7 @@ def make_sink_cache(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     key_bits: int | None = None,
+    recall=None,
 ) -> list:
     """The model's prompt cache with every unbounded ``KVCache`` layer made a SinkCache.
 
@@ -666,6 +674,9 @@ def make_sink_cache(
         kv_group_size (int): Quantization group size. Default: ``64``.
         key_bits (int, optional): Key bits when they differ from ``kv_bits``.
             Default: ``kv_bits``.
+        recall (RecallSpec, optional): Keep evicted blocks and bring the ones the
+            queries need back into attention (``mlx_stream.recall``); it may raise the
+            slack. Default: ``None`` (off).
 
     Returns:
         list: One cache per layer, usable as mlx-lm's ``prompt_cache``.
@@ -673,7 +684,8 @@ def make_sink_cache(
     Raises:
         Unsupported: Impossible sizes, or a model this cache would serve inexactly.
     """
-    spec = CacheSpec(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
+    spec = CacheSpec(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits,
+                     recall)  # fmt: skip
     return build_sink_cache(model, spec)
 
 
@@ -686,6 +698,11 @@ def build_sink_cache(model: nn.Module, spec: CacheSpec) -> list:
         if type(c) is not mlx_cache.KVCache and not isinstance(c, KEPT):
             _refuse_layer(model, i, c)
     verdict = check_model(model, caches)
+    if s.recall is not None:  # refuses what it cannot serve; installs the attention hook
+        from mlx_stream.recall.tier import check
+
+        slack = check(model, caches, verdict, s.recall, s.window, s.stride, s.positions, s.slack)
+        s = s.replace(slack=slack)
     if s.positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
         if verdict.refusal:
             raise Unsupported(
@@ -712,6 +729,10 @@ def build_sink_cache(model: nn.Module, spec: CacheSpec) -> list:
                 s.kv_group_size, s.key_bits, verdict.moves.get(i), verdict.additive_mask,
             )  # fmt: skip
         out.append(c)
+    if s.recall is not None:
+        from mlx_stream.recall.tier import attach
+
+        attach(s.recall, out)
     return out
 
 

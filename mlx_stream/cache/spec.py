@@ -106,6 +106,8 @@ class CacheSpec:
         kv_group_size (int): Quantization group size: 32, 64 or 128. Default: ``64``.
         key_bits (int, optional): Bits of the keys when they differ from
             ``kv_bits``; normalized to ``kv_bits`` when not given.
+        recall (RecallSpec, optional): The recall tier (``mlx_stream.recall``): evicted
+            blocks kept and brought back; not part of the JSON form. Default: off.
 
     Raises:
         CacheSettingError: A setting a SinkCache cannot have (one line).
@@ -119,6 +121,7 @@ class CacheSpec:
     kv_bits: int | None = None
     kv_group_size: int = 64
     key_bits: int | None = None
+    recall: Any = None
 
     def __post_init__(self) -> None:
         if self.slack is None:  # make_sink_cache's rule: slack serves rollback only

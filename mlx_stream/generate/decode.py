@@ -44,6 +44,7 @@ from mlx_stream.defaults import (
     DEFAULT_WINDOW,
 )
 from mlx_stream.errors import UserError
+from mlx_stream.recall.tier import prompt_end as recall_prompt_end
 
 # Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
 # the whole history, which grows forever in a stream: keep the most recent ones only.
@@ -215,6 +216,9 @@ def generate_step(
         reclaim.step(done - n, done)
         if poll:
             yield None
+    with mx.stream(stream):
+        for m, c in models:  # recall: the prompt's own queries choose what its end recalls
+            recall_prompt_end(m, c, prompt[:-1])
 
     run = _speculative if draft_model is not None else _plain
     yield from run(

@@ -232,8 +232,8 @@ class ChatSession:
         spec = self.settings.cache_spec(self.sinks, drafting=self.draft_model is not None)
         caches = spec.build(self.model)
         self.n_target = len(caches)
-        if self.draft_model is not None:
-            caches += spec.build(self.draft_model)
+        if self.draft_model is not None:  # the recall tier serves the target only
+            caches += spec.replace(recall=None).build(self.draft_model)
         return caches
 
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
@@ -458,6 +458,8 @@ class ChatSession:
         model its cache goes to ``PATH.draft.safetensors``."""
         from mlx_stream.cache.sink import save_cache
 
+        if self.settings.cache.recall is not None:
+            raise UserError("/save does not carry the recall store yet (chat without --recall)")
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
         try:
@@ -473,6 +475,8 @@ class ChatSession:
 
     def load(self, path: str | Path) -> Path:
         """Restore a conversation saved by :meth:`save`."""
+        if self.settings.cache.recall is not None:
+            raise UserError("/load does not carry the recall store yet (chat without --recall)")
         from mlx_stream.cache.sink import load_cache
 
         cache_path, _ = checkpoint_paths(path)

@@ -1,0 +1,152 @@
+"""Needles past the window: the window alone, the window with recall, the full cache.
+
+One JSON line per prompt and cache (``recall-needle``): a pass key (or a word fact) at
+a depth of a long prompt, the greedy answer, whether it holds the needle, the store's
+and the region's bytes and the seconds it took. ``--table FILE`` renders saved lines.
+
+    python benchmarks/recall.py --length 16384,32768 --depths 0.1,0.3,0.5,0.7,0.9 \\
+        --caches recall --out benchmarks/results/recall.jsonl
+    python benchmarks/recall.py --length 4096 --caches recall,full,window --out ...
+    python benchmarks/recall.py --table benchmarks/results/recall.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from common import (  # first: it preloads OpenBLAS before mlx.core
+    base_parser,
+    base_record,
+    book_tokens,
+    emit,
+    load_model,
+    main_guard,
+)
+
+from mlx_stream.eval.needle import filler_tokens, filler_unit, needle_eval
+from mlx_stream.recall import RecallSpec
+from mlx_stream.recall.spec import SELECTORS
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def words(text: str) -> list[str]:
+    return [v for v in text.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--length", type=ints, default=[16384, 32768])
+    parser.add_argument("--depths", type=floats, default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--kinds", type=words, default=["passkey"])
+    parser.add_argument("--caches", type=words, default=["recall", "window"])
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
+    parser.add_argument("--selector", default="quest")
+    parser.add_argument("--placement", default="stream")
+    parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
+    parser.add_argument("--haystack", default="filler", help="filler, or a book in the data")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", action="store_true",
+                        help="also rank the needle's blocks under every selector at the "
+                        "prompt's end (the exact one costs O(stored tokens))")  # fmt: skip
+    parser.add_argument("--table", type=Path, help="render saved JSON lines and exit")
+    args = parser.parse_args(argv)
+    if args.table is not None:
+        print(render([json.loads(x) for x in args.table.read_text().splitlines() if x.strip()]))
+        return []
+    if args.quick:  # the tiny model: short prompts
+        args.length, args.depths, args.window, args.blocks = [400], [0.2], 32, 2
+    model, tokenizer, weights = load_model(args.model, args.dtype)
+    need = max(args.length) + 256
+    align = 1
+    if args.haystack == "filler":
+        hay, align = filler_tokens(tokenizer, need), filler_unit(tokenizer)
+    else:
+        hay = book_tokens(tokenizer, need, args.haystack)
+    spec = RecallSpec(blocks=args.blocks, selector=args.selector, placement=args.placement,
+                      bits=args.bits)  # fmt: skip
+    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    records = []
+
+    def row(r: dict) -> None:
+        records.append(emit(base_record(
+            "recall-needle", args.model, weights, window=args.window, sinks=args.sinks,
+            blocks=args.blocks, selector=args.selector, placement=args.placement,
+            store_bits=args.bits, haystack=args.haystack, **r), args.out))  # fmt: skip
+
+    tic = time.perf_counter()
+    needle_eval(model, tokenizer, hay, args.length, args.depths, args.kinds, args.caches,
+                args.sinks, args.window, spec, context, 8, args.seed, row,
+                inspect=ranks if args.ranks else None, align=align)  # fmt: skip
+    print(f"# {time.perf_counter() - tic:.0f} s", flush=True)
+    return records
+
+
+def ranks(tier, prompt, row: dict) -> None:
+    """At the prompt's end: the rank of each of the needle's blocks under every
+    selector (0: the best block), from the same queries."""
+    import numpy as np
+
+    bs = tier.block
+    blocks = sorted({prompt.needle_at // bs, (prompt.needle_at + prompt.needle_len - 1) // bs})
+
+    def measure(t, point):
+        out = {}
+        for selector in SELECTORS:
+            scores = t.scores(point, selector)
+            if scores is None:
+                continue
+            order = list(np.argsort(-scores, kind="stable"))
+            out[selector] = [order.index(b) if b < len(order) else None for b in blocks]
+        row["ranks"] = out
+        row["candidate_blocks"] = int(len(scores)) if scores is not None else 0
+
+    tier.on_prompt_end = measure
+
+
+def render(records: list[dict]) -> str:
+    """Markdown: found / trials per length, needle and cache (with how often the
+    needle's blocks were among those recalled), then the needle's rank per selector."""
+    cells: dict = {}
+    picked: dict = {}
+    for r in records:
+        if r.get("bench") != "recall-needle":
+            continue
+        key = (r.get("length_asked", r["length"]), r["kind"], r.get("haystack", "filler"))
+        cells.setdefault(key, {}).setdefault(r["cache"], []).append(r["found"])
+        if r["cache"] == "recall" and "needle_selected" in r:
+            picked.setdefault(key, []).append(r["needle_selected"])
+    out = ["| prompt tokens | needle | haystack | window alone | window + recall | full cache "
+           "| needle's blocks recalled |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key in sorted(cells):
+        got = cells[key]
+        row = [f"{sum(got[c])}/{len(got[c])}" if c in got else "—"
+               for c in ("window", "recall", "full")]  # fmt: skip
+        sel = picked.get(key)
+        row.append(f"{sum(sel)}/{len(sel)}" if sel else "—")
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(row) + " |")
+    ranked = [r for r in records if r.get("bench") == "recall-needle" and r.get("ranks")]
+    if ranked:
+        names = sorted({s for r in ranked for s in r["ranks"]})
+        out += ["", "| prompt tokens | depth | candidate blocks | blocks k | "
+                + " | ".join(f"rank, {n}" for n in names) + " |",
+                "|---|---|---|---|" + "---|" * len(names)]  # fmt: skip
+        for r in ranked:
+            ranks = [",".join(str(x) for x in r["ranks"].get(n, [])) or "—" for n in names]
+            out.append(f"| {r['length']} | {r['depth']} | {r['candidate_blocks']} | "
+                       f"{r['blocks']} | " + " | ".join(ranks) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main_guard(main)

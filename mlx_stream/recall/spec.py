@@ -1,0 +1,85 @@
+"""The recall policy as one small frozen value (no mlx import: the CLI may read it).
+
+``RecallSpec`` says how many evicted blocks come back into attention, how they are
+chosen and placed, and where the store of evicted blocks lives. A cache policy value
+carries it as one field; ``make_sink_cache(model, ..., recall=RecallSpec())`` takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS, DEFAULT_RECALL_RAM_MB, DEFAULT_STRIDE
+from mlx_stream.errors import Unsupported
+
+SELECTORS = ("exact", "quest", "mean")
+PLACEMENTS = ("stream", "before", "fixed")
+DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
+DEFAULT_BLOCK = DEFAULT_STRIDE
+DEFAULT_RAM = DEFAULT_RECALL_RAM_MB * 1_000_000  # host bytes before spilling to disk
+
+
+@dataclass(frozen=True)
+class RecallSpec:
+    """How evicted context is stored and brought back.
+
+    Attributes:
+        blocks (int): ``k``: blocks retrieved into the fixed region of every layer.
+        block (int): Tokens per block; equals the cache's stride (blocks are cut, and
+            the selection refreshed, at stride boundaries). Default: ``64``.
+        selector (str): How blocks are scored against the queries: ``"exact"``
+            (softmax mass over every stored key; the oracle, O(store) per refresh),
+            ``"quest"`` (per-channel min/max bound of a block's keys) or ``"mean"``
+            (the block's mean key).
+        placement (str): ``"stream"``: sinks, retrieved blocks, window, in stream
+            order (each block keeps its own token spacing); ``"before"``: the blocks
+            right before the sinks; ``"fixed"``: every retrieved token at the one
+            position right before the sinks (InfLLM).
+        bits (int, optional): Store keys and values quantized to 4 or 8 bits
+            (``mx.quantize``, the window's quantization). Default: the model's dtype.
+        group_size (int): Quantization group size of the store. Default: ``64``.
+        ram_bytes (int): Host bytes the store may hold before new blocks spill to
+            memory-mapped files in ``folder``. Default: 1 GB.
+        folder (str, optional): Where spilled blocks go. Default: a temporary folder.
+        refeed (int): At a prompt's end, its last tokens back to the start of this
+            many blocks are fed again with the selection the prompt's queries chose
+            (the slack grows to cover the rollback); ``0``: only the prompt's last
+            token sees it. Default: ``2``.
+    """
+
+    blocks: int = DEFAULT_BLOCKS
+    block: int = DEFAULT_BLOCK
+    selector: str = "quest"
+    placement: str = "stream"
+    bits: int | None = None
+    group_size: int = 64
+    ram_bytes: int = DEFAULT_RAM
+    folder: str | None = None
+    refeed: int = 2
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1:
+            raise Unsupported(f"recall blocks must be at least 1 (got {self.blocks})")
+        if self.block < 1:
+            raise Unsupported(f"recall block size must be at least 1 (got {self.block})")
+        if self.selector not in SELECTORS:
+            raise Unsupported(
+                f"recall selector must be one of {', '.join(SELECTORS)} (got {self.selector!r})"
+            )
+        if self.placement not in PLACEMENTS:
+            raise Unsupported(
+                f"recall placement must be one of {', '.join(PLACEMENTS)} (got {self.placement!r})"
+            )
+        if self.bits not in (None, 4, 8):
+            raise Unsupported(f"recall store bits must be 4 or 8 (got {self.bits})")
+        if self.group_size not in (32, 64, 128):
+            raise Unsupported(f"recall group size must be 32, 64 or 128 (got {self.group_size})")
+        if self.refeed < 0:
+            raise Unsupported(f"recall refeed must be 0 or more blocks (got {self.refeed})")
+        if self.ram_bytes < 0:
+            raise Unsupported(f"recall RAM budget must be 0 or more (got {self.ram_bytes})")
+
+    @property
+    def region(self) -> int:
+        """Slots of the retrieval region per layer (``blocks * block``)."""
+        return self.blocks * self.block

@@ -1,0 +1,196 @@
+"""The store of evicted blocks: host memory (numpy), optionally quantized, spilling to
+memory-mapped files past a RAM budget.
+
+One ``BlockStore`` serves every layer of a model. Block ``j`` holds the keys and
+values of tokens ``[j * block, (j + 1) * block)`` of one layer, shape ``(H, block, D)``
+(batch 1), keys moved to block-relative positions (token ``i`` of the block at
+position ``i``). Arrays leave the device as raw bits (a bfloat16 array travels as
+``uint16``), so a round trip is exact for float stores; a quantized store keeps mlx's
+``(packed, scales, biases)`` triple per tensor, the window's own format
+(``mlx_stream.cache.storage``). Blocks are kept in segments of ``SEGMENT`` blocks per layer;
+a segment that would take the store past ``ram_bytes`` is a ``np.memmap`` file in the
+folder instead, so a long stream grows the disk, not the process. Bytes per stored
+token are known before the first block (:func:`bytes_per_token`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.errors import UserError
+
+SEGMENT = 32  # blocks per segment (one allocation, or one file, per layer and tensor)
+
+_RAW = {mx.bfloat16: (mx.uint16, np.uint16), mx.float16: (mx.float16, np.float16),
+        mx.float32: (mx.float32, np.float32), mx.uint32: (mx.uint32, np.uint32)}  # fmt: skip
+
+
+def to_host(x: mx.array) -> np.ndarray:
+    """The bits of ``x`` as a numpy array (bfloat16 viewed as uint16: numpy has none)."""
+    view, _ = _RAW[x.dtype]
+    return np.array(x.view(view) if view != x.dtype else x, copy=False)
+
+
+def to_device(x: np.ndarray, dtype) -> mx.array:
+    """``to_host``'s inverse."""
+    view, _ = _RAW[dtype]
+    a = mx.array(x)
+    return a.view(dtype) if view != dtype else a
+
+
+def _parts(H: int, block: int, D: int, dtype, bits: int | None, group: int) -> list:
+    """``(shape, mx dtype)`` of each stored array of one block's tensor."""
+    if bits is None:
+        return [((H, block, D), dtype)]
+    return [((H, block, D * bits // 32), mx.uint32), ((H, block, D // group), dtype),
+            ((H, block, D // group), dtype)]  # fmt: skip
+
+
+def bytes_per_token(
+    layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype_bytes: int,
+    bits: int | None = None, group: int = 64,
+) -> int:  # fmt: skip
+    """Store bytes one token costs over all layers (keys and values; summaries apart)."""
+
+    def one(dim: int) -> int:
+        if bits is None:
+            return dim * dtype_bytes
+        return dim * bits // 8 + 2 * (dim // group) * dtype_bytes
+
+    return layers * kv_heads * (one(key_dim) + one(value_dim))
+
+
+class BlockStore:
+    """Evicted blocks of every layer.
+
+    Args:
+        layers (int): Layers stored.
+        block (int): Tokens per block.
+        bits (int, optional): 4 or 8 to quantize; ``None`` keeps the model's dtype.
+        group_size (int): Quantization group size.
+        ram_bytes (int): Host bytes before segments go to memory-mapped files.
+        folder (str, optional): Where the files go (made if missing; a temporary
+            folder when ``None``).
+    """
+
+    def __init__(self, layers: int, block: int, bits: int | None = None, group_size: int = 64,
+                 ram_bytes: int = 1 << 30, folder: str | None = None):  # fmt: skip
+        self.layers, self.block, self.bits, self.group = layers, block, bits, group_size
+        self.ram_bytes = ram_bytes
+        self.folder = None if folder is None else Path(folder)
+        self._tmp = None
+        self.count = [0] * layers  # blocks stored per layer
+        self.first = {}  # block -> first valid token index inside it (block 0: the sinks)
+        self.segments = [[] for _ in range(layers)]  # per layer: [(keys parts, values parts)]
+        self.shapes = None  # ((H, D, dtype) of keys, of values)
+        self.host_bytes = 0
+        self.disk_bytes = 0
+        if self.folder is not None:
+            check_folder(self.folder)
+
+    # ----- writing -------------------------------------------------------------------
+
+    def _folder(self) -> Path:
+        if self.folder is None:
+            if self._tmp is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="mlx-stream-recall-")
+            return Path(self._tmp.name)
+        return self.folder
+
+    def _segment(self, layer: int, index: int) -> tuple:
+        segs = self.segments[layer]
+        while len(segs) <= index:
+            segs.append(self._new_segment(layer, len(segs)))
+        return segs[index]
+
+    def _new_segment(self, layer: int, index: int) -> tuple:
+        out = []
+        for t, (H, D, dtype) in enumerate(self.shapes):
+            parts = []
+            for p, (shape, kind) in enumerate(_parts(H, self.block, D, dtype, self.bits,
+                                                     self.group)):  # fmt: skip
+                np_dtype = _RAW[kind][1]
+                shape = (SEGMENT, *shape)
+                size = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+                if self.host_bytes + size <= self.ram_bytes:
+                    parts.append(np.zeros(shape, np_dtype))
+                    self.host_bytes += size
+                else:
+                    path = self._folder() / f"layer{layer}.seg{index}.{'kv'[t]}{p}.npy"
+                    try:
+                        parts.append(np.lib.format.open_memmap(path, "w+", np_dtype, shape))
+                    except OSError as e:
+                        raise UserError(
+                            f"cannot write the recall store in {path.parent} ({e.strerror})"
+                        ) from None
+                    self.disk_bytes += size
+            out.append(parts)
+        return tuple(out)
+
+    def put(self, layer: int, j: int, keys: mx.array, values: mx.array, first: int = 0) -> None:
+        """Store block ``j`` of ``layer`` (``keys``/``values``: ``(1, H, block, D)``,
+        float; tokens before ``first`` are not part of it)."""
+        if self.shapes is None:
+            self.shapes = ((keys.shape[1], keys.shape[-1], keys.dtype),
+                           (values.shape[1], values.shape[-1], values.dtype))  # fmt: skip
+        seg = self._segment(layer, j // SEGMENT)
+        for t, x in enumerate((keys, values)):
+            packed = kvstore.pack(x[0], self.bits, self.group)
+            packed = packed if isinstance(packed, tuple) else (packed,)
+            for dst, src in zip(seg[t], packed):
+                dst[j % SEGMENT] = to_host(src)
+        self.count[layer] = max(self.count[layer], j + 1)
+        if first:
+            self.first[j] = first
+
+    def forget(self, layer: int, blocks: int) -> None:
+        """Keep only ``layer``'s blocks ``< blocks`` (a rollback removed tokens of the
+        later ones)."""
+        self.count[layer] = min(self.count[layer], blocks)
+
+    # ----- reading -------------------------------------------------------------------
+
+    def get(self, layer: int, j: int) -> tuple[mx.array, mx.array]:
+        """Block ``j`` of ``layer`` as float ``(1, H, block, D)`` keys and values."""
+        seg = self._segment(layer, j // SEGMENT)
+        out = []
+        for t, (_, _, dtype) in enumerate(self.shapes):
+            parts = [to_device(np.asarray(p[j % SEGMENT]), kind) for p, (_, kind) in zip(
+                seg[t], _parts(1, 1, 64, dtype, self.bits, self.group))]  # fmt: skip
+            x = parts[0] if self.bits is None else tuple(parts)
+            out.append(kvstore.unpack(x, self.bits, self.group)[None])
+        return out[0], out[1]
+
+    def blocks(self) -> int:
+        """Blocks stored in every layer."""
+        return min(self.count) if self.count else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store has allocated (host and disk)."""
+        return self.host_bytes + self.disk_bytes
+
+    def close(self) -> None:
+        self.segments = [[] for _ in range(self.layers)]
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def check_folder(folder: Path) -> None:
+    """A ``UserError`` (one line) unless ``folder`` exists or can be made, and is writable."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-", delete=True)
+        probe.close()
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise UserError(f"cannot write the recall store in {folder} ({why})") from None
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"cannot write the recall store in {folder} (not writable)")

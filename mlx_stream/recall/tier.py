@@ -1,0 +1,465 @@
+"""The recall tier: evicted blocks stored, chosen by the queries, attended again.
+
+Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
+
+* **Store.** Block ``j`` is tokens ``[j * block, (j + 1) * block)`` (the sinks left
+  out). At the first call at or after each multiple of ``block``, each block that no
+  row can see any more (its last token ``<= boundary - window``) is copied out of
+  every layer's ring (in that layer's own hook, in that call's layout) before its
+  slots are reused, keys moved to block-relative positions with the layer's own
+  rope, into the host store (``mlx_stream.recall.store``), and summarised
+  (``mlx_stream.recall.select``). ``block`` is the cache's stride, and the slack is
+  raised so a block is always still in the ring when it is copied.
+* **Selection.** Refreshed only at token indices that are multiples of ``block`` (calls
+  of our decode loop never cross one) from the queries of the ``block`` tokens before
+  it, and at the end of each prompt fed by ``generate_step`` (so the question's
+  queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
+  then rolled back and fed again under that selection, so the question's own tokens
+  see what it recalls). Candidates are the blocks every layer stored at earlier
+  boundaries (a block joins them one boundary after it is stored); ``k`` winners, in
+  stream order, one selection for all layers. So the result does not depend on how a
+  prompt is split into calls: chunked prefill,
+  token-by-token decode and speculative verify blocks see the same selection at every
+  token. What does differ: a stream fed as several prompts (chat turns) also refreshes
+  at each prompt's end.
+* **Region.** Each layer has a fixed device buffer of ``k * block`` slots; at the start
+  of a call whose selection or sink position changed it is rebuilt from the store:
+  ``placement="stream"`` keeps stream order: a copy of the sinks moved back by the
+  region (the ring's own sink slots are masked), then the selected blocks (each keeps
+  its token spacing, the last one adjacent to the window); ``"before"`` puts the blocks
+  right before the sinks, which stay where the ring has them; ``"fixed"`` puts every
+  retrieved token at the one position right before the sinks (InfLLM). All are
+  bounded: no key sits more than ``k * block`` positions beyond where the sinks alone
+  would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
+  model's mask extended by the region's valid slots (``mlx_stream.recall.hook``).
+  Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer
+  (``stream`` adds a moved copy of the sinks; the slack covers the prompt-end
+  rollback); the concatenation is a per-call temporary, and for ``slack + 2`` tokens
+  after each rebase the cache keeps a copy of the moved keys so that rollback is exact.
+* **Rollback.** ``trim`` forgets the queries of the trimmed tokens, stored blocks
+  holding a trimmed token and selections refreshed after the point trimmed back to
+  (a stored block a row can see again is no candidate until it is evicted again).
+
+Supported: batch 1, ``positions="cache"``, layers whose keys carry the rope on all of
+their dims (or no position); anything else is refused with one line before the first
+token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.positions import Move, model_type
+from mlx_stream.errors import RuntimeFailure, Unsupported
+from mlx_stream.recall import hook, select
+from mlx_stream.recall.spec import RecallSpec
+from mlx_stream.recall.store import BlockStore
+
+HISTORY = 16  # selections kept for rollback (a rollback reaches slack + 1 tokens back)
+
+
+def min_slack(window: int, block: int) -> int:
+    """Slack that keeps a block in the ring until the first call that can store it:
+    a block is whole past the window ``block - 1 + window`` tokens after its start,
+    the next call start at a multiple of ``block`` comes at most ``(1 - window) % block``
+    tokens later, and its first token is overwritten ``window + slack`` tokens after it."""
+    return block - 1 + (1 - window) % block
+
+
+def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: int,
+          positions: str, slack: int) -> int:  # fmt: skip
+    """Refuse, with one line, what recall cannot serve; install the attention hook;
+    return the slack the cache needs."""
+    name = model_type(model)
+    if positions != "cache":
+        raise Unsupported("recall needs positions='cache' (bounded positions)")
+    if spec.block != stride:
+        raise Unsupported(
+            f"the recall block ({spec.block}) must equal the cache stride ({stride}): blocks "
+            "are cut and selections refreshed at stride boundaries"
+        )
+    from mlx_lm.models import cache as mlx_cache
+
+    layers = [i for i, c in enumerate(caches) if type(c) is mlx_cache.KVCache]
+    if not layers:
+        raise Unsupported(f"{name}: no layer keeps an unbounded cache: nothing to recall")
+    for i in layers:
+        move = verdict.moves.get(i)
+        if move is not None and move.moves and (move.slot != 0 or move.part != "all"):
+            raise Unsupported(
+                f"{name}: layer {i} keeps its positions in {move.describe()}; recall "
+                "supports keys roped on all of their dims"
+            )
+    if spec.bits is not None:
+        from mlx_stream.cache.estimate import model_layout
+
+        layout = model_layout(model)
+        for dim in (layout.key_dim, layout.value_dim):
+            if dim % spec.group_size:
+                raise Unsupported(
+                    f"the recall store's group size {spec.group_size} does not divide the "
+                    f"head dimension {dim}; use one that does"
+                )
+    hook.install(model, layers, name)
+    return max(slack, min_slack(window, spec.block), spec.refeed * spec.block)
+
+
+def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
+    """``x`` (1, H, L, D) with token ``i`` moved by ``offsets[i]`` positions."""
+    B, H, L, D = x.shape
+    moved = move.rope(x.transpose(2, 1, 0, 3), offset=offsets).transpose(2, 1, 0, 3)
+    scale = move.scale(D)
+    return (moved / scale if scale != 1.0 else moved).astype(x.dtype)
+
+
+class Recall:
+    """The recall tier of one model cache (see the module docstring).
+
+    Args:
+        spec (RecallSpec): The policy.
+        caches (list): The model's prompt cache; its SinkCache layers get this tier.
+    """
+
+    def __init__(self, spec: RecallSpec, caches: list):
+        from mlx_stream.cache.sink import SinkCache
+
+        self.spec, self.block = spec, spec.block
+        self.layers = [c for c in caches if isinstance(c, SinkCache)]
+        for i, c in enumerate(self.layers):
+            c.recall, c.recall_index = self, i
+            c._rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
+        L = len(self.layers)
+        self.store = BlockStore(L, spec.block, spec.bits, spec.group_size, spec.ram_bytes,
+                                spec.folder)  # fmt: skip
+        self.summaries = select.Summaries(L)
+        self.first = []  # per block: its first token that belongs to it (sinks excluded)
+        # (refresh point, selection, hold): the last one is current; no boundary
+        # refresh replaces it at a boundary <= hold (a prompt's end fed again)
+        self.history = [(0, (), 0)]
+        self.queries = [[] for _ in range(L)]  # per layer: (first token, queries, anchor)
+        self.regions = [None] * L  # per layer: [keys, values] in attention's format
+        self.applied = [None] * L  # per layer: (selection, anchor) the region holds
+        self._valid = (None, None)  # ((selection, lead), bool of valid region slots)
+        self.scale = None
+        self.refreshes = 0
+        self.on_prompt_end = None  # called with (tier, token) after a prompt-end refresh
+
+    # ----- numbers ------------------------------------------------------------------
+
+    @property
+    def selection(self) -> tuple[int, ...]:
+        return self.history[-1][1]
+
+    @property
+    def refreshed_at(self) -> int:
+        return self.history[-1][0]
+
+    @property
+    def region_slots(self) -> int:
+        return self.spec.blocks * self.block
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of the retrieval regions (device memory, fixed once allocated)."""
+        return sum(sum(a.nbytes for a in _flat(r)) for r in self.regions if r is not None)
+
+    @property
+    def store_nbytes(self) -> int:
+        """Bytes of the store (host memory and files) and its summaries."""
+        return self.store.nbytes + self.summaries.nbytes
+
+    @staticmethod
+    def anchor(cache, n: int) -> int:
+        """Position of the first sink for a call at token ``n`` (the region ends there)."""
+        base, sink_start = cache.ring.layout(n)
+        return sink_start - base
+
+    # ----- the cache's hooks ----------------------------------------------------------
+
+    def before_write(self, cache, n: int, N: int) -> None:
+        """At the start of a call of ``N`` tokens at ``n``, after the cache's layout
+        is applied and before anything is written."""
+        if (cache.recall_index == 0 and n % self.block == 0 and n != self.refreshed_at
+                and n > self.history[-1][2]):  # fmt: skip
+            self.refresh(n)  # from blocks every layer stored at earlier boundaries
+        self._capture(cache, n)
+        self._build_region(cache, n)
+
+    def trimmed(self, cache, keep: int) -> None:
+        """The cache forgot every token from ``keep`` on."""
+        i = cache.recall_index
+        kept = []
+        for t0, q, a in self.queries[i]:
+            if t0 < keep:
+                kept.append((t0, q[:, :, : keep - t0, :] if t0 + q.shape[2] > keep else q, a))
+        self.queries[i] = kept
+        self.store.forget(i, keep // self.block)  # blocks wholly before keep stay true
+        if i == 0:
+            while len(self.history) > 1 and self.history[-1][0] > keep:
+                self.history.pop()
+
+    # ----- store ----------------------------------------------------------------------
+
+    @property
+    def stored(self) -> int:
+        """Blocks stored in every layer."""
+        return self.store.blocks()
+
+    def _evicted_blocks(self, n: int) -> int:
+        """Blocks no row of a call at ``n`` can see (each wholly before its window)."""
+        return max(0, (n - self.layers[0].window + 1) // self.block)
+
+    def _capture(self, cache, n: int) -> None:
+        """Store this layer's blocks that were wholly past the window at the last
+        block boundary ``<= n``. Only at boundaries, each layer in its own layout of
+        that call: what is stored never depends on how calls split the stream (a
+        quantized ring re-quantizes what a rebase moves)."""
+        i, bs, S = cache.recall_index, self.block, cache.sinks
+        count = self._evicted_blocks(n // bs * bs)
+        for j in range(self.store.count[i], count):
+            lo, hi = max(j * bs, S), (j + 1) * bs
+            first = min(lo - j * bs, bs)
+            keys, values = self._gather(cache, lo, hi)
+            if cache._moving and cache.move is not None:
+                keys = cache.move(keys, cache._layout_applied[0] - j * bs)  # block-relative
+            if first:
+                keys, values = (_pad_front(x, first, bs) for x in (keys, values))
+            self.store.put(i, j, keys, values, first)
+            valid = np.asarray(keys[0, :, first:, :].astype(mx.float32))
+            self.summaries.add(i, j, valid if valid.shape[1] else np.zeros_like(
+                np.asarray(keys[0, :, :1, :].astype(mx.float32))))  # fmt: skip
+            if j == len(self.first):
+                self.first.append(first)
+
+    def _gather(self, c, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+        """Tokens ``lo:hi`` of layer cache ``c`` as float keys and values (zeros of
+        one slot when the block is all sinks)."""
+        g = c.kv_group_size
+        if hi <= lo:
+            one = [kvstore.unpack(kvstore.get(b, 0, 1), bits, g)
+                   for b, bits in ((c.keys, c.key_bits), (c.values, c.value_bits))]  # fmt: skip
+            return tuple(mx.zeros_like(x[:, :, :0, :]) for x in one)
+        slots = [c.ring.slot(t) for t in range(lo, hi)]
+        if any(c.ring.slots[s] != t for s, t in zip(slots, range(lo, hi))):
+            raise RuntimeFailure(
+                f"recall: tokens {lo}-{hi - 1} were overwritten before they were stored "
+                "(a call crossed too many tokens at once; feed at most max_call_tokens())"
+            )
+        if c.keys[0].shape[0] != 1 if isinstance(c.keys, tuple) else c.keys.shape[0] != 1:
+            raise Unsupported("recall serves one sequence per cache (batch 1)")
+        idx = mx.array(slots)
+
+        def take(buf, bits):
+            part = tuple(mx.take(b, idx, axis=2) for b in buf) if isinstance(buf, tuple) else (
+                mx.take(buf, idx, axis=2))  # fmt: skip
+            return kvstore.unpack(part, bits, g)
+
+        return take(c.keys, c.key_bits), take(c.values, c.value_bits)
+
+    # ----- selection --------------------------------------------------------------------
+
+    def refresh_now(self) -> None:
+        """Refresh the selection at the current token (the end of a prompt)."""
+        n = self.layers[0].tokens_seen
+        if n != self.refreshed_at:
+            self.refresh(n)
+            if self.on_prompt_end is not None:
+                self.on_prompt_end(self, n)
+
+    def prompt_end(self, model, caches: list, fed) -> None:
+        """At the end of a prompt (``fed``: its tokens fed so far, all but the last):
+        refresh the selection from the prompt's last queries, then roll ``caches``
+        back to the start of the prompt's last ``spec.refeed`` blocks and feed those
+        tokens again, attending to what the prompt chose (the question's own tokens
+        then see the blocks it recalls; a boundary refresh does not replace that
+        selection before the prompt's end)."""
+        from mlx_stream.cache.sink import max_call_tokens
+
+        n = self.layers[0].tokens_seen
+        if n == self.refreshed_at:
+            return
+        self.refresh_now()
+        if self.refreshed_at != n:
+            return  # nothing to choose from yet
+        sel, bs = self.selection, self.block
+        start = max((n - 1) // bs * bs - (self.spec.refeed - 1) * bs, n - len(fed), 0)
+        if not sel or not self.spec.refeed or start >= n:
+            return
+        if not all(c.is_trimmable() for c in caches):
+            return  # a bounded cache mlx-lm cannot roll back (a wrapped RotatingKVCache)
+        for c in caches:
+            c.trim(n - start)
+        self.history.append((start, sel, n))
+        tokens = fed[len(fed) - (n - start) :]
+        while tokens.size:
+            k = min(max_call_tokens(caches) or tokens.size, tokens.size)
+            model(tokens[None, :k], cache=caches)
+            mx.eval([c.state for c in caches])
+            tokens = tokens[k:]
+
+    def _recent(self, i: int, point: int) -> np.ndarray | None:
+        """Layer ``i``'s queries of the ``block`` tokens before ``point``, moved so a
+        block-relative key ``t`` sits at position ``t`` right before the sinks."""
+        c, parts = self.layers[i], []
+        for t0, q, anchor in self.queries[i]:
+            a, b = max(t0, point - self.block), min(t0 + q.shape[2], point)
+            if a >= b:
+                continue
+            rows = q[:, :, a - t0 : b - t0, :]
+            if c._moving and c.move is not None:
+                rows = c.move(rows, self.block - anchor)
+            parts.append(rows)
+        if not parts:
+            return None
+        return np.asarray(mx.concatenate(parts, axis=2)[0].astype(mx.float32))
+
+    def scores(self, point: int, selector: str | None = None) -> np.ndarray | None:
+        """Every candidate block's score for the calls from ``point`` on, from the
+        queries before it (``selector``: the spec's unless named); ``None`` when there
+        is no candidate or no query yet."""
+        selector = selector or self.spec.selector
+        nb = min(self.stored, self._evicted_blocks(point))  # none a row can still see
+        if nb == 0 or self.scale is None:
+            return None
+        empty = np.array([f >= self.block for f in self.first[:nb]])
+        total = np.zeros(nb)
+        for i in range(len(self.layers)):
+            q = self._recent(i, point)
+            if q is None:
+                return None
+            if selector == "exact":
+                keys = np.stack([np.asarray(self.store.get(i, j)[0][0].astype(mx.float32))
+                                 for j in range(nb)])  # fmt: skip
+                valid = np.arange(self.block)[None, :] >= np.array(self.first[:nb])[:, None]
+                total += select.layer_scores_exact(q, keys, valid, self.scale)
+            else:
+                total += select.layer_scores_summary(
+                    q, self.summaries, i, nb, selector, self.scale, empty
+                )
+        return np.where(empty, -np.inf, total)
+
+    def refresh(self, point: int) -> None:
+        """Choose the blocks for the calls from ``point`` on (queries before it)."""
+        total = self.scores(point)
+        if total is None:
+            return
+        chosen = select.top_k(total, self.spec.blocks)
+        self.history = [*self.history[-HISTORY:], (point, chosen, point)]
+        self.refreshes += 1
+
+    # ----- region and attention ---------------------------------------------------------
+
+    def _lead(self, cache) -> int:
+        """Region slots before the blocks: a moved copy of the sinks for ``stream``."""
+        return cache.sinks if self.spec.placement == "stream" else 0
+
+    def _build_region(self, cache, n: int) -> None:
+        sel = self.selection
+        if not sel:
+            return
+        i = cache.recall_index
+        anchor = self.anchor(cache, n) if cache._moving else 0
+        if self.applied[i] == (sel, anchor):
+            return
+        bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self._lead(cache)
+        packed = hasattr(cache, "bits")
+        bits, g = (cache.bits, cache.group_size) if packed else (None, 64)
+        if self.regions[i] is None:
+            (H, kd, dtype), (_, vd, _) = self.store.shapes
+            self.regions[i] = [kvstore.zeros(1, H, lead + R, kd, dtype, bits, g),
+                               kvstore.zeros(1, H, lead + R, vd, dtype, bits, g)]  # fmt: skip
+        rk, rv = self.regions[i]
+        move = cache.move if cache._moving and cache.move is not None else None
+        if lead:  # the sinks, moved back by the region so the blocks follow them
+            cg = cache.kv_group_size
+            sk = kvstore.unpack(kvstore.get(cache.keys, 0, lead), cache.key_bits, cg)
+            sv = kvstore.unpack(kvstore.get(cache.values, 0, lead), cache.value_bits, cg)
+            if move is not None:
+                sk = move(sk, -R)
+            kvstore.put(rk, 0, lead, kvstore.pack(sk, bits, g))
+            kvstore.put(rv, 0, lead, kvstore.pack(sv, bits, g))
+        for r, j in enumerate(sel, k - len(sel)):
+            keys, values = self.store.get(i, j)
+            if move is not None:
+                if self.spec.placement == "fixed":  # every token right before the sinks
+                    keys = _shift_tokens(move, keys, mx.array(anchor - 1 - np.arange(bs)))
+                else:
+                    keys = move(keys, anchor - R + lead + r * bs)
+            lo = lead + r * bs
+            kvstore.put(rk, lo, lo + bs, kvstore.pack(keys, bits, g))
+            kvstore.put(rv, lo, lo + bs, kvstore.pack(values, bits, g))
+        self.applied[i] = (sel, anchor)
+
+    def _region_valid(self, lead: int) -> np.ndarray:
+        sel = self.selection
+        if self._valid[0] != (sel, lead):
+            bs, k = self.block, self.spec.blocks
+            valid = np.zeros(lead + self.region_slots, bool)
+            valid[:lead] = True
+            for r, j in enumerate(sel, k - len(sel)):
+                valid[lead + r * bs + self.first[j] : lead + (r + 1) * bs] = True
+            self._valid = ((sel, lead), valid)
+        return self._valid[1]
+
+    def attend(self, cache, queries, keys, values, scale, mask, sinks, original):
+        """Attention of one layer over ``[region, ring]`` (the hook calls it)."""
+        i, N = cache.recall_index, queries.shape[2]
+        n0 = cache.tokens_seen - N
+        anchor = self.anchor(cache, n0) if cache._moving else 0
+        kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
+        self.queries[i] = [*kept, (n0, queries, anchor)]
+        self.scale = scale
+        sel = self.selection
+        if not sel or self.applied[i] != (sel, anchor):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                            sinks=sinks)  # fmt: skip
+        if not isinstance(mask, mx.array):
+            raise RuntimeFailure("recall: the model gave attention no array mask")
+        lead = self._lead(cache)  # the ring's own sinks are replaced by the region's copy
+        rk, rv = self.regions[i]
+        if isinstance(keys, tuple):
+            keys = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rk, keys))
+            values = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rv, values))
+        else:
+            keys = mx.concatenate([rk, keys[:, :, lead:]], axis=2)
+            values = mx.concatenate([rv, values[:, :, lead:]], axis=2)
+        valid = self._region_valid(lead)
+        shape = (*mask.shape[:-1], valid.size)
+        if mask.dtype == mx.bool_:
+            region = mx.broadcast_to(mx.array(valid), shape)
+        else:
+            region = mx.broadcast_to(mx.array(np.where(valid, 0.0, -np.inf), mask.dtype), shape)
+        mask = mx.concatenate([region, mask[..., lead:]], axis=-1)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    def close(self) -> None:
+        """Free the store (its temporary files too)."""
+        self.store.close()
+
+
+def _flat(region) -> list:
+    out = []
+    for x in region:
+        out += list(x) if isinstance(x, tuple) else [x]
+    return out
+
+
+def _pad_front(x: mx.array, first: int, block: int) -> mx.array:
+    pad = mx.zeros((*x.shape[:2], block - x.shape[2], x.shape[3]), x.dtype)
+    return mx.concatenate([pad, x], axis=2)
+
+
+def attach(spec: RecallSpec, caches: list) -> Recall:
+    """Give the SinkCache layers of ``caches`` one recall tier."""
+    return Recall(spec, caches)
+
+
+def prompt_end(model, caches: list, fed) -> None:
+    """The end of a prompt for ``model``'s ``caches`` (``fed``: the prompt's tokens
+    fed so far): its recall tier, if any, refreshes and feeds the prompt's tail again
+    (:meth:`Recall.prompt_end`)."""
+    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+    if tier is not None:
+        tier.prompt_end(model, caches, fed)
