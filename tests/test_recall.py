@@ -155,7 +155,9 @@ def greedy(model, cache, prompt, **kw):
 def test_speculative_greedy_equals_plain_greedy(tiny_llama, tiny_draft, num_draft_tokens):
     prompt = tiny.random_tokens(100, seed=11)
     plain = greedy(tiny_llama, recall_cache(tiny_llama), prompt)
-    cache = recall_cache(tiny_llama) + make_sink_cache(tiny_draft, SINKS, WINDOW, stride=BLOCK)
+    # The draft's cache rolls back a verify block: slack num_draft_tokens + 1 (default 0)
+    draft = make_sink_cache(tiny_draft, SINKS, WINDOW, num_draft_tokens + 1, stride=BLOCK)
+    cache = recall_cache(tiny_llama) + draft
     spec_tokens = greedy(tiny_llama, cache, prompt, draft_model=tiny_draft,
                          num_draft_tokens=num_draft_tokens)  # fmt: skip
     assert spec_tokens == plain
