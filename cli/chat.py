@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from cli import options as opt
 from cli.common import (
-    cache_spec,
     check_cache,
     check_output_path,
     check_positive,
@@ -24,6 +23,7 @@ from cli.common import (
     fail,
     handle_errors,
     is_interactive,
+    load_for_cache,
     load_model,
     recall_spec,
 )
@@ -227,22 +227,17 @@ def chat(
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec = load_model(
-        model,
-        dtype,
-        prepare=dist.preparer(cluster),
-        sinks=sinks,
-        window=window,
-        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
-    )
+    target, tokenizer, spec, cache = load_for_cache(
+        model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
+        kv_group_size=kv_group_size, key_bits=kv_key_bits,
+    )  # fmt: skip
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(
             sys.stdin, {"/save": f"/save is {why}", "/load": f"/load is {why}"}
         )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                       key_bits=kv_key_bits).replace(recall=recall_policy)  # fmt: skip
+    cache = cache.replace(recall=recall_policy)
     if seed is not None:
         import mlx.core as mx
 

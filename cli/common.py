@@ -397,6 +397,24 @@ def cache_spec(spec, sinks: int | None = None, window: int | None = None, **opti
     return CacheSpec.for_model(spec, sinks, window, **options)
 
 
+def load_for_cache(
+    model: str | None, dtype: str, sinks: int | None, window: int | None, prepare=None,
+    **options: Any,
+):  # fmt: skip
+    """Load ``model`` fit-checked against the cache it will run with, and that cache's
+    ``CacheSpec`` (``options``: as for :func:`cache_spec`).
+
+    Returns:
+        ``(model, tokenizer, spec, cache)``; ``spec`` is the registry entry (None for a
+        path), ``cache`` the command's ``CacheSpec``.
+    """
+    kv = {k: options[k] for k in ("kv_bits", "kv_group_size", "key_bits") if k in options}
+    target, tokenizer, spec = load_model(
+        model, dtype, prepare=prepare, sinks=sinks, window=window, kv=kv
+    )
+    return target, tokenizer, spec, cache_spec(spec, sinks, window, **options)
+
+
 def sizes(spec, sinks: int | None, window: int | None) -> tuple[int, int]:
     """``(sinks, window)``: the options if given, else the registry entry's defaults."""
     policy = cache_spec(spec, sinks, window)

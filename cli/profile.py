@@ -25,7 +25,6 @@ from cli.common import (
     EXIT_RUNTIME,
     atomic_path,
     atomic_write_csv,
-    cache_spec,
     check_cache,
     check_choice,
     check_distinct,
@@ -36,6 +35,7 @@ from cli.common import (
     fail,
     handle_errors,
     json_line,
+    load_for_cache,
     load_model,
     recall_spec,
 )
@@ -381,17 +381,12 @@ def profile(
     cluster = dist.join(distributed, model)
     if cluster is not None and not cluster.is_root:
         csv = plot = None
-    target, tokenizer, spec = load_model(
-        model,
-        dtype,
-        prepare=dist.preparer(cluster),
-        sinks=sinks,
-        window=window,
-        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
-    )
+    drafted = num_draft_tokens if draft_model else None  # a verify block in the slack
+    target, tokenizer, spec, policy = load_for_cache(
+        model, dtype, sinks, window, prepare=dist.preparer(cluster), num_draft_tokens=drafted,
+        **kv,
+    )  # fmt: skip
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    drafted = num_draft_tokens if draft is not None else None  # a verify block in the slack
-    policy = cache_spec(spec, sinks, window, num_draft_tokens=drafted, **kv)
     policy = policy.replace(recall=recall_policy)
     estimate = memory_estimate(target, draft, policy)
     prompt_tokens = list(tokenizer.encode(text))

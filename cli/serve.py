@@ -12,11 +12,11 @@ import typer
 
 from cli import options as opt
 from cli.common import (
-    cache_spec,
     check_cache,
     check_positive,
     fail,
     handle_errors,
+    load_for_cache,
     load_model,
     stderr_console,
 )
@@ -183,17 +183,11 @@ def serve(
     cluster = dist.join(distributed, model)
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec = load_model(
-        model,
-        dtype,
-        prepare=dist.preparer(cluster),
-        sinks=sinks,
-        window=window,
-        kv=dict(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits),
-    )
+    target, tokenizer, spec, cache = load_for_cache(
+        model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
+        kv_group_size=kv_group_size, key_bits=kv_key_bits,
+    )  # fmt: skip
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    cache = cache_spec(spec, sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                       key_bits=kv_key_bits)  # fmt: skip
     model_id = spec.name if spec is not None else Path(model or "default").name
     aliases: tuple[str, ...] = ()
     if spec is not None:

@@ -20,7 +20,6 @@ from cli.common import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
     atomic_write_csv,
-    cache_spec,
     check_cache,
     check_distinct,
     check_output_path,
@@ -31,7 +30,7 @@ from cli.common import (
     handle_errors,
     json_line,
     lenient_stdin,
-    load_model,
+    load_for_cache,
     recall_spec,
     stderr_console,
 )
@@ -349,10 +348,9 @@ def stream_run(
     try:
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
-        target, tokenizer, spec = load_model(
-            model, dtype, prepare=dist.preparer(cluster), sinks=sinks, window=window, kv=kv
+        target, tokenizer, spec, cache = load_for_cache(
+            model, dtype, sinks, window, prepare=dist.preparer(cluster), positions=positions, **kv
         )
-        cache = cache_spec(spec, sinks, window, positions=positions, **kv)
         cache = cache.replace(recall=recall_policy)
         constraint = None
         if json_schema is not None:  # checked before the long run, used after it
