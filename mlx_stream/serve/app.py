@@ -13,7 +13,6 @@ import asyncio
 import hashlib
 import hmac
 import json
-import re
 import threading
 import time
 import uuid
@@ -28,17 +27,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlx_stream.errors import UserError
 from mlx_stream.serve.engine import Engine, TooLarge
 from mlx_stream.serve.engine import Request as EngineRequest
-from mlx_stream.serve.fields import field_of, openai_fields
+from mlx_stream.serve.fields import field_of, openai_fields, sampling_args, session_header
 from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
 MAX_SEED = (1 << 63) - 1  # OpenAI's seed is an int64; mlx's random state takes 0..2^64-1
-# Below these, temperature and top-p overflow float32 into garbage (1 / 1e-300 is inf)
-# while asking for what greedy decoding gives: they are served greedily.
-MIN_TEMPERATURE = 1e-6
-MIN_TOP_P = 1e-6
-# What an X-Session-ID may be: visible ASCII, no spaces, at most 128 characters.
-SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 # ----------------------------------------------------------------------- bodies
@@ -109,12 +102,7 @@ class Sampling(BaseModel):
 
     def sampling(self) -> dict[str, float | None]:
         """``temp`` and ``top_p`` for the engine: greedy where they ask for it."""
-        temp, top_p = self.temperature, self.top_p
-        if (temp is not None and temp < MIN_TEMPERATURE) or (
-            top_p is not None and top_p < MIN_TOP_P
-        ):
-            return {"temp": 0.0, "top_p": None}
-        return {"temp": temp, "top_p": top_p}
+        return sampling_args(self.temperature, self.top_p)
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or ``None``."""
@@ -228,7 +216,9 @@ def read_api_keys(path) -> list[str]:
     try:
         text = open(path, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"--api-keys {path}: cannot read ({getattr(exc, 'strerror', exc)})") from exc
+        raise UserError(
+            f"--api-keys {path}: cannot read ({getattr(exc, 'strerror', exc)})"
+        ) from exc
     keys = [line.strip() for line in text.splitlines()]
     keys = [k for k in keys if k and not k.startswith("#")]
     if not keys:
@@ -438,11 +428,9 @@ def create_app(
     ):
         if body.top_logprobs and not body.logprobs:
             return error(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-        if x_session_id is not None and not SESSION_ID.fullmatch(x_session_id):
-            return error(
-                400, "X-Session-ID: must be 1 to 128 visible ASCII characters (no spaces)",
-                "X-Session-ID",
-            )  # fmt: skip
+        bad_id = session_header(x_session_id)
+        if bad_id is not None:
+            return error(400, bad_id, "X-Session-ID")
         messages = [m.engine() for m in body.messages]
         make = {
             "messages": messages,

@@ -16,6 +16,12 @@ from typing import Any
 from mlx_stream.serve.structured import response_format_grammar
 
 _FIELD = re.compile(r"^([A-Za-z_][\w.]*):")
+# Below these, temperature and top-p overflow float32 into garbage (1 / 1e-300 is inf)
+# while asking for what greedy decoding gives: they are served greedily.
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6
+# What an X-Session-ID may be: visible ASCII, no spaces, at most 128 characters.
+SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 def field_of(message: str) -> str | None:
@@ -40,8 +46,6 @@ def openai_fields(body: Any) -> dict[str, Any]:
 def sampling_args(temp: float | None, top_p: float | None) -> dict[str, float | None]:
     """``temp`` and ``top_p`` for the engine: greedy where they ask for it (what chat
     completions' bodies do, for the other APIs)."""
-    from mlx_stream.serve.app import MIN_TEMPERATURE, MIN_TOP_P
-
     if (temp is not None and temp < MIN_TEMPERATURE) or (top_p is not None and top_p < MIN_TOP_P):
         return {"temp": 0.0, "top_p": None}
     return {"temp": temp, "top_p": top_p}
@@ -49,8 +53,6 @@ def sampling_args(temp: float | None, top_p: float | None) -> dict[str, float | 
 
 def session_header(value: str | None) -> str | None:
     """The error of a malformed ``X-Session-ID`` header, else ``None``."""
-    from mlx_stream.serve.app import SESSION_ID
-
     if value is not None and not SESSION_ID.fullmatch(value):
         return "X-Session-ID: must be 1 to 128 visible ASCII characters (no spaces)"
     return None
