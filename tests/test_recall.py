@@ -359,3 +359,11 @@ def test_prompt_end_refreshes_and_feeds_the_prompt_tail_again(tiny_llama):
     once = recall_cache(tiny_llama, refeed=0)
     list(generate_step(prompt, tiny_llama, once, max_tokens=1))
     assert all(hold == point for point, _, hold in once[0].recall.history)
+
+
+def test_a_batch_of_several_sequences_is_refused_at_its_first_call(tiny_llama):
+    """Before any token is written (not when the first block would be stored)."""
+    cache = recall_cache(tiny_llama)
+    with pytest.raises(Unsupported, match="batch 1"):
+        tiny_llama(mx.array([[5, 6, 7], [8, 9, 10]]), cache=cache)
+    assert all(c.ring.tokens_seen == 0 for c in cache)

@@ -367,6 +367,8 @@ class SinkCache(mlx_cache._BaseCache):
         ring, g = self.ring, self.kv_group_size
         n = ring.tokens_seen
         self._check_call(N)
+        if self.recall is not None and keys.shape[0] != 1:  # at the first call, not later
+            raise Unsupported("recall serves one sequence per cache (batch 1)")
         if self.keys is None:
             self._allocate(keys, values)
         self._apply_layout(n, N)

@@ -247,8 +247,6 @@ class Recall:
                 f"recall: tokens {lo}-{hi - 1} were overwritten before they were stored "
                 "(a call crossed too many tokens at once; feed at most max_call_tokens())"
             )
-        if c.keys[0].shape[0] != 1 if isinstance(c.keys, tuple) else c.keys.shape[0] != 1:
-            raise Unsupported("recall serves one sequence per cache (batch 1)")
         idx = mx.array(slots)
 
         def take(buf, bits):
