@@ -72,7 +72,8 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     stored before the last stride boundary (wholly past the window at the one before),
     then the window; the sinks
     first and the blocks after them (``stream``), the blocks right before the sinks
-    (``before``), or every block token at the position before the sinks (``fixed``)."""
+    (``before``), every block token at the position before the sinks (``fixed``), or
+    the blocks right before the token the selection was refreshed at (``near``)."""
     from mlx_stream.cache.ring import Ring
 
     ring = Ring(SINKS, WINDOW, slack, BLOCK, "cache")
@@ -85,7 +86,12 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     context = []  # (token, position)
     for r, j in enumerate(range(blocks), k_blocks - blocks):
         for i in range(max(0, SINKS - j * BLOCK), BLOCK):
-            at = anchor - R + lead + r * BLOCK + i if placement != "fixed" else anchor - 1
+            if placement == "fixed":
+                at = anchor - 1
+            elif placement == "near":  # the blocks end right before the refresh point
+                at = b - base - R + r * BLOCK + i
+            else:
+                at = anchor - R + lead + r * BLOCK + i
             context.append((tokens[j * BLOCK + i], at))
     context += [(tokens[i], anchor + i - (R if lead else 0)) for i in range(SINKS)]
     context += [(tokens[t], t - base) for t in range(max(SINKS, q - WINDOW + 1), q)]
@@ -100,7 +106,7 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     return model(mx.array([[tokens[q]]]), cache=[cache])[0, -1]
 
 
-@pytest.mark.parametrize("placement", ["stream", "before", "fixed"])
+@pytest.mark.parametrize("placement", ["stream", "before", "fixed", "near"])
 def test_recall_of_every_block_equals_the_layout_oracle(one_layer, placement):
     tokens = tiny.random_tokens(96, seed=5)
     k_blocks = 16  # more than the stream ever stores: every block comes back
@@ -367,3 +373,26 @@ def test_a_batch_of_several_sequences_is_refused_at_its_first_call(tiny_llama):
     with pytest.raises(Unsupported, match="batch 1"):
         tiny_llama(mx.array([[5, 6, 7], [8, 9, 10]]), cache=cache)
     assert all(c.ring.tokens_seen == 0 for c in cache)
+
+
+@pytest.mark.parametrize("window", [16, 24])
+def test_a_chat_with_recall_answers_turn_after_turn(tiny_model_dir, window):
+    """Turns of a chat end prompts at every phase of the ring; each prompt's end
+    refreshes and feeds its tail again, and no re-fed row attends a block twice (the
+    candidates are the blocks none of them can see in its window)."""
+    from mlx_stream.cache.spec import CacheSpec
+    from mlx_stream.generate.session import ChatSession, Settings
+    from mlx_stream.models.loader import load
+
+    model, tokenizer = load(str(tiny_model_dir))
+    cache = CacheSpec(sinks=SINKS, window=window, stride=BLOCK, recall=spec(blocks=2))
+    session = ChatSession(model, tokenizer, Settings(cache, max_tokens=5))
+    tier, selected = None, 0
+    for turn in range(12):
+        session.reply(f"turn {turn}: " + "tell me more " * (turn % 4), lambda _: None)
+        tier = session.caches[0].recall
+        start, sel, _ = tier.history[-1]
+        last_unseen = (start - window + 1) // BLOCK  # wholly before every re-fed row's window
+        assert all(j < last_unseen for j in sel), (turn, start, sel)
+        selected += bool(sel)
+    assert tier.stored > 4 and selected > 4

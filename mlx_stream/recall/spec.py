@@ -13,7 +13,7 @@ from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS, DEFAULT_RECALL_RAM_MB, DE
 from mlx_stream.errors import Unsupported
 
 SELECTORS = ("exact", "quest", "mean")
-PLACEMENTS = ("stream", "before", "fixed")
+PLACEMENTS = ("stream", "before", "fixed", "near")
 DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
 DEFAULT_BLOCK = DEFAULT_STRIDE
 DEFAULT_RAM = DEFAULT_RECALL_RAM_MB * 1_000_000  # host bytes before spilling to disk

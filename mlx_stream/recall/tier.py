@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.base import create_causal_mask
 
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, model_type
@@ -80,8 +82,6 @@ def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: i
             f"the recall block ({spec.block}) must equal the cache stride ({stride}): blocks "
             "are cut and selections refreshed at stride boundaries"
         )
-    from mlx_lm.models import cache as mlx_cache
-
     layers = [i for i, c in enumerate(caches) if type(c) is mlx_cache.KVCache]
     if not layers:
         raise Unsupported(f"{name}: no layer keeps an unbounded cache: nothing to recall")
@@ -258,11 +258,12 @@ class Recall:
 
     # ----- selection --------------------------------------------------------------------
 
-    def refresh_now(self) -> None:
-        """Refresh the selection at the current token (the end of a prompt)."""
+    def refresh_now(self, candidates_at: int | None = None) -> None:
+        """Refresh the selection at the current token (the end of a prompt); with
+        ``candidates_at``, only from blocks no row from that token on can see."""
         n = self.layers[0].tokens_seen
         if n != self.refreshed_at:
-            self.refresh(n)
+            self.refresh(n, candidates_at)
             if self.on_prompt_end is not None:
                 self.on_prompt_end(self, n)
 
@@ -272,21 +273,22 @@ class Recall:
         back to the start of the prompt's last ``spec.refeed`` blocks and feed those
         tokens again, attending to what the prompt chose (the question's own tokens
         then see the blocks it recalls; a boundary refresh does not replace that
-        selection before the prompt's end)."""
+        selection before the prompt's end). The candidates are then the blocks no
+        re-fed row can see in its window (none is attended twice)."""
         from mlx_stream.cache.sink import max_call_tokens
 
         n = self.layers[0].tokens_seen
         if n == self.refreshed_at:
             return
-        self.refresh_now()
+        bs = self.block
+        start = max((n - 1) // bs * bs - (self.spec.refeed - 1) * bs, n - len(fed), 0)
+        refeed = bool(self.spec.refeed) and start < n and all(c.is_trimmable() for c in caches)
+        self.refresh_now(start if refeed else None)
         if self.refreshed_at != n:
             return  # nothing to choose from yet
-        sel, bs = self.selection, self.block
-        start = max((n - 1) // bs * bs - (self.spec.refeed - 1) * bs, n - len(fed), 0)
-        if not sel or not self.spec.refeed or start >= n:
+        sel = self.selection
+        if not sel or not refeed:
             return
-        if not all(c.is_trimmable() for c in caches):
-            return  # a bounded cache mlx-lm cannot roll back (a wrapped RotatingKVCache)
         for c in caches:
             c.trim(n - start)
         self.history.append((start, sel, n))
@@ -313,12 +315,14 @@ class Recall:
             return None
         return np.asarray(mx.concatenate(parts, axis=2)[0].astype(mx.float32))
 
-    def scores(self, point: int, selector: str | None = None) -> np.ndarray | None:
-        """Every candidate block's score for the calls from ``point`` on, from the
-        queries before it (``selector``: the spec's unless named); ``None`` when there
-        is no candidate or no query yet."""
+    def scores(self, point: int, selector: str | None = None,
+               candidates_at: int | None = None) -> np.ndarray | None:  # fmt: skip
+        """Every candidate block's score for the calls from ``point`` (or
+        ``candidates_at``) on, from the queries before ``point`` (``selector``: the
+        spec's unless named); ``None`` when there is no candidate or no query yet."""
         selector = selector or self.spec.selector
-        nb = min(self.stored, self._evicted_blocks(point))  # none a row can still see
+        at = point if candidates_at is None else min(point, candidates_at)
+        nb = min(self.stored, self._evicted_blocks(at))  # none a row can still see
         if nb == 0 or self.scale is None:
             return None
         empty = np.array([f >= self.block for f in self.first[:nb]])
@@ -338,9 +342,10 @@ class Recall:
                 )
         return np.where(empty, -np.inf, total)
 
-    def refresh(self, point: int) -> None:
-        """Choose the blocks for the calls from ``point`` on (queries before it)."""
-        total = self.scores(point)
+    def refresh(self, point: int, candidates_at: int | None = None) -> None:
+        """Choose the blocks for the calls from ``point`` (or ``candidates_at``) on,
+        from the queries before ``point``."""
+        total = self.scores(point, candidates_at=candidates_at)
         if total is None:
             return
         chosen = select.top_k(total, self.spec.blocks)
@@ -348,6 +353,18 @@ class Recall:
         self.refreshes += 1
 
     # ----- region and attention ---------------------------------------------------------
+
+    def _region_anchor(self, cache, n: int) -> int:
+        """Position the region ends at for a call at token ``n``: the first sink's
+        (``stream``, ``before``, ``fixed``), or for ``near`` the position of the token the
+        selection was refreshed at (the blocks end right before it, so the queries of the
+        block after a refresh see them as their most recent context)."""
+        if not cache._moving:
+            return 0
+        if self.spec.placement == "near":
+            base, _ = cache.ring.layout(n)
+            return self.refreshed_at - base
+        return self.anchor(cache, n)
 
     def _lead(self, cache) -> int:
         """Region slots before the blocks: a moved copy of the sinks for ``stream``."""
@@ -358,7 +375,7 @@ class Recall:
         if not sel:
             return
         i = cache.recall_index
-        anchor = self.anchor(cache, n) if cache._moving else 0
+        anchor = self._region_anchor(cache, n)
         if self.applied[i] == (sel, anchor):
             return
         bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self._lead(cache)
@@ -408,13 +425,22 @@ class Recall:
         anchor = self.anchor(cache, n0) if cache._moving else 0
         kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
         self.queries[i] = [*kept, (n0, queries, anchor)]
+        anchor = self._region_anchor(cache, n0)
         self.scale = scale
         sel = self.selection
         if not sel or self.applied[i] != (sel, anchor):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)  # fmt: skip
-        if not isinstance(mask, mx.array):
-            raise RuntimeFailure("recall: the model gave attention no array mask")
+        if not isinstance(mask, mx.array):  # mlx-lm's None / "causal": every slot is written
+            K = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+            if mask is None:
+                mask = mx.ones((N, K), dtype=mx.bool_)
+            elif mask == "causal":
+                mask = create_causal_mask(N, K - N)
+            else:
+                raise RuntimeFailure(
+                    f"recall: the model gave attention a mask it cannot extend ({mask!r})"
+                )
         lead = self._lead(cache)  # the ring's own sinks are replaced by the region's copy
         rk, rv = self.regions[i]
         if isinstance(keys, tuple):
