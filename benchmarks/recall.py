@@ -108,10 +108,34 @@ def ranks(tier, prompt, row: dict) -> None:
                 continue
             order = list(np.argsort(-scores, kind="stable"))
             out[selector] = [order.index(b) if b < len(order) else None for b in blocks]
+        row["own_topk"] = own_topk(t, point, blocks)
         row["ranks"] = out
         row["candidate_blocks"] = int(len(scores)) if scores is not None else 0
 
     tier.on_prompt_end = measure
+
+
+def own_topk(tier, point: int, blocks: list[int]) -> dict:
+    """How often the needle's blocks would be in a layer's own top-k, or a KV head's
+    own top-k (quest scores), against the one selection all layers share: the
+    fraction of layers (and of layer x head pairs) whose own choice holds them all."""
+    import numpy as np
+
+    from mlx_stream.recall import select
+
+    nb = min(tier.stored, tier._evicted_blocks(point))
+    empty = np.array([f >= tier.block for f in tier.first[:nb]])
+    k, layer_hits, head_hits, heads = tier.spec.blocks, 0, 0, 0
+    for i in range(len(tier.layers)):
+        q = tier._recent(i, point)
+        per_head = select.head_scores_summary(q, tier.summaries, i, nb, "quest", tier.scale,
+                                              empty)  # fmt: skip
+        chosen = set(select.top_k(per_head.max(0), k))
+        layer_hits += all(b in chosen for b in blocks)
+        for h in range(per_head.shape[0]):
+            head_hits += all(b in set(select.top_k(per_head[h], k)) for b in blocks)
+            heads += 1
+    return {"layers": round(layer_hits / len(tier.layers), 3), "heads": round(head_hits / heads, 3)}
 
 
 def render(records: list[dict]) -> str:
@@ -139,12 +163,15 @@ def render(records: list[dict]) -> str:
     if ranked:
         names = sorted({s for r in ranked for s in r["ranks"]})
         out += ["", "| prompt tokens | depth | candidate blocks | blocks k | "
-                + " | ".join(f"rank, {n}" for n in names) + " |",
-                "|---|---|---|---|" + "---|" * len(names)]  # fmt: skip
+                + " | ".join(f"rank, {n}" for n in names)
+                + " | layers / KV heads whose own top-k holds it |",
+                "|---|---|---|---|" + "---|" * len(names) + "---|"]  # fmt: skip
         for r in ranked:
             ranks = [",".join(str(x) for x in r["ranks"].get(n, [])) or "—" for n in names]
+            own = r.get("own_topk")
+            own = f"{own['layers']:.0%} / {own['heads']:.0%}" if own else "—"
             out.append(f"| {r['length']} | {r['depth']} | {r['candidate_blocks']} | "
-                       f"{r['blocks']} | " + " | ".join(ranks) + " |")  # fmt: skip
+                       f"{r['blocks']} | " + " | ".join(ranks) + f" | {own} |")  # fmt: skip
     return "\n".join(out)
 
 

@@ -229,5 +229,6 @@ def test_recall(monkeypatch, tmp_path, tiny_model_dir):
     ranked = [r for r in lines if r["cache"] == "recall"][0]
     assert set(ranked["ranks"]) == {"exact", "quest", "mean"}
     assert all(0 <= x < ranked["candidate_blocks"] for v in ranked["ranks"].values() for x in v)
+    assert 0 <= ranked["own_topk"]["layers"] <= 1 and 0 <= ranked["own_topk"]["heads"] <= 1
     table = load_script("recall", monkeypatch).render(lines)
     assert "| 400 | passkey | filler |" in table

@@ -88,6 +88,13 @@ def layer_scores_exact(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, scale
 def layer_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks: int,
                          selector: str, scale: float, empty: np.ndarray) -> np.ndarray:  # fmt: skip
     """Per block: the largest softmax mass over heads and tokens, from summaries."""
+    return head_scores_summary(q, summaries, layer, blocks, selector, scale, empty).max(0)
+
+
+def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks: int,
+                        selector: str, scale: float, empty: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Per KV head and block ``(H, blocks)``: the largest softmax mass over the head's
+    query heads and tokens, from summaries."""
     g = _gqa(q.astype(np.float32), summaries.mean[layer].shape[1])  # (H, R, D)
     if selector == "mean":
         logits = np.einsum("hrd,bhd->hrb", g, summaries.mean[layer][:blocks])
@@ -96,7 +103,7 @@ def layer_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks
         pos, neg = np.maximum(g, 0), np.minimum(g, 0)
         logits = np.einsum("hrd,bhd->hrb", pos, hi) + np.einsum("hrd,bhd->hrb", neg, lo)
     logits = np.where(empty[None, None, :], -np.inf, logits * scale)
-    return _softmax(logits, -1).max(axis=(0, 1))
+    return _softmax(logits, -1).max(axis=1)
 
 
 def top_k(scores: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[int, ...]:
