@@ -34,7 +34,8 @@ class RecallSpec:
         placement (str): ``"stream"``: sinks, retrieved blocks, window, in stream
             order (each block keeps its own token spacing); ``"before"``: the blocks
             right before the sinks; ``"fixed"``: every retrieved token at the one
-            position right before the sinks (InfLLM).
+            position right before the sinks (InfLLM); ``"near"``: in stream order,
+            right before the token the selection was refreshed at.
         bits (int, optional): Store keys and values quantized to 4 or 8 bits
             (``mx.quantize``, the window's quantization). Default: the model's dtype.
         group_size (int): Quantization group size of the store. Default: ``64``.
@@ -50,7 +51,7 @@ class RecallSpec:
     blocks: int = DEFAULT_BLOCKS
     block: int = DEFAULT_BLOCK
     selector: str = "quest"
-    placement: str = "stream"
+    placement: str = "near"
     bits: int | None = None
     group_size: int = 64
     ram_bytes: int = DEFAULT_RAM

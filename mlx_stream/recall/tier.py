@@ -15,7 +15,8 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
   it, and at the end of each prompt fed by ``generate_step`` (so the question's
   queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
   then rolled back and fed again under that selection, so the question's own tokens
-  see what it recalls). Candidates are the blocks every layer stored at earlier
+  see what it recalls; candidates are then only blocks no re-fed row can see in its
+  window). Candidates are the blocks every layer stored at earlier
   boundaries (a block joins them one boundary after it is stored); ``k`` winners, in
   stream order, one selection for all layers. So the result does not depend on how a
   prompt is split into calls: chunked prefill,
@@ -28,9 +29,12 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
   region (the ring's own sink slots are masked), then the selected blocks (each keeps
   its token spacing, the last one adjacent to the window); ``"before"`` puts the blocks
   right before the sinks, which stay where the ring has them; ``"fixed"`` puts every
-  retrieved token at the one position right before the sinks (InfLLM). All are
-  bounded: no key sits more than ``k * block`` positions beyond where the sinks alone
-  would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
+  retrieved token at the one position right before the sinks (InfLLM); ``"near"``
+  puts the blocks, in stream order, right before the token the selection was
+  refreshed at, so the queries of the block after a refresh read them as their most
+  recent context (a small model copies from a few hundred tokens back, not from
+  the far end of its window). All are bounded: no key sits more than ``k * block``
+  positions beyond where the sinks alone would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
   model's mask extended by the region's valid slots (``mlx_stream.recall.hook``).
   Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer
   (``stream`` adds a moved copy of the sinks; the slack covers the prompt-end
