@@ -350,9 +350,12 @@ def create_app(
             for s in stats.get("sessions", [])
             if s.get("owner", "") == owner
         ]
+        keys = ("device_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes")
         return {
             "object": "list",
             "data": mine,
+            # over the caller's sessions: device bytes (flat) and recall store (growing)
+            "totals": {k: sum(int(s.get(k, 0)) for s in mine) for k in keys},
             **stats.get("counters", {}),
             "batch": stats.get("batch", {}),
         }
