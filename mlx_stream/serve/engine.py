@@ -711,6 +711,8 @@ class Engine:
         the error is raised."""
         try:
             path, record = self.store.save(entry)
+        except RuntimeFailure:  # Unsaved (507): the folder, not the session
+            raise
         except UserError:
             if not drop:
                 raise
