@@ -223,10 +223,10 @@ def divergence(
         if not (p == "rotating" and kv != "float")  # mlx-lm cannot quantize it
     ]
     if recall_policy is not None:  # each cache-positions policy again, with recall
-        twins = [dataclasses.replace(p, recall=recall_policy) for p in policies]
         policies = [
-            q for p, t in zip(policies, twins, strict=True)
-            for q in ((p, t) if p.positions == "cache" else (p,))
+            q for p in policies
+            for q in ((p, dataclasses.replace(p, recall=recall_policy))
+                      if p.positions == "cache" else (p,))
         ]  # fmt: skip
     at = sample_points(len(tokens), points, generate)
     with progress_bar("eval divergence") as callback:
