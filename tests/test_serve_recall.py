@@ -216,3 +216,24 @@ def test_serve_recall_bad_settings_are_one_line(tiny_model_dir, tmp_path):
     blocker.write_text("x")
     result = runner.invoke(app, [*base, "--recall-dir", str(blocker / "store")])
     assert_one_line_error(result, 2, "cannot write the recall store")
+
+
+def test_a_plain_completion_on_a_recall_server_has_its_own_store_gone_at_its_end(
+    loaded, tmp_path  # noqa: F811
+):  # fmt: skip
+    import queue
+
+    from mlx_stream.serve.engine import Request
+
+    recall_dir = tmp_path / "recall"
+    e = make_engine(loaded, tmp_path / "state", recall_dir)
+    try:
+        box: queue.Queue = queue.Queue()
+        e.submit(Request(emit=box.put, prompt=text(300, 7), max_tokens=4))
+        while (event := box.get(timeout=120))[0] not in ("end", "error"):
+            pass
+        assert event[0] == "end", event
+        assert list(recall_dir.iterdir()) == []  # the completion's store went with it
+        assert sessions(e) == {}
+    finally:
+        e.stop()
