@@ -237,3 +237,32 @@ def test_a_plain_completion_on_a_recall_server_has_its_own_store_gone_at_its_end
         assert sessions(e) == {}
     finally:
         e.stop()
+
+
+def test_serve_recall_flags_reach_the_server(tiny_model_dir, tmp_path):
+    """A real ``mlx-stream serve --recall``: the banner names recall, sessions are not
+    batched, ``/v1/sessions`` shows the store apart from the device bytes, and the
+    per-session folder under --recall-dir goes at exit."""
+    from tests.test_server import Server, conversation
+
+    recall_dir = tmp_path / "recall"
+    server = Server(tiny_model_dir, "--sinks", "2", "--window", "64", "--max-tokens", "8",
+                    "--recall", "--recall-blocks", "2", "--recall-ram", "0",
+                    "--recall-dir", str(recall_dir))  # fmt: skip
+    try:
+        reply = server.client.chat.completions.create(
+            model="tiny-llama", messages=conversation(text(300, 1), system=None)
+        )
+        assert reply.choices[0].message.content is not None
+        body = server.get("/v1/sessions")
+        (s,) = body["data"]
+        assert s["blocks_stored"] > 0 and s["store_disk_bytes"] > 0 and s["region_bytes"] > 0
+        assert body["totals"]["store_bytes"] == s["store_bytes"]
+        assert body["batch"]["enabled"] is False and "--recall" in body["batch"]["reason"]
+        health = server.get("/health")
+        assert health["recall"]["blocks"] == 2 and health["recall"]["ram_bytes_per_session"] == 0
+        assert len(list(recall_dir.iterdir())) == 1
+    finally:
+        server.stop()
+    assert "recall 2 blocks" in server.proc.stderr.read()
+    assert list(recall_dir.iterdir()) == []
