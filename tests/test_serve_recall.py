@@ -266,3 +266,27 @@ def test_serve_recall_flags_reach_the_server(tiny_model_dir, tmp_path):
         server.stop()
     assert "recall 2 blocks" in server.proc.stderr.read()
     assert list(recall_dir.iterdir()) == []
+
+
+def test_the_serve_recall_benchmark_runs(tiny_model_dir, tmp_path):
+    """``benchmarks/serve_recall.py --quick`` on the tiny model: one line per turn and
+    cache; the recall session's device bytes stay flat while its store grows."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "lines.jsonl"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_recall.py"), "--model",
+                    str(tiny_model_dir), "--quick", "--out", str(out)], check=True,
+                   capture_output=True, cwd=REPO)  # fmt: skip
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["cache"], r["turn"]) for r in lines] == [
+        (c, t) for t in (1, 2, 3) for c in ("window", "recall")
+    ]  # fmt: skip
+    recall = [r for r in lines if r["cache"] == "recall"]
+    assert recall[-1]["blocks_stored"] > recall[0]["blocks_stored"] > 0
+    assert len({r["device_bytes"] for r in recall[1:]}) == 1  # flat once the region exists
+    assert all(r["store_bytes"] == 0 for r in lines if r["cache"] == "window")
+    assert "session_budget_bytes" in recall[-1]
