@@ -290,3 +290,26 @@ def test_the_serve_recall_benchmark_runs(tiny_model_dir, tmp_path):
     assert len({r["device_bytes"] for r in recall[1:]}) == 1  # flat once the region exists
     assert all(r["store_bytes"] == 0 for r in lines if r["cache"] == "window")
     assert "session_budget_bytes" in recall[-1]
+
+
+def test_sessions_with_one_system_prompt_share_no_snapshot_and_answer_alike(
+    loaded, tmp_path  # noqa: F811
+):  # fmt: skip
+    """The pinned system prompt is each recall session's own prefill (a shared copy
+    would share its store): two sessions with it answer as each other."""
+    e = make_engine(loaded, tmp_path / "state")
+    try:
+        system = {"role": "system", "content": "you are a captain of the sea"}
+        replies = []
+        for sid in ("a", "b"):
+            reply, _, err = ask(e, [system, {"role": "user", "content": text(300, 1)}],
+                                session_id=sid)  # fmt: skip
+            assert err is None
+            replies.append(reply)
+        assert replies[0] == replies[1] and len(e.snapshots) == 0
+        a, b = (e.entries[("", k)].session for k in ("a", "b"))
+        assert a.sinks == b.sinks > 2  # the system prompt is the sinks
+        assert a.caches[0].recall is not b.caches[0].recall
+        assert a.caches[0].recall.stored == b.caches[0].recall.stored > 0
+    finally:
+        e.stop()
