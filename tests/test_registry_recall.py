@@ -119,3 +119,22 @@ def test_models_info_shows_the_recall_defaults():
     assert "recall:      defaults --recall-blocks 3, --recall-bits 8 (flags override)" in (
         result.stdout
     )
+
+
+def test_models_info_prices_the_store_at_the_registry_defaults(tiny_model_dir):
+    import json
+
+    from cli.models import _recall_line
+    from mlx_stream.cache.estimate import config_layout, human, recall_bytes
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    layout = config_layout(config, 4)
+    line = _recall_line(config, tiny_model_dir, "float32", 4, {"blocks": 3, "bits": 8})
+    mine, plain = recall_bytes(layout, 4, 3, bits=8), recall_bytes(layout, 4, 3)
+    assert f"region {human(mine['region_bytes'])} on the device (3 blocks)" in line
+    assert (
+        f"store {human(mine['store_bytes_per_1k_tokens'])} per 1k tokens at --recall-bits 8" in line
+    )
+    assert f"({human(plain['store_bytes_per_1k_tokens'])} in the model's dtype)" in line
+    default = _recall_line(config, tiny_model_dir, "float32", 4)
+    assert "(8 blocks)" in default and "at --recall-bits 8)" in default
