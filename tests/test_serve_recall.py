@@ -313,3 +313,49 @@ def test_sessions_with_one_system_prompt_share_no_snapshot_and_answer_alike(
         assert a.caches[0].recall.stored == b.caches[0].recall.stored > 0
     finally:
         e.stop()
+
+
+def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, monkeypatch):  # noqa: F811
+    """A client that leaves while its long message goes in (blocks stored, selections
+    refreshed meanwhile): the session goes back to before that turn, store and
+    selections too, and its next turn answers as a session that never saw it."""
+    import queue
+    import time
+
+    from mlx_stream.serve.engine import Request
+
+    model = loaded[0]
+    e = make_engine(loaded, tmp_path / "state")
+    first, other = text(300, 1), text(200, 5)
+    try:
+        messages, _ = chat(e, "a", first)
+        tier = e.entries[("", "a")].session.caches[0].recall
+        before = (tier.stored, tier.selection)
+        call, calls = type(model).__call__, []
+        events: queue.Queue = queue.Queue()
+        long = Request(emit=events.put, session_id="a",
+                       messages=[*messages, {"role": "user", "content": text(3000, 2)}])  # fmt: skip
+
+        def counting(self, inputs, *args, **kw):
+            calls.append(int(inputs.size))
+            if len(calls) == 12:  # well into the prompt: it stored and refreshed
+                long.cancelled.set()
+            return call(self, inputs, *args, **kw)
+
+        monkeypatch.setattr(type(model), "__call__", counting)
+        e.submit(long)
+        deadline = time.monotonic() + 120
+        while not (long.cancelled.is_set() and on_worker(e, lambda: not e._active)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert [ev[0] for ev in events.queue] == ["start"]  # cut off before a token
+        reply, _, err = ask(e, [*messages, {"role": "user", "content": other}], session_id="a")
+        monkeypatch.setattr(type(model), "__call__", call)
+        assert err is None and long.cancelled.is_set() and sum(calls[:12]) > 500
+        _, replies = chat(e, "b", first, other)
+        assert reply == replies[1]
+        a, b = (e.entries[("", k)].session.caches[0].recall for k in ("a", "b"))
+        assert (a.stored, a.selection) == (b.stored, b.selection)
+        assert before[0] > 0
+    finally:
+        e.stop()
