@@ -359,3 +359,27 @@ def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, 
         assert before[0] > 0
     finally:
         e.stop()
+
+
+def test_a_restart_with_recall_finds_no_session_saved_without_it(loaded, tmp_path):  # noqa: F811
+    """Saved caches depend on the recall settings (the state folder's config names
+    them): sessions saved without recall are not loaded into recall sessions."""
+    from tests.test_serve_robust import make_engine as plain_engine
+
+    state = tmp_path / "state"
+    e = plain_engine(loaded, state)
+    try:
+        ask(e, [{"role": "user", "content": text(40, 1)}], session_id="a")
+    finally:
+        e.stop()  # saves "a"
+    again = plain_engine(loaded, state)
+    try:
+        assert ("", "a") in again.entries  # found by a run like the first
+    finally:
+        again.stop()
+    recall = make_engine(loaded, state)
+    try:
+        assert recall.entries == {}
+        assert recall._config()["recall"]["blocks"] == 2
+    finally:
+        recall.stop()
