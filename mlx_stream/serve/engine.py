@@ -1001,8 +1001,7 @@ class Engine:
 
         now = self._published = time.monotonic()
         sessions = []
-        totals = dict.fromkeys(("device_bytes", "store_bytes", "store_ram_bytes",
-                                "store_disk_bytes"), 0)  # fmt: skip
+        totals = dict.fromkeys(recalled.TOTALS, 0)
         for e in self.entries.values():
             held = recalled.stats(e.session)  # zeros for a session on disk
             for k in totals:

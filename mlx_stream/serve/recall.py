@@ -23,8 +23,10 @@ Contract:
   memory up to ``ram_bytes`` per session, then files on disk, plus block summaries.
   On Apple silicon host memory *is* the device's (unified), so admission counts a
   recall session as its caches, its checkpoint's copy of them, its region and its
-  whole ``ram_bytes`` (the most host memory its store takes); what spills to disk is
-  not counted (:func:`fixed_bytes`).
+  whole ``ram_bytes`` (the most host memory its blocks take); what spills to disk is
+  not counted (:func:`fixed_bytes`), nor are the block summaries, which stay in host
+  memory and grow with the stream (``3 x kv_heads x head_dim`` float32 numbers per
+  block and layer, about 2% of a float store: ``summary_bytes`` in the stats).
 """
 
 from __future__ import annotations
@@ -99,26 +101,27 @@ def rewind(session: Any, checkpoint: Any) -> None:
     tier._valid = (None, None)
 
 
+STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes",
+         "summary_bytes", "blocks_stored")  # fmt: skip
+TOTALS = STATS[:1] + STATS[2:6]  # summed over sessions in /health and /v1/sessions
+
+
 def stats(session: Any) -> dict[str, int]:
-    """A session's bytes (zeros for ``None``: a session on disk): ``device_bytes`` (caches + region: flat), ``store_bytes``
-    (``store_ram_bytes`` + ``store_disk_bytes`` + summaries: growing), and the
-    blocks stored."""
+    """A session's bytes (zeros for ``None``: a session on disk): ``device_bytes``
+    (caches + region: flat) and ``store_bytes`` (``store_ram_bytes`` +
+    ``store_disk_bytes`` + ``summary_bytes``: growing), and the blocks stored."""
+    out = dict.fromkeys(STATS, 0)
     if session is None:
-        return dict.fromkeys(("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes",
-                              "store_disk_bytes", "blocks_stored"), 0)  # fmt: skip
-    caches = sum(int(getattr(c, "nbytes", 0) or 0) for c in session.caches)
+        return out
+    out["device_bytes"] = sum(int(getattr(c, "nbytes", 0) or 0) for c in session.caches)
     tier = tier_of(session.caches)
     if tier is None:
-        return {"device_bytes": caches, "region_bytes": 0, "store_bytes": 0,
-                "store_ram_bytes": 0, "store_disk_bytes": 0, "blocks_stored": 0}  # fmt: skip
-    return {
-        "device_bytes": caches + tier.device_nbytes,
-        "region_bytes": tier.device_nbytes,
-        "store_bytes": tier.store_nbytes,
-        "store_ram_bytes": tier.store.host_bytes,
-        "store_disk_bytes": tier.store.disk_bytes,
-        "blocks_stored": tier.stored,
-    }
+        return out
+    out["device_bytes"] += tier.device_nbytes
+    out.update(region_bytes=tier.device_nbytes, store_bytes=tier.store_nbytes,
+               store_ram_bytes=tier.store.host_bytes, store_disk_bytes=tier.store.disk_bytes,
+               summary_bytes=tier.summaries.nbytes, blocks_stored=tier.stored)  # fmt: skip
+    return out
 
 
 def fixed_bytes(model: Any, spec: Any, sinks: int) -> int:
