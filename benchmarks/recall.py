@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
     parser.add_argument("--selector", default="quest")
-    parser.add_argument("--placement", default="stream")
+    parser.add_argument("--placement", default=RecallSpec.placement)
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--haystack", default="filler", help="filler, or a book in the data")
     parser.add_argument("--seed", type=int, default=0)

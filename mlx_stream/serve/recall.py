@@ -132,7 +132,9 @@ def fixed_bytes(model: Any, spec: Any, sinks: int) -> int:
     layout = model_layout(model)
     if spec is None or layout is None:
         return 0
-    region = recall_bytes(layout, sinks, spec.blocks, spec.block, spec.bits, spec.group_size)
+    region = recall_bytes(
+        layout, sinks, spec.blocks, spec.block, spec.bits, spec.group_size, spec.placement
+    )
     return int(region["region_bytes"]) + int(spec.ram_bytes)
 
 
