@@ -232,3 +232,13 @@ def test_recall(monkeypatch, tmp_path, tiny_model_dir):
     assert 0 <= ranked["own_topk"]["layers"] <= 1 and 0 <= ranked["own_topk"]["heads"] <= 1
     table = load_script("recall", monkeypatch).render(lines)
     assert "| 400 | passkey | filler |" in table
+
+
+def test_recall_chat(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall_chat", monkeypatch, tmp_path, tiny_model_dir)
+    assert [r["cache"] for r in lines] == ["window", "recall"]
+    for r in lines:
+        assert ENVIRONMENT_KEYS <= set(r) and isinstance(r["found"], bool)
+        assert r["conversation_tokens"] >= 600 and 0 < r["fact_distance"] < r["conversation_tokens"]
+    recall = lines[1]
+    assert recall["stored_blocks"] > 0 and recall["store_bytes"] > 0
