@@ -367,6 +367,29 @@ def test_prompt_end_refreshes_and_feeds_the_prompt_tail_again(tiny_llama):
     assert all(hold == point for point, _, hold in once[0].recall.history)
 
 
+def test_a_prompts_selection_sits_near_until_the_next_boundary(tiny_llama):
+    """The blocks a prompt's end chooses go where ``prompt_placement`` says (right
+    before the re-fed tail), the next boundary's back where ``placement`` says; the
+    answer differs from one where the prompt's blocks stay in stream order."""
+    prompt = tiny.random_tokens(131, seed=29)
+    answers = {}
+    for prompt_placement in ("near", None):
+        cache = recall_cache(tiny_llama, prompt_placement=prompt_placement)
+        tier, placed = cache[0].recall, []
+        out = generate_step(prompt, tiny_llama, cache, max_tokens=12)
+        answers[prompt_placement] = [t for t, _, _ in out if not placed.append(
+            (tier.layers[0].tokens_seen, tier.placement, tier.applied[0]))]  # fmt: skip
+        assert tier.history[-1][0] == 136 and tier.placement == "stream"
+        if prompt_placement == "near":  # held from the prompt's end to the boundary at 136
+            near = [p for n, pl, p in placed if pl == "near"]
+            assert near and all(p[2] == "near" for p in near)
+            base, _ = tier.layers[0].ring.layout(120)
+            assert near[0][1] == 120 - base  # the region ends right before the re-fed tail
+            later = [pl for n, pl, _ in placed if n > 137]
+            assert later and set(later) == {"stream"}
+    assert answers["near"] != answers[None]
+
+
 def test_a_batch_of_several_sequences_is_refused_at_its_first_call(tiny_llama):
     """Before any token is written (not when the first block would be stored)."""
     cache = recall_cache(tiny_llama)

@@ -296,14 +296,14 @@ def describe(estimate: dict) -> str:
 
 
 def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT_STRIDE,
-                 bits: int | None = None, group: int = 64, placement: str = "near") -> dict:  # fmt: skip
+                 bits: int | None = None, group: int = 64, sink_copy: bool = True) -> dict:  # fmt: skip
     """What the recall tier adds: its fixed device region (``blocks * block`` slots per
-    layer, plus a moved copy of the sinks for the ``stream`` placement) and the store's
+    layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement) and the store's
     bytes per 1,000 evicted tokens (host memory, then disk; block summaries apart:
     ``3 * kv_heads * key_dim`` float32 numbers per block and layer)."""
     from mlx_stream.recall.store import bytes_per_token
 
-    slots = (sinks if placement == "stream" else 0) + blocks * block
+    slots = (sinks if sink_copy else 0) + blocks * block
     region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
     per_token = bytes_per_token(layout.layers, layout.kv_heads, layout.key_dim,
                                 layout.value_dim, layout.dtype_bytes, bits, group)  # fmt: skip

@@ -36,6 +36,14 @@ class RecallSpec:
             right before the sinks; ``"fixed"``: every retrieved token at the one
             position right before the sinks (InfLLM); ``"near"``: in stream order,
             right before the token the selection was refreshed at.
+        prompt_placement (str, optional): Where the blocks a prompt's end chooses go
+            (from the question's queries, for the prompt's re-fed tail and the
+            answer up to the next block boundary); ``None``: ``placement``. Default:
+            ``"near"``: a small model copies from a few hundred tokens back, not from
+            the far end of its window (measured: the pass key read back at 16k tokens
+            in 5 of 5 trials, against 0 of 3 with ``stream``), while ``stream`` keeps
+            streaming perplexity no worse than the window alone (``near`` at every
+            boundary made it 8.6% worse).
         bits (int, optional): Store keys and values quantized to 4 or 8 bits
             (``mx.quantize``, the window's quantization). Default: the model's dtype.
         group_size (int): Quantization group size of the store. Default: ``64``.
@@ -51,7 +59,8 @@ class RecallSpec:
     blocks: int = DEFAULT_BLOCKS
     block: int = DEFAULT_BLOCK
     selector: str = "quest"
-    placement: str = "near"
+    placement: str = "stream"
+    prompt_placement: str | None = "near"
     bits: int | None = None
     group_size: int = 64
     ram_bytes: int = DEFAULT_RAM
@@ -67,10 +76,13 @@ class RecallSpec:
             raise Unsupported(
                 f"recall selector must be one of {', '.join(SELECTORS)} (got {self.selector!r})"
             )
-        if self.placement not in PLACEMENTS:
-            raise Unsupported(
-                f"recall placement must be one of {', '.join(PLACEMENTS)} (got {self.placement!r})"
-            )
+        for name in ("placement", "prompt_placement"):
+            value = getattr(self, name)
+            if value not in PLACEMENTS and (value is not None or name == "placement"):
+                raise Unsupported(
+                    f"recall {name.replace('_', ' ')} must be one of {', '.join(PLACEMENTS)} "
+                    f"(got {value!r})"
+                )
         if self.bits not in (None, 4, 8):
             raise Unsupported(f"recall store bits must be 4 or 8 (got {self.bits})")
         if self.group_size not in (32, 64, 128):
@@ -79,6 +91,11 @@ class RecallSpec:
             raise Unsupported(f"recall refeed must be 0 or more blocks (got {self.refeed})")
         if self.ram_bytes < 0:
             raise Unsupported(f"recall RAM budget must be 0 or more (got {self.ram_bytes})")
+
+    @property
+    def copies_sinks(self) -> bool:
+        """Whether the region holds a moved copy of the sinks (``stream`` placement)."""
+        return "stream" in (self.placement, self.prompt_placement)
 
     @property
     def region(self) -> int:

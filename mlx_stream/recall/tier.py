@@ -365,14 +365,26 @@ class Recall:
         block after a refresh see them as their most recent context)."""
         if not cache._moving:
             return 0
-        if self.spec.placement == "near":
+        if self.placement == "near":
             base, _ = cache.ring.layout(n)
             return self.refreshed_at - base
         return self.anchor(cache, n)
 
+    @property
+    def placement(self) -> str:
+        """Where the current selection goes: ``spec.prompt_placement`` for one a
+        prompt's end chose (and fed its tail again under), else ``spec.placement``."""
+        point, _, hold = self.history[-1]
+        prompt = self.spec.prompt_placement
+        return prompt if prompt is not None and hold > point else self.spec.placement
+
     def _lead(self, cache) -> int:
         """Region slots before the blocks: a moved copy of the sinks for ``stream``."""
-        return cache.sinks if self.spec.placement == "stream" else 0
+        return cache.sinks if self.placement == "stream" else 0
+
+    def _lead_max(self, cache) -> int:
+        """Slots the region keeps before its blocks (for the copy of the sinks)."""
+        return cache.sinks if self.spec.copies_sinks else 0
 
     def _build_region(self, cache, n: int) -> None:
         sel = self.selection
@@ -380,15 +392,16 @@ class Recall:
             return
         i = cache.recall_index
         anchor = self._region_anchor(cache, n)
-        if self.applied[i] == (sel, anchor):
+        if self.applied[i] == (sel, anchor, self.placement):
             return
         bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self._lead(cache)
+        top, placement = self._lead_max(cache), self.placement  # blocks start at slot top
         packed = hasattr(cache, "bits")
         bits, g = (cache.bits, cache.group_size) if packed else (None, 64)
         if self.regions[i] is None:
             (H, kd, dtype), (_, vd, _) = self.store.shapes
-            self.regions[i] = [kvstore.zeros(1, H, lead + R, kd, dtype, bits, g),
-                               kvstore.zeros(1, H, lead + R, vd, dtype, bits, g)]  # fmt: skip
+            self.regions[i] = [kvstore.zeros(1, H, top + R, kd, dtype, bits, g),
+                               kvstore.zeros(1, H, top + R, vd, dtype, bits, g)]  # fmt: skip
         rk, rv = self.regions[i]
         move = cache.move if cache._moving and cache.move is not None else None
         if lead:  # the sinks, moved back by the region so the blocks follow them
@@ -402,14 +415,14 @@ class Recall:
         for r, j in enumerate(sel, k - len(sel)):
             keys, values = self.store.get(i, j)
             if move is not None:
-                if self.spec.placement == "fixed":  # every token right before the sinks
+                if placement == "fixed":  # every token right before the sinks
                     keys = _shift_tokens(move, keys, mx.array(anchor - 1 - np.arange(bs)))
                 else:
                     keys = move(keys, anchor - R + lead + r * bs)
-            lo = lead + r * bs
+            lo = top + r * bs
             kvstore.put(rk, lo, lo + bs, kvstore.pack(keys, bits, g))
             kvstore.put(rv, lo, lo + bs, kvstore.pack(values, bits, g))
-        self.applied[i] = (sel, anchor)
+        self.applied[i] = (sel, anchor, placement)
 
     def _region_valid(self, lead: int) -> np.ndarray:
         sel = self.selection
@@ -432,7 +445,7 @@ class Recall:
         anchor = self._region_anchor(cache, n0)
         self.scale = scale
         sel = self.selection
-        if not sel or self.applied[i] != (sel, anchor):
+        if not sel or self.applied[i] != (sel, anchor, self.placement):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)  # fmt: skip
         if not isinstance(mask, mx.array):  # mlx-lm's None / "causal": every slot is written
@@ -447,6 +460,10 @@ class Recall:
                 )
         lead = self._lead(cache)  # the ring's own sinks are replaced by the region's copy
         rk, rv = self.regions[i]
+        skip = self._lead_max(cache) - lead  # the slots of a sink copy this placement lacks
+        if skip:
+            rk, rv = (tuple(a[:, :, skip:] for a in x) if isinstance(x, tuple) else x[:, :, skip:]
+                      for x in (rk, rv))  # fmt: skip
         if isinstance(keys, tuple):
             keys = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rk, keys))
             values = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rv, values))

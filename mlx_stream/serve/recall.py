@@ -133,7 +133,7 @@ def fixed_bytes(model: Any, spec: Any, sinks: int) -> int:
     if spec is None or layout is None:
         return 0
     region = recall_bytes(
-        layout, sinks, spec.blocks, spec.block, spec.bits, spec.group_size, spec.placement
+        layout, sinks, spec.blocks, spec.block, spec.bits, spec.group_size, spec.copies_sinks
     )
     return int(region["region_bytes"]) + int(spec.ram_bytes)
 
