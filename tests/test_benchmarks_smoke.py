@@ -242,3 +242,11 @@ def test_recall_chat(monkeypatch, tmp_path, tiny_model_dir):
         assert r["conversation_tokens"] >= 600 and 0 < r["fact_distance"] < r["conversation_tokens"]
     recall = lines[1]
     assert recall["stored_blocks"] > 0 and recall["store_bytes"] > 0
+
+
+def test_recall_placement(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall_placement", monkeypatch, tmp_path, tiny_model_dir,
+                "--placements", "window,near,stream")  # fmt: skip
+    assert [r["placement"] for r in lines] == ["window", "near", "stream"]
+    ppl = [r["perplexity"] for r in lines]
+    assert all(p > 1 for p in ppl) and len(set(ppl)) == 3  # recall changed what was read
