@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import kvquant, load_cache, make_sink_cache, save_cache
+from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, save_cache
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
@@ -68,7 +68,9 @@ def test_slack_rounds_up_to_whole_groups(model):
     cache = four_bit(model)[0]
     assert (cache.window + cache.slack) % kvquant.GROUP == 0
     assert cache.slack == 56  # at least 32 (calls are written in place), 40 + 32 -> 96
-    assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 16
+    # 8-bit keys are per channel too; kept per token (for the recall tier) they need none.
+    assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 56
+    assert SinkCache(S, W, 16, kv_bits=8, token_keys=True).slack == 16
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 33])
