@@ -121,6 +121,7 @@ class SinkCache(mlx_cache._BaseCache):
         # kvquant.ChannelKeys storage
         self.channel_keys = kvquant.per_channel(key_bits, token_keys)
         self.token_keys = token_keys and key_bits == 8
+        self._asked_slack = slack  # the spec's: per-channel keys round the ring's up
         slack = kvquant.ring_slack(window, slack, key_bits, token_keys)
         # Per-channel keys write a call into the ring before attending (their mask
         # picks float or quantized columns per row): the older in-place layout.
@@ -627,8 +628,9 @@ class SinkCache(mlx_cache._BaseCache):
 
     @property
     def spec(self) -> CacheSpec:
-        """The cache's policy as one value."""
-        return CacheSpec(self.sinks, self.window, self.slack, self.stride, self.positions,
+        """The cache's policy as one value (the slack asked for: ``slack`` is the ring's,
+        which per-channel keys round up)."""
+        return CacheSpec(self.sinks, self.window, self._asked_slack, self.stride, self.positions,
                          self.value_bits, self.kv_group_size, self.key_bits)  # fmt: skip
 
     @property
