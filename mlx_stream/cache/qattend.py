@@ -139,17 +139,22 @@ def attend(queries: mx.array, keys: PackedKeys, values: PackedValues, scale: flo
     if keys.floats.shape[-2]:
         side = q @ keys.floats.swapaxes(-1, -2)  # sinks, spare sinks, residual
         E = side.shape[-1] - keys.recent
-        if keys.splice is None:
-            parts = [side[..., :S], ring, side[..., S:]]
-        else:  # the residual scores replace their slots' (masked) ring scores
+        if keys.splice is not None:  # the residual scores replace their slots' ring scores
             a = keys.splice - S
-            parts = [side[..., :S], ring[..., :a], side[..., E:], ring[..., a + keys.recent :],
-                     side[..., S:E]]  # fmt: skip
+            ring[..., a : a + keys.recent] = side[..., E:]
+            side = side[..., :E]
+        parts = [side[..., :S], ring, side[..., S:]]
         scores = mx.concatenate([p for p in parts if p.shape[-1]], axis=-1)
     else:
         scores = ring
     C = scores.shape[-1]
-    if mask is not None:
+    if mask is not None and N == 1 and not isinstance(mask, str) and mask.ndim < 3:
+        # one row (a decode step): the mask broadcasts over the folded heads
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    elif mask is not None:
         scores = scores.reshape(B, KVH, rep, N, C)
         if isinstance(mask, str):
             mask = mx.arange(C - N, C)[:, None] >= mx.arange(C)[None]
@@ -172,7 +177,8 @@ def attend(queries: mx.array, keys: PackedKeys, values: PackedValues, scale: flo
                                   group_size=values.group_size, bits=values.bits)  # fmt: skip
     else:
         out = probs @ values.slots
-    return out.reshape(B, H, N, -1).astype(queries.dtype)
+    out = out.reshape(B, H, N, -1)
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def _wrap(original):
