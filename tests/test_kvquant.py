@@ -232,3 +232,21 @@ def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model)
     )
     assert [t for t, _, _ in out] == plain
     assert state.drafted > state.accepted  # rollbacks happened
+
+
+def test_a_call_attends_only_the_residual_slots_of_its_open_groups():
+    # The residual columns of a call: the floats of [group_start(n), n + N), contiguous
+    # unless they wrap around the residual (then all of it); none before the first
+    # ring token.
+    assert kvquant.recent_range(2, 1, S) == (0, 0)  # a sink
+    assert kvquant.recent_range(S, 1, S) == (0, 1)
+    assert kvquant.recent_range(S + 40, 1, S) == (32, 41)  # group 1: slots 32..63
+    assert kvquant.recent_range(S + 63, 1, S) == (32, 64)
+    assert kvquant.recent_range(S + 64, 1, S) == (0, 1)  # group 2 reuses slots 0..31
+    assert kvquant.recent_range(S + 40, 30, S) == (0, kvquant.RECENT)  # 32..69 wraps
+    assert kvquant.recent_range(S + 10, 30, S) == (0, 40)
+    for n, N in ((S + 40, 1), (S + 10, 30), (S + 40, 30), (1, 8)):
+        tokens = kvquant.recent_tokens(n, N, S)
+        lo, hi = kvquant.recent_range(n, N, S)
+        # every float a row of the call may read is inside the range
+        assert set(tokens[tokens >= 0]) <= set(tokens[lo:hi])
