@@ -34,7 +34,9 @@ flatness and the full cache's growth.
 rotating, sink, ..., the order rotated every round); ``sink-8-dequant`` and
 ``sink-4-dequant`` (only when named in ``--caches``) are the same quantized caches
 attending on dequantized floats (``fast_route`` off: what they do where
-``mlx_stream.cache.qattend`` is not installed); one JSON line per
+``mlx_stream.cache.qattend`` is not installed), and ``sink-8-token`` the 8-bit cache with
+keys per token through mlx-lm's quantized kernel (``token_keys``: what ``kv_bits=8`` was
+before keys went per channel); one JSON line per
 (cache, window) with the median tok/s over rounds, and a summary line with, per window,
 the median over rounds of each round's ratio to the rotating run beside it, and the
 median over ``--bare`` rounds of bare one-token model calls of each call's time over the
@@ -53,7 +55,7 @@ CACHES = ("sink", "rotating", "full")
 # The --windows mode: float, 8-bit and 4-bit sink caches against mlx-lm's rotating cache
 # (and, when named, the quantized ones on their dequantize route).
 WINDOW_CACHES = ("sink", "sink-8", "sink-4", "rotating")
-WINDOW_EXTRA = ("sink-8-dequant", "sink-4-dequant")
+WINDOW_EXTRA = ("sink-8-dequant", "sink-4-dequant", "sink-8-token")
 # Only with --caches: mlx-stream's generate_step on mlx-lm's RotatingKVCache, which
 # splits the sink/rotating ratio into what the decode loop costs and what the cache costs.
 EXTRA = ("rotating-ours",)
@@ -67,6 +69,14 @@ def make_cache(name: str, model, sinks: int, window: int) -> list:
 
     if name == "sink":
         return make_sink_cache(model, sinks, window)
+    if name == "sink-8-token":
+        from mlx_stream.cache.sink import SinkCache
+
+        return [
+            SinkCache(sinks, window, kv_bits=8, move=c.move, additive_mask=c.additive_mask,
+                      token_keys=True) if isinstance(c, SinkCache) else c
+            for c in make_sink_cache(model, sinks, window, kv_bits=8)
+        ]  # fmt: skip
     if name.startswith("sink-"):
         bits = int(name.split("-")[1])
         cache = make_sink_cache(model, sinks, window, kv_bits=bits)
