@@ -206,3 +206,17 @@ def test_eight_bit_keys_stay_per_token_for_recall_and_old_files():
     a = old.update_and_fetch(keys[..., 70:71, :], values[..., 70:71, :])
     b = cache.update_and_fetch(keys[..., 70:71, :], values[..., 70:71, :])
     assert all(mx.array_equal(x, y).item() for x, y in zip(a[0], b[0]))
+
+
+def test_a_cache_feeding_the_recall_tier_returns_floats():
+    # The recall tier attends on floats: a proven per-channel cache it is attached to
+    # does not hand over packed keys, and its mask has the unspliced columns.
+    keys, values, _ = tensors(2, 2)
+    cache = SinkCache(S, W, kv_bits=4, kv_group_size=G, positions="absolute")
+    cache.fast_route = True
+    cache.recall = type("Tier", (), {"before_write": lambda *a: None})()  # attached
+    cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])
+    mask = cache.make_mask(1)
+    k, v = cache.update_and_fetch(keys[..., 50:51, :], values[..., 50:51, :])
+    assert isinstance(k, mx.array) and k.shape[-2] == v.shape[-2] == mask.shape[-1]
+    assert mask.shape[-1] > cache.ring.slots_total  # the residual as extra columns
