@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 from common import (  # first: it preloads OpenBLAS before mlx.core
     base_parser,
@@ -38,10 +37,8 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
     interleave,
     load_model,
     main_guard,
+    mx,  # imported there, after the BLAS preload
 )
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 BOOKS = ("moby_dick", "paradise_lost", "botchan", "alice_in_wonderland")
 
@@ -169,8 +166,11 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
         "attn_layer_ms": {k: round(v, 4) for k, v in med.items()},
-        "attn_keys": {"recall": tier.regions[0][0].shape[2] + ring - tier._lead(c),
-                      "window-slack": ring, "window": plain},  # fmt: skip
+        "attn_keys": {
+            "recall": tier.regions[0][0].shape[2] + ring - tier._lead(c),
+            "window-slack": ring,
+            "window": plain,
+        },  # fmt: skip
         "attn_extra_ms_per_token": round((med["recall"] - med["window"]) * len(tier.layers), 3),
         "attn_extra_over_slack_ms_per_token": round(
             (med["recall"] - med["window-slack"]) * len(tier.layers), 3
@@ -243,8 +243,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     per_round: dict[str, list[float]] = {n: [] for n in names}
     rec_split: list[tuple] = []
-    schedule = [(rnd, n) for rnd in range(args.rounds)
-                for n in (names if rnd % 2 == 0 else names[::-1])]  # ABBA: drift hits all
+    schedule = [
+        (rnd, n) for rnd in range(args.rounds) for n in (names if rnd % 2 == 0 else names[::-1])
+    ]  # ABBA: drift hits all
     for rnd, name in schedule:
         last[name], times, start, snaps = decode_round(
             model, caches[name], last[name], args.tokens, split if name == "recall" else None
