@@ -5,16 +5,19 @@ concatenated if one is too short) are prefilled, through mlx-stream's decode eng
 (``generate_step``, chunks of ``--chunk``), into a sink cache with the recall tier and
 into the same sink cache without it (and, with ``window-slack`` among ``--contenders``,
 one without recall but with the slack recall raises the cache to, which isolates what
-the slack alone costs). Then ``--rounds`` interleaved rounds (the contenders' order
-rotated every round) each greedily decode ``--tokens`` steps per contender; a step's
-time is the interval between two tokens the engine yields, so the first token of a
-round (which carries the round's prompt-end refresh) is not counted. ``--tokens 64``
-steps cover exactly one block boundary, so every round pays the per-block selection
-refresh and region rebuild once; each line says where its boundaries fell.
+the slack alone costs). Then ``--rounds`` rounds (the contenders' order
+alternated every step) each greedily decode ``--tokens`` steps per contender, in
+lockstep: one step (model call, argmax, evaluated) of one contender, then one of the
+other, so the machine's noise (a shared machine) hits both alike; the first step feeds
+the book's next token. ``--tokens 64`` steps cover exactly one block boundary, so every
+round pays the per-block selection refresh and region rebuild once (there is no
+prompt end in a decode step, so no other refresh); each line says where its boundaries
+fell.
 
 One JSON line per contender and round (``recall-decode``), then a summary line: the
 median over rounds of each contender's mean ms per step, the ratio recall / window
-(and its range over rounds), and the split of the recall rounds' time: selection
+(and its range over rounds), the same for the median step (a step without refresh),
+and the split of the recall rounds' time: selection
 refresh (numpy scoring, timed in place), region rebuild (the region's device arrays
 evaluated right after it is built, timed in place) and the attention over
 ``[region, ring]`` (one layer's call of the tier's attention, with the region,
@@ -89,8 +92,8 @@ class Split:
 
 
 def prefill(model, cache, tokens: list[int], chunk: int) -> tuple[int, float]:
-    """Feed ``tokens`` through ``generate_step`` (one greedy token out); returns the
-    token and the seconds it took."""
+    """Feed ``tokens`` through ``generate_step`` (one greedy token out, which the
+    engine feeds too when it stops); returns the token and the seconds it took."""
     from mlx_stream.generate.decode import generate_step
 
     tic = time.perf_counter()
@@ -100,24 +103,14 @@ def prefill(model, cache, tokens: list[int], chunk: int) -> tuple[int, float]:
     return token, time.perf_counter() - tic
 
 
-def decode_round(model, cache, token: int, steps: int, split=None):
-    """``steps`` greedy steps after a first token fed from ``token``: the last token,
-    each step's seconds (interval between yields), the first step's token index and
-    ``split``'s snapshots at the first and the last yield (the timed steps)."""
-    from mlx_stream.generate.decode import generate_step
-
-    sink = next(c for c in cache if hasattr(c, "tokens_seen"))
-    start = sink.tokens_seen + 1  # the index of the first timed step's token
-    gen = generate_step(mx.array([token]), model, cache, max_tokens=steps + 1)
-    times, last, snaps = [], time.perf_counter(), []
-    for i, (tok, *_) in enumerate(gen):
-        now = time.perf_counter()
-        if i:
-            times.append(now - last)
-        if split is not None and i in (0, steps):
-            snaps.append(split.snapshot())
-        last, token = now, int(tok)
-    return token, times, start, snaps
+def step(model, cache, token: int) -> tuple[int, float]:
+    """One greedy decode step (the model call, the argmax, evaluated): the next
+    token and the seconds it took."""
+    tic = time.perf_counter()
+    logits = model(mx.array([[token]]), cache=cache)
+    nxt = mx.argmax(logits[0, -1], axis=-1)
+    mx.eval(nxt)
+    return int(nxt), time.perf_counter() - tic
 
 
 def attention_cost(tier, plain_cache, reps: int) -> dict:
@@ -212,7 +205,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from mlx_stream.recall import RecallSpec
 
     model, tokenizer, weights = load_model(args.model, args.dtype)
-    tokens = stream_tokens(tokenizer, args.stored)
+    tokens = stream_tokens(tokenizer, args.stored + 1)
     spec = RecallSpec(blocks=args.blocks, selector=args.selector, bits=args.bits)
     caches = {"recall": make_sink_cache(model, args.sinks, args.window, recall=spec)}
     tier = next(c.recall for c in caches["recall"] if getattr(c, "recall", None) is not None)
@@ -232,7 +225,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     last, prefill_s = {}, {}
     for name in names:
-        last[name], prefill_s[name] = prefill(model, caches[name], tokens, args.chunk)
+        _, prefill_s[name] = prefill(model, caches[name], tokens[:-1], args.chunk)
+        last[name] = tokens[-1]  # the first step feeds the book's next token
         extra = {}
         if name == "recall":
             extra = dict(stored_blocks=tier.stored, store_mb=round(tier.store_nbytes / 1e6, 2),
@@ -242,41 +236,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"# prefill {name}: {prefill_s[name]:.0f} s", flush=True)
 
     per_round: dict[str, list[float]] = {n: [] for n in names}
+    p50: dict[str, list[float]] = {n: [] for n in names}
     rec_split: list[tuple] = []
-    schedule = [
-        (rnd, n) for rnd in range(args.rounds) for n in (names if rnd % 2 == 0 else names[::-1])
-    ]  # ABBA: drift hits all
-    for rnd, name in schedule:
-        last[name], times, start, snaps = decode_round(
-            model, caches[name], last[name], args.tokens, split if name == "recall" else None
-        )
-        end = start + len(times)
-        boundaries = [t for t in range(start, end) if t % spec.block == 0]
-        ms = sum(times) / len(times) * 1e3
-        per_round[name].append(ms)
-        extra = {}
-        if name == "recall":
-            d = [a - b for a, b in zip(snaps[-1], snaps[0])]  # the timed steps only
-            rec_split.append((ms, d[0], d[1]))
-            extra = dict(refresh_ms=round(d[0] * 1e3, 2), rebuild_ms=round(d[1] * 1e3, 2),
-                         refreshes=d[2], rebuilds=d[3], selection=list(tier.selection),
-                         stored_blocks=tier.stored)  # fmt: skip
-        row(phase="decode", cache=name, round=rnd, first_step=start, steps=len(times),
-            boundaries=boundaries, ms_per_step=round(ms, 3),
-            p50_ms=round(statistics.median(times) * 1e3, 3),
-            max_ms=round(max(times) * 1e3, 3), **extra)  # fmt: skip
+    sink = caches["recall"][0]
+    for rnd in range(args.rounds):
+        start = sink.tokens_seen  # every contender is at the same token
+        times: dict[str, list[float]] = {n: [] for n in names}
+        before = split.snapshot()
+        for s in range(args.tokens):  # lockstep: machine noise hits every contender alike
+            order = names if (rnd * args.tokens + s) % 2 == 0 else names[::-1]
+            for name in order:
+                last[name], dt = step(model, caches[name], last[name])
+                times[name].append(dt)
+        after = split.snapshot()
+        boundaries = [t for t in range(start, start + args.tokens) if t % spec.block == 0]
+        d = [a - b for a, b in zip(after, before)]
+        rec_split.append(d)
+        for name in names:
+            ms = sum(times[name]) / len(times[name]) * 1e3
+            per_round[name].append(ms)
+            p50[name].append(statistics.median(times[name]) * 1e3)
+            extra = {}
+            if name == "recall":
+                extra = dict(refresh_ms=round(d[0] * 1e3, 2), rebuild_ms=round(d[1] * 1e3, 2),
+                             refreshes=d[2], rebuilds=d[3], selection=list(tier.selection),
+                             stored_blocks=tier.stored)  # fmt: skip
+            row(phase="decode", cache=name, round=rnd, first_step=start, steps=args.tokens,
+                boundaries=boundaries, ms_per_step=round(ms, 3), p50_ms=round(p50[name][-1], 3),
+                max_ms=round(max(times[name]) * 1e3, 3), **extra)  # fmt: skip
 
     attention = attention_cost(tier, caches["window"], args.attn_reps)
     med = {n: statistics.median(v) for n, v in per_round.items()}
     pair = [a / b for a, b in zip(per_round["recall"], per_round["window"])]
     steps = args.tokens
-    refresh = statistics.median(s[1] for s in rec_split) * 1e3 / steps
-    rebuild = statistics.median(s[2] for s in rec_split) * 1e3 / steps
+    refresh = statistics.median(d[0] for d in rec_split) * 1e3 / steps
+    rebuild = statistics.median(d[1] for d in rec_split) * 1e3 / steps
     summary = dict(
         summary=True, rounds=args.rounds, steps_per_round=steps,
         ms_per_step={n: round(v, 3) for n, v in med.items()},
         recall_over_window=round(med["recall"] / med["window"], 3),
         recall_over_window_range=[round(min(pair), 3), round(max(pair), 3)],
+        p50_ms_per_step={n: round(statistics.median(v), 3) for n, v in p50.items()},
+        p50_recall_over_window=round(
+            statistics.median(p50["recall"]) / statistics.median(p50["window"]), 3
+        ),
         target_max=1.3,
         refresh_ms_per_step=round(refresh, 3), rebuild_ms_per_step=round(rebuild, 3),
         extra_ms_per_step=round(med["recall"] - med["window"], 3),
