@@ -158,6 +158,28 @@ def summarize(records: list[dict], ram_mb: float) -> dict:
     }  # fmt: skip
 
 
+def render(records: list[dict], every: int = 1) -> str:
+    """Markdown: every ``every``-th sample of each run (and its last) as a row."""
+    head = (
+        "| tokens | MLX active MB | sink caches MB | regions MB | store RAM MB | store disk "
+        "MB | summaries MB | RSS MB (anon + file) | s per 1k tokens | of which refresh |"
+    )
+    out = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    samples = [r for r in records if r.get("bench") == "recall-soak" and not r.get("summary")]
+    for k, r in enumerate(samples):
+        last = k == len(samples) - 1 or samples[k + 1]["tokens"] < r["tokens"]
+        if k % every and not last:
+            continue
+        rss = f"{r['rss_mb']:.0f}"
+        if r.get("rss_anon_mb") is not None:
+            rss += f" ({r['rss_anon_mb']:.0f} + {r['rss_file_mb']:.0f})"
+        out.append(f"| {r['tokens']:,} | {r['active_mb']:.2f} | {r['cache_mb']:.3f} | "
+                   f"{r['region_mb']:.3f} | {r['store_ram_mb']:.1f} | {r['store_disk_mb']:.1f} "
+                   f"| {r['summaries_mb']:.1f} | {rss} | {r['s_per_1k']:.2f} | "
+                   f"{r['refresh_s_per_1k']:.2f} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768, help="stream length")
@@ -171,7 +193,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ram-mb", type=float, default=16, help="store RAM before disk")
     parser.add_argument("--folder", type=Path, help="store folder (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the store's files")
+    parser.add_argument("--table", type=Path, help="render saved JSON lines and exit")
+    parser.add_argument("--every", type=int, default=1, help="--table: every Nth sample")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        import json
+
+        lines = args.table.read_text().splitlines()
+        print(render([json.loads(x) for x in lines if x.strip()], args.every))
+        return []
     if args.quick:
         args.tokens, args.window, args.sample, args.blocks = 2048, 64, 256, 2
         args.ram_mb = min(args.ram_mb, 0.05)

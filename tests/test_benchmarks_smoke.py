@@ -269,6 +269,8 @@ def test_recall_soak(monkeypatch, tmp_path, tiny_model_dir):
     assert samples[-1]["store_disk_mb"] > 0 and samples[-1]["store_ram_mb"] <= 0.05
     assert any(p.suffix == ".npy" for p in store.iterdir())  # --keep kept the files
     assert all(r["refresh_s_per_1k"] >= 0 and r["s_per_1k"] > 0 for r in samples)
+    table = load_script("recall_soak", monkeypatch).render(lines)
+    assert table.count("\n| ") == len(samples) and "| 2,048 |" in table
     with pytest.raises(SystemExit) as e:  # a folder already holding files is refused
         load_script("recall_soak", monkeypatch).main(
             ["--quick", "--model", str(tiny_model_dir), "--folder", str(store)]
