@@ -20,6 +20,7 @@ a summary line closes the run.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -45,6 +46,15 @@ def rss_parts_mb() -> dict:
     except OSError:
         pass
     return out
+
+
+def open_files() -> int | None:
+    """File descriptors this process holds (Linux ``/proc``; ``None`` elsewhere): each
+    spilled segment is a memory map, and each map keeps one open."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
 
 
 def disk_bytes(folder: Path) -> int:
@@ -107,6 +117,7 @@ class Sampler:
             stored_blocks=tier.stored,
             rss_mb=rss_mb(),
             **rss_parts_mb(),
+            open_files=open_files(),
             s_per_1k=round((now - self.last_time) * per_1k, 3),
             refresh_s_per_1k=round((self.refresh_s - self.last_refresh_s) * per_1k, 3),
             refreshes=tier.refreshes,
@@ -148,6 +159,8 @@ def summarize(records: list[dict], ram_mb: float) -> dict:
         "store_ram_mb_last": records[-1]["store_ram_mb"],
         "store_disk_mb_last": records[-1]["store_disk_mb"],
         "summaries_mb_last": records[-1]["summaries_mb"],
+        "open_files_first": steady[0].get("open_files"),
+        "open_files_last": records[-1].get("open_files"),
         "stored_blocks_last": records[-1]["stored_blocks"],
         "s_per_1k_early": median("s_per_1k", steady[:quarter]),
         "s_per_1k_late": median("s_per_1k", steady[-quarter:]),
