@@ -115,8 +115,10 @@ def step(model, cache, token: int) -> tuple[int, float]:
 
 def attention_cost(tier, plain_cache, reps: int) -> dict:
     """One layer's attention per decode step: the tier's call (region + ring, the
-    concatenation and mask included) against mlx-lm's on the plain cache's ring,
-    interleaved, on random queries of the model's shapes."""
+    concatenation and mask included) against mlx-lm's on the plain cache's ring, on
+    the recall cache's ring (its slack) and on as many keys as the tier attends to,
+    already in one array (``keys-only``: what the extra keys cost without the
+    concatenation), interleaved, on random queries of the model's shapes."""
     from mlx_lm.models.base import scaled_dot_product_attention as original
 
     c = tier.layers[0]
@@ -132,13 +134,17 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
     kr, vr = (mx.random.normal((1, H, ring, D)).astype(dtype) for _ in range(2))
     kp, vp = (mx.random.normal((1, H, plain, D)).astype(dtype) for _ in range(2))
     mr, mp = mx.zeros((1, 1, 1, ring), dtype), mx.zeros((1, 1, 1, plain), dtype)
+    total = tier.regions[0][0].shape[2] + ring - tier._lead(c)
+    ka, va = (mx.random.normal((1, H, total, D)).astype(dtype) for _ in range(2))
+    ma = mx.zeros((1, 1, 1, total), dtype)
+    mx.eval(q, kr, vr, kp, vp, ka, va, mr, mp, ma)
     scale = tier.scale or D**-0.5
     saved = list(tier.queries[0])
     n0 = c.tokens_seen - 1
     anchor = tier.anchor(c, n0) if c._moving else 0
     if tier.applied[0] != (sel, anchor):
         return {}
-    times = {"recall": [], "window": [], "window-slack": []}
+    times = {"recall": [], "window": [], "window-slack": [], "keys-only": []}
 
     def call(name):
         if name == "recall":
@@ -146,6 +152,8 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
             tier.queries[0] = list(saved)  # the bench's query is not the stream's
         elif name == "window-slack":
             out = original(q, kr, vr, cache=None, scale=scale, mask=mr)
+        elif name == "keys-only":
+            out = original(q, ka, va, cache=None, scale=scale, mask=ma)
         else:
             out = original(q, kp, vp, cache=None, scale=scale, mask=mp)
         mx.eval(out)
@@ -159,14 +167,13 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
         "attn_layer_ms": {k: round(v, 4) for k, v in med.items()},
-        "attn_keys": {
-            "recall": tier.regions[0][0].shape[2] + ring - tier._lead(c),
-            "window-slack": ring,
-            "window": plain,
-        },  # fmt: skip
+        "attn_keys": {"recall": total, "window-slack": ring, "window": plain, "keys-only": total},
         "attn_extra_ms_per_token": round((med["recall"] - med["window"]) * len(tier.layers), 3),
         "attn_extra_over_slack_ms_per_token": round(
             (med["recall"] - med["window-slack"]) * len(tier.layers), 3
+        ),
+        "attn_keys_only_extra_ms_per_token": round(
+            (med["keys-only"] - med["window"]) * len(tier.layers), 3
         ),
     }
 

@@ -250,7 +250,8 @@ def test_recall_decode(monkeypatch, tmp_path, tiny_model_dir):
     lo, hi = summary["recall_over_window_range"]
     assert 0 < lo <= hi
     keys = summary["attn_keys"]  # the region adds k blocks of keys to the ring's
-    assert keys["recall"] > keys["window-slack"] > keys["window"]
+    assert keys["recall"] == keys["keys-only"] > keys["window-slack"] > keys["window"]
+    assert set(summary["attn_layer_ms"]) == {"recall", "window", "window-slack", "keys-only"}
     assert summary["refresh_ms_per_step"] > 0
 
 
