@@ -68,11 +68,17 @@ class Split:
         self.tier = tier
         self.refresh_s = self.build_s = 0.0
         self.refreshes = self.builds = 0
+        self.profile, self.profiled = None, 0  # cProfile of the refreshes from start_profile
         refresh, build = tier.refresh, tier._build_region
 
         def timed_refresh(point):
             tic = time.perf_counter()
+            if self.profile is not None:
+                self.profile.enable()
             refresh(point)
+            if self.profile is not None:
+                self.profile.disable()
+                self.profiled += 1
             self.refresh_s += time.perf_counter() - tic
             self.refreshes += 1
 
@@ -89,6 +95,26 @@ class Split:
 
     def snapshot(self) -> tuple:
         return self.refresh_s, self.build_s, self.refreshes, self.builds
+
+    def start_profile(self) -> None:
+        import cProfile
+
+        self.profile = cProfile.Profile()
+
+    def refresh_parts(self) -> dict:
+        """With ``profile``: ms per refresh in gathering the queries (``_recent``) and
+        in scoring the blocks (``select``'s ``layer_scores_*``), from cProfile."""
+        import pstats
+
+        if self.profile is None or not self.profiled:
+            return {}
+        parts = {"gather_queries": 0.0, "score_blocks": 0.0}
+        for (_, _, name), (_, _, _, cum, _) in pstats.Stats(self.profile).stats.items():
+            if name == "_recent":
+                parts["gather_queries"] += cum
+            elif name.startswith("layer_scores_"):
+                parts["score_blocks"] += cum
+        return {k: round(v * 1e3 / self.profiled, 2) for k, v in parts.items()}
 
 
 def prefill(model, cache, tokens: list[int], chunk: int) -> tuple[int, float]:
@@ -200,6 +226,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--contenders", default="recall,window",
                         help="recall, window, window-slack (comma-separated)")  # fmt: skip
     parser.add_argument("--attn-reps", type=int, default=200)
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the refreshes: gathering queries vs scoring")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:  # the tiny model
         args.stored, args.window, args.rounds, args.tokens = 600, 32, 2, 64
@@ -242,6 +270,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tok_s=round(args.stored / prefill_s[name], 2), **extra)  # fmt: skip
         print(f"# prefill {name}: {prefill_s[name]:.0f} s", flush=True)
 
+    if args.profile:  # the decode rounds' refreshes only
+        split.start_profile()
     per_round: dict[str, list[float]] = {n: [] for n in names}
     p50: dict[str, list[float]] = {n: [] for n in names}
     rec_split: list[tuple] = []
@@ -291,6 +321,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         refresh_ms_per_step=round(refresh, 3), rebuild_ms_per_step=round(rebuild, 3),
         extra_ms_per_step=round(med["recall"] - med["window"], 3),
         prefill_s={n: round(v, 1) for n, v in prefill_s.items()}, **attention,
+        refresh_profile_ms=split.refresh_parts(),
     )  # fmt: skip
     if "window-slack" in med:
         summary["slack_over_window"] = round(med["window-slack"] / med["window"], 3)

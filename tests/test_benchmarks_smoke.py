@@ -234,7 +234,7 @@ def test_recall(monkeypatch, tmp_path, tiny_model_dir):
 
 
 def test_recall_decode(monkeypatch, tmp_path, tiny_model_dir):
-    lines = run("recall_decode", monkeypatch, tmp_path, tiny_model_dir)
+    lines = run("recall_decode", monkeypatch, tmp_path, tiny_model_dir, "--profile")
     *rows, summary = lines
     names = {"recall", "window", "window-slack"}
     assert {r["cache"] for r in rows if r["phase"] == "prefill"} == names
@@ -253,6 +253,8 @@ def test_recall_decode(monkeypatch, tmp_path, tiny_model_dir):
     assert keys["recall"] == keys["keys-only"] > keys["window-slack"] > keys["window"]
     assert set(summary["attn_layer_ms"]) == {"recall", "window", "window-slack", "keys-only"}
     assert summary["refresh_ms_per_step"] > 0
+    parts = summary["refresh_profile_ms"]  # cProfile of the rounds' refreshes
+    assert parts["gather_queries"] > 0 and parts["score_blocks"] > 0
 
 
 def test_recall_soak(monkeypatch, tmp_path, tiny_model_dir):
