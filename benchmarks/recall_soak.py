@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
+    parser.add_argument("--block", type=int, default=64, help="tokens per block (= stride)")
     parser.add_argument("--selector", default="quest")
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--chunk", type=int, default=64)
@@ -232,11 +233,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if folder.exists() and any(folder.iterdir()):
             parser.error(f"{folder}: not empty (the soak measures the files it writes)")
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
-    recall = RecallSpec(blocks=args.blocks, selector=args.selector, bits=args.bits,
+    recall = RecallSpec(blocks=args.blocks, block=args.block, selector=args.selector, bits=args.bits,
                         ram_bytes=int(args.ram_mb * 1e6), folder=str(folder))  # fmt: skip
-    spec = CacheSpec(args.sinks, args.window, recall=recall)
+    spec = CacheSpec(args.sinks, args.window, stride=args.block, recall=recall)
     layers = getattr(getattr(model, "args", None), "num_hidden_layers", None)
-    settings = dict(sinks=args.sinks, window=args.window, blocks=args.blocks,
+    settings = dict(sinks=args.sinks, window=args.window, blocks=args.blocks, block=args.block,
                     selector=args.selector, store_bits=args.bits, chunk=args.chunk,
                     sample=args.sample, ram_mb=args.ram_mb, layers=layers,
                     target_tokens=args.tokens)  # fmt: skip
