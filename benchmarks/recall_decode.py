@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ms_per_step={n: round(v, 3) for n, v in med.items()},
         recall_over_window=round(med["recall"] / med["window"], 3),
         recall_over_window_range=[round(min(pair), 3), round(max(pair), 3)],
+        recall_over_window_median_round=round(statistics.median(pair), 3),
         p50_ms_per_step={n: round(statistics.median(v), 3) for n, v in p50.items()},
         p50_recall_over_window=round(
             statistics.median(p50["recall"]) / statistics.median(p50["window"]), 3
