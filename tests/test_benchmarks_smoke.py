@@ -94,16 +94,21 @@ def test_decode_across_windows(monkeypatch, tmp_path, tiny_model_dir):
 
 def test_quantized_attention_routes_agree(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("quantized_attention", monkeypatch, tmp_path, tiny_model_dir)
-    assert {r["contender"] for r in lines} == {"float", "qmm-8", "dequant-8", "dequant-k4",
-                                                "qmm-k4"}  # fmt: skip
+    script = load_script("quantized_attention", monkeypatch)
+    assert {r["contender"] for r in lines} == set(script.CONTENDERS)
     assert all(r["us"] > 0 for r in lines)
     # The quantized-kernel route on per-channel keys computes what dequantizing does.
     import mlx.core as mx
 
-    fns = load_script("quantized_attention", monkeypatch).contenders(99, 9, 3, 64)
+    fns = script.contenders(99, 9, 3, 64)
     ref = fns["float"]()
     assert mx.allclose(fns["qmm-k4"](), fns["dequant-k4"](), atol=1e-4).item()
     assert mx.abs(fns["qmm-8"]() - ref).max().item() < 0.02
+    assert mx.abs(fns["qmm-k8"]() - ref).max().item() < 0.02
+    # The cache's own route (cache_route checks it against float attention as well)
+    for bits in (8, 4):
+        route, dequantized = script.cache_route(64, 4, bits, 9, 3, 64)
+        assert mx.allclose(route(), dequantized(), atol=1e-4).item()
 
 
 def test_key_schemes(monkeypatch, tmp_path):
