@@ -126,8 +126,7 @@ def own_topk(tier, point: int, blocks: list[int]) -> dict:
     nb = min(tier.stored, tier._evicted_blocks(point))
     empty = np.array([f >= tier.block for f in tier.first[:nb]])
     k, layer_hits, head_hits, heads = tier.spec.blocks, 0, 0, 0
-    for i in range(len(tier.layers)):
-        q = tier._recent(i, point)
+    for i, q in enumerate(tier._recent(point)):
         per_head = select.head_scores_summary(q, tier.summaries, i, nb, "quest", tier.scale,
                                               empty)  # fmt: skip
         chosen = set(select.top_k(per_head.max(0), k))

@@ -255,3 +255,51 @@ def test_recall_placement(monkeypatch, tmp_path, tiny_model_dir):
     assert [r["placement"] for r in lines] == ["window", "near", "stream"]
     ppl = [r["perplexity"] for r in lines]
     assert all(p > 1 for p in ppl) and len(set(ppl)) == 3  # recall changed what was read
+
+
+def test_recall_decode(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall_decode", monkeypatch, tmp_path, tiny_model_dir, "--profile")
+    *rows, summary = lines
+    names = {"recall", "window", "window-slack"}
+    assert {r["cache"] for r in rows if r["phase"] == "prefill"} == names
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert len(decode) == 3 * summary["rounds"]
+    for r in decode:  # 64 steps cross exactly one block boundary
+        assert r["steps"] == 64 and len(r["boundaries"]) == 1 and r["ms_per_step"] > 0
+        if r["cache"] == "recall":
+            assert r["refreshes"] == 1 and r["selection"] and r["rebuilds"] >= 0
+    # the ratio is the one of the medians the summary reports
+    ms = summary["ms_per_step"]
+    assert summary["recall_over_window"] == pytest.approx(ms["recall"] / ms["window"], abs=2e-3)
+    lo, hi = summary["recall_over_window_range"]
+    assert 0 < lo <= summary["recall_over_window_median_round"] <= hi
+    keys = summary["attn_keys"]  # the region adds k blocks of keys to the ring's
+    assert keys["recall"] == keys["keys-only"] > keys["window-slack"] > keys["window"]
+    assert set(summary["attn_layer_ms"]) == {"recall", "window", "window-slack", "keys-only"}
+    assert summary["refresh_ms_per_step"] > 0
+    parts = summary["refresh_profile_ms"]  # cProfile of the rounds' refreshes
+    assert parts["gather_queries"] > 0 and parts["score_blocks"] > 0
+
+
+def test_recall_soak(monkeypatch, tmp_path, tiny_model_dir):
+    store = tmp_path / "store"
+    lines = run("recall_soak", monkeypatch, tmp_path, tiny_model_dir, "--folder", str(store),
+                "--keep")  # fmt: skip
+    *samples, summary = lines
+    assert summary["summary"] and summary["tokens"] == samples[-1]["tokens"] == 2048
+    steady = samples[1:]
+    assert len(steady) >= 4
+    # device bytes of the caches and the regions do not grow; the store does, on disk
+    assert len({r["cache_mb"] for r in steady}) == 1 and len({r["region_mb"] for r in steady}) == 1
+    blocks = [r["stored_blocks"] for r in samples]
+    assert blocks == sorted(blocks) and blocks[-1] > blocks[0]
+    assert samples[-1]["store_disk_mb"] > 0 and samples[-1]["store_ram_mb"] <= 0.05
+    assert any(p.suffix == ".npy" for p in store.iterdir())  # --keep kept the files
+    assert all(r["refresh_s_per_1k"] >= 0 and r["s_per_1k"] > 0 for r in samples)
+    table = load_script("recall_soak", monkeypatch).render(lines)
+    assert table.count("\n| ") == len(samples) and "| 2,048 |" in table
+    with pytest.raises(SystemExit) as e:  # a folder already holding files is refused
+        load_script("recall_soak", monkeypatch).main(
+            ["--quick", "--model", str(tiny_model_dir), "--folder", str(store)]
+        )
+    assert e.value.code == 2

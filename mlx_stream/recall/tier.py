@@ -303,21 +303,31 @@ class Recall:
             mx.eval([c.state for c in caches])
             tokens = tokens[k:]
 
-    def _recent(self, i: int, point: int) -> np.ndarray | None:
-        """Layer ``i``'s queries of the ``block`` tokens before ``point``, moved so a
-        block-relative key ``t`` sits at position ``t`` right before the sinks."""
-        c, parts = self.layers[i], []
-        for t0, q, anchor in self.queries[i]:
-            a, b = max(t0, point - self.block), min(t0 + q.shape[2], point)
-            if a >= b:
-                continue
-            rows = q[:, :, a - t0 : b - t0, :]
-            if c._moving and c.move is not None:
-                rows = c.move(rows, self.block - anchor)
-            parts.append(rows)
-        if not parts:
-            return None
-        return np.asarray(mx.concatenate(parts, axis=2)[0].astype(mx.float32))
+    def _recent(self, point: int) -> list[np.ndarray | None]:
+        """Every layer's queries of the ``block`` tokens before ``point``, moved so a
+        block-relative key ``t`` sits at position ``t`` right before the sinks. One
+        rope call per run of calls with the same anchor and one evaluation for all
+        layers: a decode block holds ``block`` one-token calls, and a call each and a
+        sync per layer cost more than the scoring."""
+        out = []
+        for i, c in enumerate(self.layers):
+            runs = []  # [anchor, rows...] of consecutive calls with the same anchor
+            for t0, q, anchor in self.queries[i]:
+                a, b = max(t0, point - self.block), min(t0 + q.shape[2], point)
+                if a >= b:
+                    continue
+                if not runs or runs[-1][0] != anchor:
+                    runs.append([anchor])
+                runs[-1].append(q[:, :, a - t0 : b - t0, :])
+            parts = []
+            for anchor, *rows in runs:
+                x = mx.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
+                if c._moving and c.move is not None:
+                    x = c.move(x, self.block - anchor)
+                parts.append(x)
+            out.append(mx.concatenate(parts, axis=2)[0].astype(mx.float32) if parts else None)
+        mx.eval([x for x in out if x is not None])
+        return [None if x is None else np.asarray(x) for x in out]
 
     def scores(self, point: int, selector: str | None = None,
                candidates_at: int | None = None) -> np.ndarray | None:  # fmt: skip
@@ -331,10 +341,10 @@ class Recall:
             return None
         empty = np.array([f >= self.block for f in self.first[:nb]])
         total = np.zeros(nb)
-        for i in range(len(self.layers)):
-            q = self._recent(i, point)
-            if q is None:
-                return None
+        recent = self._recent(point)
+        if any(q is None for q in recent):
+            return None
+        for i, q in enumerate(recent):
             if selector == "exact":
                 keys = np.stack([np.asarray(self.store.get(i, j)[0][0].astype(mx.float32))
                                  for j in range(nb)])  # fmt: skip
