@@ -52,7 +52,6 @@ def test_stream_run_answers_with_recall(tiny_model_dir, text_file, tmp_path):
         (["--recall-blocks", "0"], ("--recall-blocks",)),
         (["--recall-bits", "3"], ("--recall-bits",)),
         (["--recall-ram", "-1"], ("--recall-ram",)),
-        (["--checkpoint", "x.safetensors"], ("--recall",)),
     ],
 )
 def test_bad_recall_settings_are_one_line(tiny_model_dir, text_file, extra, words):
