@@ -141,3 +141,51 @@ def test_the_state_folder_keeps_a_recall_store_across_a_restart(loaded, tmp_path
         restarted.check(found)
     restarted.forget(found)
     assert not folder.exists() and not list(state.glob("session-*"))
+
+
+def test_the_server_evicts_a_recall_session_and_restores_it_after_a_restart(loaded, tmp_path):
+    """Evicted to the state folder, the server killed, a new one on the folder: the
+    next turn restores the recall store and answers as the session that stayed."""
+    import queue
+
+    from mlx_stream.serve.engine import Engine, Request
+
+    def engine(state):
+        cache = CacheSpec(sinks=2, window=24, recall=recall(tmp_path))
+        e = Engine(loaded[0], loaded[1], Settings(cache, max_tokens=6), "tiny",
+                   state_dir=state, keep_system=False)  # fmt: skip
+        e.start()
+        return e
+
+    def ask(e, messages):
+        box: queue.Queue = queue.Queue()
+        e.submit(Request(emit=box.put, messages=messages, session_id="s"))
+        parts = []
+        while (event := box.get(timeout=120))[0] not in ("end", "error"):
+            if event[0] == "text":
+                parts.append(event[1])
+        assert event[0] == "end", event
+        return "".join(parts), event[1]
+
+    first = [{"role": "user", "content": LONG}]
+    a, stayed = engine(tmp_path / "a"), engine(tmp_path / "b")
+    try:
+        reply, _ = ask(a, first)
+        assert ask(stayed, first)[0] == reply
+        follow = [*first, {"role": "assistant", "content": reply},
+                  {"role": "user", "content": "what was said first"}]  # fmt: skip
+        want, _ = ask(stayed, follow)
+        a.call(lambda: a._evict(a.entries[("", "s")])).result(timeout=120)
+        assert list((tmp_path / "a").glob("session-*.recall/manifest.json"))
+        b = engine(tmp_path / "a")  # no a.stop(): as after a kill -9
+        try:
+            got, usage = ask(b, follow)
+            assert b.restores == 1 and usage["prompt_tokens_details"]["cached_tokens"] > 0
+            assert got == want
+            tier = persist.tier_of(b.entries[("", "s")].session.caches)
+            assert tier is not None and tier.stored >= 3
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+        stayed.stop()
