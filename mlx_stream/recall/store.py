@@ -11,6 +11,14 @@ position ``i``). Arrays leave the device as raw bits (a bfloat16 array travels a
 a segment that would take the store past ``ram_bytes`` is a ``np.memmap`` file in the
 folder instead, so a long stream grows the disk, not the process. Bytes per stored
 token are known before the first block (:func:`bytes_per_token`).
+
+A store's files carry its own ``tag`` (stores may share a folder), are allocated on
+the disk when made (a full disk is a ``RuntimeFailure`` naming the folder then, never a
+``SIGBUS`` later; :meth:`BlockStore.reserve` makes them ahead of a call) and are removed
+by :meth:`BlockStore.close` or when the store is collected. :meth:`BlockStore.export` and
+:meth:`BlockStore.restore` save and restore the blocks file by file (a spilled segment
+is copied, never read into memory whole; restored past the RAM budget it is a file
+again).
 """
 
 from __future__ import annotations

@@ -39,6 +39,17 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
 * **Rollback.** ``trim`` forgets the queries of the trimmed tokens, stored blocks
   holding a trimmed token and selections refreshed after the point trimmed back to
   (a stored block a row can see again is no candidate until it is evicted again).
+* **Saving.** :meth:`Recall.export` / :meth:`Recall.restore` carry everything the
+  next calls read: the store (every layer, as stored), the summaries, ``first``, the
+  selection history, the recent queries the next refresh reads and ``scale``; the
+  regions are rebuilt from the store at the next call. So feeding, saving, loading
+  into a fresh cache and feeding on gives the logits and selections of a run that
+  never stopped, bit for bit (same calls). ``save_cache``/``load_cache`` write and
+  check the files (``mlx_stream.recall.persist``).
+* **A full disk.** At the start of a call the first layer allocates every store
+  segment the call will fill (:meth:`Recall.reserve`); a store that cannot grow raises
+  a ``RuntimeFailure`` naming its folder there, before any layer has stored or written
+  anything of the call, so the cache stays as it was before it.
 
 Supported: batch 1, ``positions="cache"``, layers whose keys carry the rope on all of
 their dims (or no position); anything else is refused with one line before the first
