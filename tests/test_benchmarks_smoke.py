@@ -231,3 +231,10 @@ def test_recall(monkeypatch, tmp_path, tiny_model_dir):
     assert all(0 <= x < ranked["candidate_blocks"] for v in ranked["ranks"].values() for x in v)
     table = load_script("recall", monkeypatch).render(lines)
     assert "| 400 | passkey | filler |" in table
+
+
+def test_recall_persist(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall_persist", monkeypatch, tmp_path, tiny_model_dir)
+    assert [r["store"] for r in lines] == ["float", "float-spilled"]
+    assert all(r["identical"] and r["same_selections"] and r["stored_blocks"] > 0 for r in lines)
+    assert lines[1]["store_disk_mb"] > 0 and lines[1]["restored_disk_mb"] > 0
