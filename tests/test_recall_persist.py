@@ -11,6 +11,7 @@ rollback works after a restore; a store that cannot grow fails before anything c
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -107,8 +108,14 @@ def test_save_load_continue_equals_an_uninterrupted_run(tiny_llama, head64, tmp_
 def test_the_sidecar_lists_every_file_with_its_checksum(tiny_llama, tmp_path):
     cache = recall_cache(tiny_llama)
     feed(tiny_llama, cache, tiny.random_tokens(120, seed=3))
-    save_cache(tmp_path / "c.safetensors", cache)
+    old = os.umask(0o022)
+    try:
+        save_cache(tmp_path / "c.safetensors", cache)
+    finally:
+        os.umask(old)
     folder = tmp_path / "c.recall"
+    assert folder.stat().st_mode & 0o777 == 0o755  # what the umask gives, not private
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in folder.iterdir())
     manifest = json.loads((folder / "manifest.json").read_text())
     on_disk = {p.name for p in folder.iterdir()} - {"manifest.json"}
     assert on_disk == set(manifest["files"])

@@ -229,8 +229,10 @@ def stage(path: str | os.PathLike, tier: Any) -> Staged:
         text = json.dumps(manifest, sort_keys=True).encode()
         with open(tmp / MANIFEST, "wb") as f:
             f.write(text)
+        mode = files.file_mode()
         for file in tmp.iterdir():
-            os.chmod(file, files.file_mode())
+            os.chmod(file, mode)
+        os.chmod(tmp, mode | (mode & 0o444) >> 2)  # as the umask gives a folder (x where r)
         binding = {"folder": target.name, "manifest_sha256": hashlib.sha256(text).hexdigest()}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
