@@ -5,8 +5,10 @@ recall, the cache saved (``save_cache``: the file and its ``.recall`` folder) an
 loaded into a fresh cache (``load_cache``); then both the restored cache and the one
 that never stopped are fed the same next tokens in the same calls, and their logits
 compared (``identical``: bit for bit, and ``max_abs_diff``). Seconds and bytes of the
-save and the load, and the process's RSS peak above its level before each, sampled
-every 5 ms (a spilled store is copied file to file: its bytes should not show there).
+save and the load; the peak of host memory allocated (numpy and Python, traced by
+``tracemalloc``) during each, and the process's RSS peak above its level before each,
+sampled every 5 ms (RSS can hide an allocation that reuses freed heap; a spilled store
+is copied file to file and mapped again, so neither should grow with its size).
 
     python benchmarks/recall_persist.py --tokens 8192 --out benchmarks/results/recall_persist.jsonl
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 from common import (  # first: it preloads OpenBLAS before mlx.core
@@ -46,9 +49,11 @@ def rss() -> int:
 
 
 class Peak:
-    """The RSS peak above the level at entry, sampled every 5 ms in a thread."""
+    """The RSS peak above the level at entry, sampled every 5 ms in a thread, and the
+    peak of traced allocations."""
 
     def __enter__(self):
+        tracemalloc.start()
         self.base = self.peak = rss()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
@@ -64,6 +69,8 @@ class Peak:
         self.thread.join()
         self.peak = max(self.peak, rss())
         self.mb = (self.peak - self.base) / 1e6
+        self.traced_mb = tracemalloc.get_traced_memory()[1] / 1e6
+        tracemalloc.stop()
 
 
 def feed(model, cache, tokens, chunk: int) -> list:
@@ -133,6 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 sidecar_files=len(list(persist.sidecar(path).iterdir())),
                 fed_s=fed_s, save_s=save_s, load_s=load_s,
                 save_rss_peak_mb=saving.mb, load_rss_peak_mb=loading.mb,
+                save_alloc_peak_mb=saving.traced_mb, load_alloc_peak_mb=loading.traced_mb,
                 restored_disk_mb=back.store.disk_bytes / 1e6,
                 identical=bool(mx.array_equal(got, want)),
                 max_abs_diff=mx.abs(got - want).max().item(),
