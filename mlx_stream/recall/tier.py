@@ -470,13 +470,15 @@ class Recall:
         its numbers: the store, the summaries, ``first``, the selection history, the
         recent queries the next refresh reads, ``scale``. The regions are not saved:
         they are rebuilt from the store."""
-        queries = []
+        queries = []  # per layer: one file of every entry's rows, and [t0, anchor, rows]
         for i, entries in enumerate(self.queries):
-            row = []
-            for e, (t0, q, anchor) in enumerate(entries):
-                name = writer.array(f"queries.layer{i}.{e}.npy", to_host(q))
-                row.append([int(t0), int(anchor), name, dtype_name(q.dtype)])
-            queries.append(row)
+            if not entries:
+                queries.append(None)
+                continue
+            q = mx.concatenate([e[1] for e in entries], axis=2)
+            name = writer.array(f"queries.layer{i}.npy", to_host(q))
+            rows = [[int(t0), int(anchor), int(x.shape[2])] for t0, x, anchor in entries]
+            queries.append({"file": name, "dtype": dtype_name(q.dtype), "entries": rows})
         tables = {}
         for kind in ("mean", "lo", "hi"):
             tables[kind] = [None if t is None else writer.array(f"summary.{kind}.layer{i}.npy", t)
@@ -511,8 +513,18 @@ class Recall:
             raise ValueError("history")
         self.scale = data["scale"]
         self.refreshes = int(data["refreshes"])
-        self.queries = [[(int(t0), to_device(reader.array(name), dtype_of(dtype)), int(anchor))
-                         for t0, anchor, name, dtype in row] for row in data["queries"]]  # fmt: skip
+        self.queries = []
+        for row in data["queries"]:
+            if row is None:
+                self.queries.append([])
+                continue
+            q, at, entries = to_device(reader.array(row["file"]), dtype_of(row["dtype"])), 0, []
+            for t0, anchor, n in row["entries"]:
+                entries.append((int(t0), q[:, :, at : at + int(n), :], int(anchor)))
+                at += int(n)
+            if at != q.shape[2]:
+                raise ValueError("queries")
+            self.queries.append(entries)
         self.regions, self.applied, self._valid = [None] * L, [None] * L, (None, None)
 
     def close(self) -> None:
