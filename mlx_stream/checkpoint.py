@@ -161,11 +161,13 @@ RECALL_FIELDS = {
 
 
 def recall_identity(spec: Any) -> dict:
-    """The identity fields of a run's recall policy (a ``RecallSpec`` or ``None``):
-    ``recall`` and what changes what attention sees; where the store lives and its RAM
-    budget are left out (a resumed run may put it on another disk)."""
+    """The identity fields of a run's recall policy (a ``RecallSpec``; none without
+    one, so identities from before recall stay as they were): ``recall`` and what
+    changes what attention sees; where the store lives and its RAM budget are left out
+    (a resumed run may put it on another disk). A run without recall resuming a
+    checkpoint with a store is refused when the cache loads."""
     if spec is None:
-        return {"recall": None}
+        return {}
     return {"recall": True, **{name: getattr(spec, f) for name, f in RECALL_FIELDS.items()}}
 
 
@@ -180,8 +182,7 @@ def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:
             continue
         if saved.get(field) != current[field]:
             if field == "recall":
-                on = ("with --recall", "without") if current[field] is None else ("without --recall", "with")  # fmt: skip
-                raise UserError(f"{path}: made {on[0]}, this run is {on[1]} it")
+                raise UserError(f"{path}: made without --recall, this run has it")
             name = FLAGS.get(field, field).lstrip("-")
             raise UserError(
                 f"{path}: made with {name} {_show(saved.get(field))}, "

@@ -108,7 +108,12 @@ def test_resume_with_other_recall_settings_is_one_line(tiny_model_dir, text_file
     assert_one_line_error(run(*other, "--resume", str(ckpt), *new), 2, "recall-blocks 2",
                           "recall-blocks 3")  # fmt: skip
     plain = args[: args.index("--recall")]
-    assert_one_line_error(run(*plain, "--resume", str(ckpt), *new), 2, "made with --recall")
+    assert_one_line_error(run(*plain, "--resume", str(ckpt), *new), 2, "no --recall")
+    # and a checkpoint without recall resumed with it
+    bare = tmp_path / "bare.safetensors"
+    run_json(*plain, "--limit-tokens", "300", "--checkpoint", str(bare))
+    assert_one_line_error(run(*args, "--resume", str(bare), *new), 2,
+                          "made without --recall")  # fmt: skip
     bits = [*args, "--recall-bits", "8"]
     assert_one_line_error(run(*bits, "--resume", str(ckpt), *new), 2, "recall-bits none")
     # where the store lives is the run's own: resuming onto another folder works
