@@ -201,7 +201,8 @@ def test_a_failed_save_leaves_the_earlier_one(tiny_llama, tmp_path, monkeypatch)
     assert mx.array_equal(feed(tiny_llama, restored, tokens[100:]), want)
 
 
-def test_a_save_killed_between_its_renames_loads_the_earlier_store(tiny_llama, tmp_path):
+def test_a_save_killed_between_its_renames_loads_the_earlier_store(tiny_llama, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
     tokens = tiny.random_tokens(160, seed=9)
     cache = recall_cache(tiny_llama)
     feed(tiny_llama, cache, tokens[:100])
@@ -215,7 +216,16 @@ def test_a_save_killed_between_its_renames_loads_the_earlier_store(tiny_llama, t
     assert tier(restored).history == history
     (aside,) = tmp_path.glob(".c.recall.old-*")
     aside.rename(tmp_path / f".c.recall.old-{dead_pid()}-x")  # its process is gone
-    save_cache(path, cache)  # the next save clears what was left
+
+    def full(self, name, array):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist.Writer, "array", full)
+    with pytest.raises(OSError):
+        save_cache(path, cache)  # a save that fails keeps what the cache file names
+    monkeypatch.undo()
+    assert tier(load_cache(path, tiny_llama, spec())[0]).history == history
+    save_cache(path, cache)  # the next save that succeeds clears what was left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.recall", "c.safetensors"]
     assert tier(load_cache(path, tiny_llama, spec())[0]).history == tier(cache).history
 

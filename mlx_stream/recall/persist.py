@@ -191,9 +191,12 @@ class Staged:
         os.rename(self.tmp, self.target)
 
     def finish(self) -> None:
-        """Remove the earlier sidecar (after the cache file was replaced)."""
+        """Remove the earlier sidecar (after the cache file was replaced), and what a
+        save killed between its renames left (only now: until this save is in place,
+        that may be the store the cache file names)."""
         if self.old is not None:
             shutil.rmtree(self.old, ignore_errors=True)
+        files.remove_stale(self.target, ("old",))
 
     def discard(self) -> None:
         """Undo: remove the new sidecar's temporary, put an earlier one back."""
@@ -219,7 +222,7 @@ def stage(path: str | os.PathLike, tier: Any) -> Staged:
         OSError: The folder cannot be written (nothing is left behind).
     """
     target = sidecar(path)
-    files.remove_stale(target)  # what a save killed midway left
+    files.remove_stale(target, ("partial",))  # what a save killed midway left
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=files.temp_prefix(target)))
     try:
         writer = Writer(tmp)
