@@ -12,7 +12,8 @@ save's store.
   one in, and the caller replaces the cache file; :meth:`Staged.finish` removes the
   earlier one. A save that fails before the commit leaves the earlier save as it was;
   a process killed between the renames leaves the earlier sidecar under
-  ``.X.recall.old-<pid>-*``, where :func:`restore` finds it by its manifest's sha256.
+  ``.X.recall.old-<pid>-*``, where :func:`restore` finds it by its manifest's sha256
+  (the next save that succeeds removes it).
   Spilled segments are copied file to file and RAM segments written in chunks, so a
   store of GBs never passes through memory whole.
 * **Restoring** (:func:`restore`) checks every file against the manifest (a missing,
