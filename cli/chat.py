@@ -79,6 +79,11 @@ def stats_text(session: ChatSession) -> str:
             f"peak {s['peak_memory'] / 1e6:.1f} MB",
         ),  # fmt: skip
     ]
+    tier = next((c.recall for c in session.caches if getattr(c, "recall", None)), None)
+    if tier is not None:  # device bytes stay flat; the store grows (RAM, then disk)
+        rows.append(("recall region", f"{tier.device_nbytes / 1e6:.1f} MB (device, fixed)"))
+        rows.append(("recall store", f"{tier.store.host_bytes / 1e6:.1f} MB RAM + "
+                     f"{tier.store.disk_bytes / 1e6:.1f} MB disk ({tier.stored} blocks)"))  # fmt: skip
     if session.last is not None:
         rows.append(("last reply", f"{session.last.tokens} tokens, {session.last.tps:.1f} tok/s"))
     return "\n".join(f"{k:<14} {v}" for k, v in rows)

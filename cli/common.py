@@ -432,9 +432,14 @@ def is_interactive(stream=None) -> bool:
 
 def recall_spec(recall: bool, blocks: int, bits: int | None, ram_mb: int, folder: Any):
     """The ``RecallSpec`` of the ``--recall*`` options (``None`` without ``--recall``);
-    a bad value is one line."""
+    an option not on the command line takes the model's registry default
+    (``recall:`` of its entry) if it has one; a bad value is one line."""
     if not recall:
         return None
+    defaults = _registry_recall()
+    blocks = defaults.get("blocks", blocks) if not _given("recall_blocks") else blocks
+    bits = defaults.get("bits", bits) if not _given("recall_bits") else bits
+    ram_mb = defaults.get("ram_mb", ram_mb) if not _given("recall_ram") else ram_mb
     check_positive(blocks, "--recall-blocks")
     check_positive(ram_mb, "--recall-ram", 0)
     if bits not in (None, 4, 8):
@@ -446,3 +451,47 @@ def recall_spec(recall: bool, blocks: int, bits: int | None, ram_mb: int, folder
         check_folder(Path(folder))
     return RecallSpec(blocks=blocks, bits=bits, ram_bytes=ram_mb * 1_000_000,
                       folder=None if folder is None else str(folder))  # fmt: skip
+
+
+def _given(param: str) -> bool:
+    """Whether the running command's ``param`` came from the command line (or the
+    environment), not its default; ``True`` outside a command."""
+    from cli.options import command_context
+
+    ctx = command_context()
+    if ctx is None:
+        return True
+    source = ctx.get_parameter_source(param)
+    return source is None or source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _registry_recall() -> dict:
+    """The ``recall:`` defaults of the registry entry the running command's ``--model``
+    names (the default model without one); ``{}`` for a folder, a file, a name the
+    registry does not know (loading says why) or outside a command."""
+    from cli.options import command_context
+
+    ctx = command_context()
+    if ctx is None:
+        return {}
+    name = ctx.params.get("model")
+    from mlx_stream.errors import UserError
+    from mlx_stream.models import hub, registry
+
+    try:
+        if name is not None:
+            path = Path(name).expanduser()
+            if path.exists() or path.suffix == ".gguf":
+                return {}
+        reg = registry.load_registry()
+        if name is None:
+            entry = reg.default_spec()
+        elif name in reg.models:
+            entry = reg.models[name]
+        elif hub.is_repo_id(name):
+            entry = hub.spec_for(name, reg)
+        else:
+            return {}
+    except UserError:
+        return {}
+    return {k: v for k, v in (entry.recall or {}).items() if v is not None}

@@ -9,6 +9,7 @@ a pinned system prompt) and asks for them back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 from typing import Annotated, Any
@@ -164,13 +165,19 @@ def divergence(
     segment: opt.Segment = opt.DEFAULT_SEGMENT,
     json_out: opt.Json = False,
     dtype: opt.Dtype = "auto",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Compare cache policies with the full cache on a text, within the model's context.
 
     Teacher-forced: per-token KL(full || policy), top-1 agreement and both
     perplexities. Then greedy continuations from points in the second half of the
     text: where each policy first leaves the full cache's tokens, and how often they
-    differ after.
+    differ after. With --recall every cache-positions policy is measured a second
+    time with the recall tier (a 'recall' column says which).
     """
     windows = parse_ints(window, "--window", 1)
     sink_list = parse_ints(sinks, "--sinks", 0)
@@ -184,6 +191,9 @@ def divergence(
     check_positive(generate, "--generate")
     check_positive(chunk, "--chunk")
     check_positive(segment, "--segment")
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    if recall_policy is not None and "cache" not in position_list:
+        fail("--recall needs --positions cache (bounded positions)")
     checked = check_text_file(path)
 
     target, tokenizer, spec = load_model(model, dtype)
@@ -212,6 +222,12 @@ def divergence(
         for kv in kv_list
         if not (p == "rotating" and kv != "float")  # mlx-lm cannot quantize it
     ]
+    if recall_policy is not None:  # each cache-positions policy again, with recall
+        policies = [
+            q for p in policies
+            for q in ((p, dataclasses.replace(p, recall=recall_policy))
+                      if p.positions == "cache" else (p,))
+        ]  # fmt: skip
     at = sample_points(len(tokens), points, generate)
     with progress_bar("eval divergence") as callback:
         results = run_divergence(
@@ -234,6 +250,14 @@ def _console():
     return console
 
 
+def _recall_label(row: dict) -> str:
+    """``—`` without recall, else its blocks (and the store's bits)."""
+    r = row.get("recall")
+    if r is None:
+        return "—"
+    return f"{r['blocks']} blocks" + (f" {r['bits']}-bit" if r["bits"] else "")
+
+
 def _divergence_table(rows: list[dict], tokens: int, generate: int) -> None:
     from rich import box
     from rich.table import Table
@@ -242,14 +266,15 @@ def _divergence_table(rows: list[dict], tokens: int, generate: int) -> None:
 
     console = _console()
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    columns = ("window", "sinks", "positions", "kv", "KL", "top-1", "KL evicted",
+    columns = ("window", "sinks", "positions", "kv", "recall", "KL", "top-1", "KL evicted",
                "top-1 evicted", "ppl", "full ppl", "first div.", "mismatch after")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
         first = r["first_divergence_median"]
         table.add_row(
-            str(r["window"]), str(r["sinks"]), r["positions"], r["kv"], _fmt(r["kl"], ".4f"),
+            str(r["window"]), str(r["sinks"]), r["positions"], r["kv"], _recall_label(r),
+            _fmt(r["kl"], ".4f"),
             _fmt(r["top1_agreement"], ".3f"), _fmt(r["kl_evicted"], ".4f"),
             _fmt(r["top1_agreement_evicted"], ".3f"), fmt_ppl(r["perplexity"]),
             fmt_ppl(r["reference_perplexity"]),

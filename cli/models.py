@@ -258,19 +258,30 @@ def list_models(
     Console().print(table)
 
 
-def _recall_line(config: dict, folder, policy: str, sinks: int) -> str:
-    """``--recall``'s costs: the fixed device region and the store per 1k tokens."""
+def _recall_line(config: dict, folder, policy: str, sinks: int, recall: dict | None = None) -> str:
+    """``--recall``'s costs: the fixed device region and the store per 1k tokens, at the
+    registry entry's recall defaults (``recall``) where it has them."""
     from mlx_stream.cache.estimate import activation_bytes, config_layout, human, recall_bytes
     from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS
 
+    recall = recall or {}
+    blocks, bits = recall.get("blocks") or DEFAULT_RECALL_BLOCKS, recall.get("bits")
     layout = config_layout(config, activation_bytes(folder, policy))
-    plain = recall_bytes(layout, sinks, DEFAULT_RECALL_BLOCKS)
-    eight = recall_bytes(layout, sinks, DEFAULT_RECALL_BLOCKS, bits=8)
+    mine = recall_bytes(layout, sinks, blocks, bits=bits)
+    other = recall_bytes(layout, sinks, blocks, bits=None if bits else 8)
     return (
-        f"recall:      region {human(plain['region_bytes'])} on the device "
-        f"({DEFAULT_RECALL_BLOCKS} blocks); store {human(plain['store_bytes_per_1k_tokens'])} "
-        f"per 1k tokens ({human(eight['store_bytes_per_1k_tokens'])} at --recall-bits 8)"
+        f"recall:      region {human(mine['region_bytes'])} on the device "
+        f"({blocks} blocks); store {human(mine['store_bytes_per_1k_tokens'])} per 1k tokens"
+        + (f" at --recall-bits {bits}" if bits else "")
+        + f" ({human(other['store_bytes_per_1k_tokens'])} "
+        + ("in the model's dtype)" if bits else "at --recall-bits 8)")
     )
+
+
+def _recall_defaults(recall: dict) -> str:
+    """An entry's recall defaults as the flags they stand for."""
+    flags = {"blocks": "--recall-blocks", "bits": "--recall-bits", "ram_mb": "--recall-ram"}
+    return ", ".join(f"{f} {recall[k]}" for k, f in flags.items() if recall.get(k) is not None)
 
 
 def _is_repo(name: str | None, reg) -> bool:
@@ -279,8 +290,9 @@ def _is_repo(name: str | None, reg) -> bool:
     return name is not None and name not in reg.models and hub.is_repo_id(name)
 
 
-def _folder_lines(folder: Path, sinks: int, window: int) -> list[str]:
-    """What a model folder on disk is and what it will take to run."""
+def _folder_lines(folder: Path, sinks: int, window: int, recall: dict | None = None) -> list[str]:
+    """What a model folder on disk is and what it will take to run (``recall``: the
+    entry's recall defaults)."""
     from mlx_stream.cache.estimate import describe, folder_estimate
     from mlx_stream.models import loader
 
@@ -295,7 +307,7 @@ def _folder_lines(folder: Path, sinks: int, window: int) -> list[str]:
         f"stored as:   {stored}",
         f"loads as:    {policy} (auto on this backend)",
         f"memory:      {describe(estimate)} at sinks {sinks} + window {window}",
-        _recall_line(config, folder, policy, sinks),
+        _recall_line(config, folder, policy, sinks, recall),
     ]
 
 
@@ -325,7 +337,7 @@ def _info_repo(repo_id: str, reg) -> list[str]:
     if found is not None:
         folder, where = found
         lines.append(f"on disk:     {where}: {folder} ({_size(folder) / 1e6:.1f} MB)")
-        return lines + _folder_lines(folder, spec.sinks, spec.window)
+        return lines + _folder_lines(folder, spec.sinks, spec.window, spec.recall)
     if hub.offline():
         return lines + [f"on disk:     no (HF_HUB_OFFLINE is set; online: mlx-stream models pull {repo_id})"]  # fmt: skip
     policy = loader.resolve_dtype("auto")
@@ -362,6 +374,11 @@ def info(name: Name) -> None:
         *_catalogue_lines(spec),
         f"sinks:       {spec.sinks}",
         f"window:      {spec.window}",
+        *(
+            [f"recall:      defaults {_recall_defaults(spec.recall)} (flags override)"]
+            if spec.recall
+            else []
+        ),  # fmt: skip
         f"registry:    {spec.origin}",
         "sources:",
         *(f"  - {source}" for source in spec.sources),
@@ -369,7 +386,7 @@ def info(name: Name) -> None:
     folder = loader.model_path(name)
     if loader.is_pulled(name):
         lines.append(f"pulled:      {folder} ({_size(folder) / 1e6:.1f} MB)")
-        lines += _folder_lines(folder, spec.sinks, spec.window)
+        lines += _folder_lines(folder, spec.sinks, spec.window, spec.recall)
         origin = loader.provenance(folder)
         if origin:
             lines.append(f"pulled from: {origin.get('source')} in {origin.get('seconds')} s")

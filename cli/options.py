@@ -167,6 +167,24 @@ Distributed = Annotated[
 ]
 
 # The recall tier (mlx_stream.recall): evicted context brought back into attention.
+_CONTEXT: list = []  # the running command's context, kept by the --recall-* options
+
+
+def _keep_context(ctx: typer.Context, param: typer.CallbackParam, value):
+    """Keep the running command's context (until it closes): ``--recall``'s options
+    take the model's registry defaults only where the command line did not give them
+    (``cli.common.recall_spec``)."""
+    if not _CONTEXT or _CONTEXT[0] is not ctx:
+        _CONTEXT[:] = [ctx]
+        ctx.call_on_close(_CONTEXT.clear)
+    return value
+
+
+def command_context():
+    """The running command's context (set by its ``--recall-*`` options), or ``None``."""
+    return _CONTEXT[0] if _CONTEXT else None
+
+
 Recall = Annotated[
     bool,
     typer.Option(
@@ -176,14 +194,31 @@ Recall = Annotated[
     ),
 ]
 RecallBlocks = Annotated[
-    int, typer.Option("--recall-blocks", help="Blocks of 64 tokens brought back per step.")
+    int,
+    typer.Option(
+        "--recall-blocks",
+        help="Blocks of 64 tokens brought back per step. Default: the model's registry "
+        "entry's, else 8.",
+        callback=_keep_context,
+    ),
 ]
 RecallBits = Annotated[
-    int | None, typer.Option("--recall-bits", help="Store evicted blocks at 4 or 8 bits.")
+    int | None,
+    typer.Option(
+        "--recall-bits",
+        help="Store evicted blocks at 4 or 8 bits. Default: the registry entry's, else the "
+        "model's dtype.",
+        callback=_keep_context,
+    ),
 ]
 RecallRam = Annotated[
     int,
-    typer.Option("--recall-ram", help="MB of host memory for the store before it spills to disk."),
+    typer.Option(
+        "--recall-ram",
+        help="MB of host memory for the store before it spills to disk. Default: the "
+        "registry entry's, else 1024.",
+        callback=_keep_context,
+    ),
 ]
 RecallDir = Annotated[
     Path | None,

@@ -100,15 +100,17 @@ def ignoring_eos(tokenizer: Any) -> Iterator[None]:
         tokenizer.eos_token_ids = saved
 
 
-RECALL_KEYS = ("recall_device_mb", "recall_store_mb")
+RECALL_KEYS = ("recall_device_mb", "recall_store_mb", "recall_store_ram_mb",
+               "recall_store_disk_mb")  # fmt: skip
 
 
 def recall_bytes(tier: Any) -> dict:
-    """The recall tier's device region (fixed) and store (growing), in MB."""
+    """The recall tier's device region (fixed) and store (growing: all of it, and its
+    host memory and disk parts), in MB."""
     if tier is None:
         return {}
-    return dict(zip(RECALL_KEYS, (round(tier.device_nbytes / MB, 3),
-                                  round(tier.store_nbytes / MB, 3))))  # fmt: skip
+    sizes = (tier.device_nbytes, tier.store_nbytes, tier.store.host_bytes, tier.store.disk_bytes)
+    return dict(zip(RECALL_KEYS, (round(b / MB, 3) for b in sizes)))
 
 
 def run_setting(
@@ -254,10 +256,11 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
     for s in summaries:
         if "recall_store_mb" in s:
             d, st, kv = s["recall_device_mb"], s["recall_store_mb"], s["kv_cache_mb"]
+            ram, disk = s["recall_store_ram_mb"]["end"], s["recall_store_disk_mb"]["end"]
             console.print(
                 f"{s['setting']}: device KV {kv['end']:.1f} MB + recall region "
                 f"{d['end']:.1f} MB (fixed); recall store {st['start']:.1f}→{st['end']:.1f} "
-                "MB (host memory, then disk)"
+                f"MB (growing: {ram:.1f} MB host memory + {disk:.1f} MB disk)"
             )
         if "distributed" in s:
             d = s["distributed"]

@@ -18,6 +18,7 @@ from cli.common import (
     handle_errors,
     load_for_cache,
     load_model,
+    recall_spec,
     stderr_console,
 )
 from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
@@ -121,6 +122,14 @@ def parse_bytes(text: str) -> int | None:
     return int(float(match.group(1)) * UNITS[unit])
 
 
+def recall_note(policy) -> str:
+    """The startup line's words on ``--recall``."""
+    return (
+        f"recall {policy.blocks} blocks, store {policy.ram_bytes / 1e6:,.0f} MB RAM per "
+        "session then disk · "
+    )
+
+
 @handle_errors
 def serve(
     model: opt.Model = None,
@@ -145,6 +154,11 @@ def serve(
     api_keys: ApiKeys = None,
     isolate: Isolate = False,
     distributed: opt.Distributed = "auto",
+    recall: opt.Recall = False,
+    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
+    recall_bits: opt.RecallBits = None,
+    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
+    recall_dir: opt.RecallDir = None,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
 
@@ -157,6 +171,10 @@ def serve(
 
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
+
+    With --recall every session keeps its own store of what left its window (host
+    memory up to --recall-ram per session, counted in --memory-budget; then disk, in
+    its own subfolder of --recall-dir) and sessions decode alone, not batched.
     """
     check_positive(max_tokens, "--max-tokens")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
@@ -167,6 +185,7 @@ def serve(
         fail(f"--port must be at most 65535 (got {port})")
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     budget = parse_bytes(memory_budget)
+    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
     from mlx_stream.serve.app import read_api_keys
@@ -181,6 +200,8 @@ def serve(
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)
+    if cluster is not None and recall_policy is not None:
+        fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         check_listen(host, port)
     target, tokenizer, spec, cache = load_for_cache(
@@ -201,6 +222,7 @@ def serve(
     from mlx_stream.serve.app import create_app
     from mlx_stream.serve.engine import Engine
 
+    cache = cache.replace(recall=recall_policy)
     settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
@@ -217,6 +239,7 @@ def serve(
         stderr_console().print(
             f"mlx-stream serve · {model_id} · sinks {cache.sinks} + window {cache.window} · "
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
+            + (recall_note(recall_policy) if recall_policy is not None else "")
             + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
             f"{per / 1e6:,.2f} MB per session) · "
             + (f"not batched: {engine.batch_refusal} · " if engine.batch_refusal else "batched · ")

@@ -14,11 +14,12 @@ The engine, one folder per concern, each layer importing only the ones below it:
 It never imports typer or rich (the CLI lives in ``cli/``). The public API below is
 resolved lazily (PEP 562), so ``import mlx_stream`` loads neither MLX nor mlx-lm::
 
-    from mlx_stream import CacheSpec, load, make_sink_cache, stream_generate
+    from mlx_stream import CacheSpec, RecallSpec, load, make_sink_cache, stream_generate
 
     model, tokenizer = load()  # the registry default, pulled on first use
     cache = make_sink_cache(model, sinks=4, window=1024)  # or, as one value:
     cache = CacheSpec(sinks=4, window=1024).build(model)
+    cache = make_sink_cache(model, window=512, recall=RecallSpec())  # remembers past it
     for r in stream_generate(model, tokenizer, "Hello", max_tokens=32, prompt_cache=cache):
         print(r.text, end="")
 """
@@ -44,6 +45,8 @@ _API = {
     "SinkCache": ("mlx_stream.cache.sink", "SinkCache"),
     # One frozen value for a cache policy: validated, its bytes, JSON, build(model).
     "CacheSpec": ("mlx_stream.cache.spec", "CacheSpec"),
+    # The recall tier's policy: make_sink_cache(model, ..., recall=RecallSpec()).
+    "RecallSpec": ("mlx_stream.recall.spec", "RecallSpec"),
     "stream_generate": ("mlx_stream.generate.decode", "stream_generate"),
     "ChatSession": ("mlx_stream.generate.session", "ChatSession"),
 }

@@ -121,6 +121,7 @@ def test_each_public_name_resolves_to_its_engine_object():
     from mlx_stream.generate.decode import stream_generate
     from mlx_stream.generate.session import ChatSession
     from mlx_stream.models.loader import load
+    from mlx_stream.recall.spec import RecallSpec
 
     expected = {
         "load": load,
@@ -129,6 +130,7 @@ def test_each_public_name_resolves_to_its_engine_object():
         "CacheSpec": CacheSpec,
         "stream_generate": stream_generate,
         "ChatSession": ChatSession,
+        "RecallSpec": RecallSpec,
     }
     assert set(mlx_stream.__all__) == {"__version__", *expected}
     for name, value in expected.items():

@@ -15,7 +15,11 @@ Policies are sink + window caches (:func:`mlx_stream.cache.make_sink_cache`, wit
 ``positions="cache"`` or ``"absolute"``, optionally quantized) or mlx-lm's own
 ``RotatingKVCache(max_size=sinks + window, keep=sinks)`` (``positions="rotating"``),
 which mlx-lm feeds in chunks the same way: its plain sliding mask drops the sinks for
-the later rows of a chunk, and that is part of what it is measured on.
+the later rows of a chunk, and that is part of what it is measured on. A sink cache may
+carry the recall tier (``Policy.recall``, cache positions only): evicted blocks stored
+and brought back by the queries, refreshed at block boundaries as the text streams in
+(what recall changes on ordinary text). Its free runs go on a copy that shares the
+tier's store; the tier is rewound to the uncopied cache afterwards (``_rewind``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,6 +55,7 @@ class Policy:
         kv_bits: Bits of the stored values (and keys unless ``key_bits``); ``None``: float.
         key_bits: Bits of the stored keys when they differ from ``kv_bits``.
         kv_group_size: Quantization group size.
+        recall (RecallSpec, optional): The recall tier on the sink cache.
     """
 
     sinks: int
@@ -58,6 +64,7 @@ class Policy:
     kv_bits: int | None = None
     key_bits: int | None = None
     kv_group_size: int = 64
+    recall: Any = None
 
     def __post_init__(self) -> None:
         if self.positions not in POSITIONS:
@@ -66,6 +73,8 @@ class Policy:
             raise ValueError(
                 "mlx-lm's RotatingKVCache cannot be quantized (its to_quantized is NYI)"
             )
+        if self.recall is not None and self.positions != "cache":
+            raise ValueError("recall needs cache positions (bounded positions)")
         self.spec  # noqa: B018 - refuses sizes a sink cache cannot have
 
     @property
@@ -73,7 +82,8 @@ class Policy:
         """The sink cache's policy (for ``"rotating"``, its sizes under cache positions)."""
         positions = "cache" if self.positions == "rotating" else self.positions
         return CacheSpec(self.sinks, self.window, positions=positions, kv_bits=self.kv_bits,
-                         kv_group_size=self.kv_group_size, key_bits=self.key_bits)  # fmt: skip
+                         kv_group_size=self.kv_group_size, key_bits=self.key_bits,
+                         recall=self.recall)  # fmt: skip
 
     @property
     def kv(self) -> str:
@@ -127,6 +137,8 @@ class PolicyResult:
         return {
             "window": p.window, "sinks": p.sinks, "positions": p.positions,
             "kv_bits": p.kv_bits, "key_bits": p.key_bits, "kv": p.kv, "tokens": tokens,
+            "recall": None if p.recall is None else {"blocks": p.recall.blocks,
+                                                     "bits": p.recall.bits},
             "evicted_tokens": int(self.kl[evicted].size),
             "kl": _mean(self.kl), "top1_agreement": _mean(self.agree),
             "kl_evicted": _mean(self.kl[evicted]),
@@ -274,6 +286,10 @@ def divergence(
         pos += n
         if callback is not None:
             callback(pos, T - 1)
+    for c in caches:
+        tier = _tier(c)
+        if tier is not None:
+            tier.close()  # the store's temporary files
     return [
         PolicyResult(p, np.maximum(a["kl"], 0.0), a["agree"], a["nll"], a["ref"], s)
         for p, a, s in zip(policies, arrays, samples, strict=True)
@@ -289,5 +305,27 @@ def _free_run(model, first, pos, generate, reference, caches, samples) -> None:
     """Greedy continuations from copies of every cache at stream index ``pos``."""
     ref = greedy(model, copy.deepcopy(reference), first, generate)
     for c, s in zip(caches, samples, strict=True):
+        tier = _tier(c)
+        history = None if tier is None else list(tier.history)
         mine = greedy(model, copy.deepcopy(c), first, generate)
+        if tier is not None:
+            _rewind(tier, c, history)
         s.append({"position": pos, **compare_generations(ref, mine)})
+
+
+def _tier(cache: list) -> Any:
+    return next((c.recall for c in cache if getattr(c, "recall", None) is not None), None)
+
+
+def _rewind(tier: Any, cache: list, history: list) -> None:
+    """The recall tier back to ``cache`` (a copy of it, which shares the tier, ran on):
+    the tier's own rollback to the cache's token count, its selections as they were,
+    its regions rebuilt from the store at the next call."""
+    from mlx_stream.cache.sink import SinkCache
+
+    tier.layers = [c for c in cache if isinstance(c, SinkCache)]
+    for c in tier.layers:
+        tier.trimmed(c, c.tokens_seen)
+    tier.history = history
+    tier.applied = [None] * len(tier.layers)
+    tier._valid = (None, None)

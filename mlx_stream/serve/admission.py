@@ -4,8 +4,10 @@ to evict, least recently used first, so that they fit the memory budget.
 Contract: ``weights + snapshots + resident sessions x bytes <= budget`` (and at most
 ``max_sessions`` resident) holds after every :meth:`Admission.make_room`. A session
 costs its caches plus the checkpoint taken before its current turn (twice its
-caches, measured once per sink count from real caches); a shared system-prompt
-snapshot costs half that. Room is made by evicting idle sessions (through the
+caches, measured once per sink count from real caches) plus what it holds once
+whatever its checkpoints (``fixed``: a recall session's region and its store's host
+memory cap, :mod:`~mlx_stream.serve.recall`); a shared system-prompt snapshot costs
+its caches once. Room is made by evicting idle sessions (through the
 ``evict`` callback: the engine saves them to its state folder) and snapshots (here),
 never a busy session, the one being admitted or the snapshot it starts from; when
 even all of that would not make room nothing is evicted and the request is refused:
@@ -57,6 +59,9 @@ class Admission:
             number of sinks (called once per sink count).
         evict (Callable[[Entry], None]): Save an idle resident session and free it
             (raises to refuse the request that needed the room).
+        fixed (Callable[[int], int], optional): Bytes a session with the given
+            number of sinks holds once, beside its caches and their checkpoint copy.
+            Default: none.
     """
 
     def __init__(
@@ -68,20 +73,30 @@ class Admission:
         *,
         measure: Callable[[int], int],
         evict: Callable[[Entry], None],
+        fixed: Callable[[int], int] | None = None,
     ):
         self.entries, self.weights, self.max_sessions = entries, weights, max_sessions
         self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
-        self.measure, self.evict = measure, evict
+        self.measure, self.evict, self.fixed = measure, evict, fixed or (lambda sinks: 0)
         self.snapshots: dict[str, tuple[Checkpoint, int]] = {}  # least recently used first
         self.bytes_by_sinks: dict[int, int] = {}
         self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
 
     def session_bytes(self, sinks: int) -> int:
         """Bytes of one resident session with ``sinks`` sinks: its caches and its
-        checkpoint, measured once from real caches (after their one allocation)."""
+        checkpoint, measured once from real caches (after their one allocation), and
+        what it holds once (``fixed``)."""
         if sinks not in self.bytes_by_sinks:
-            self.bytes_by_sinks[sinks] = 2 * self.measure(sinks)
+            self.bytes_by_sinks[sinks] = 2 * self.measure(sinks) + self.fixed(sinks)
         return self.bytes_by_sinks[sinks]
+
+    def cache_bytes(self, sinks: int) -> int:
+        """Bytes of one copy of a session's caches (a snapshot's cost)."""
+        return (self.session_bytes(sinks) - self.fixed(sinks)) // 2
+
+    def single_bytes(self, sinks: int) -> int:
+        """Bytes of a session without a checkpoint (a plain completion)."""
+        return self.cache_bytes(sinks) + self.fixed(sinks)
 
     def used_bytes(self) -> int:
         """Weights + snapshots + resident sessions."""

@@ -350,9 +350,13 @@ def create_app(
             for s in stats.get("sessions", [])
             if s.get("owner", "") == owner
         ]
+        from mlx_stream.serve.recall import TOTALS
+
         return {
             "object": "list",
             "data": mine,
+            # over the caller's sessions: device bytes (flat) and recall store (growing)
+            "totals": {k: sum(int(s.get(k, 0)) for s in mine) for k in TOTALS},
             **stats.get("counters", {}),
             "batch": stats.get("batch", {}),
         }

@@ -44,6 +44,15 @@ Contract:
   ``chunk`` tokens instead (fair interleaving: no request waits for another's long
   reply). A cancelled request (a client that went away) stops at the next token or
   prefill chunk and its session goes back to the checkpoint from before the turn.
+- Recall (``settings.cache.recall``, ``serve --recall``): every session's caches get
+  their own recall tier and store (:mod:`~mlx_stream.serve.recall`: a folder per
+  session, rewound with its checkpoints); such sessions decode alone, interleaved
+  (recall serves one sequence per cache), start from no shared snapshot, and a fork
+  is rebuilt from the client's history. Admission counts a recall session's caches,
+  checkpoint, region and store host-memory cap. A session whose save cannot carry its
+  store (``session.save`` refuses recall) is not written to the state folder when
+  room is needed: its caches are dropped (counted in ``dropped``) and its next request
+  rebuilds it from the client's history.
 
 Parts, one concern each: :mod:`~mlx_stream.serve.admission` (the byte budget: what a
 session and a snapshot cost, what to evict), :mod:`~mlx_stream.serve.store` (the state
@@ -90,6 +99,7 @@ from mlx_stream.generate.session import (
     clean_text,
 )
 from mlx_stream.serve import matching
+from mlx_stream.serve import recall as recalled
 from mlx_stream.serve.admission import Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
 from mlx_stream.serve.matching import Entry, split_messages
@@ -223,18 +233,22 @@ class Engine:
         self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
         weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
         self.chunk, self.isolate = chunk, isolate
+        self.recall = settings.cache.recall  # a RecallSpec: each session its own store
+        recalled.remove_stale(self.recall)
         self.store = SessionStore(state_dir, self._config)
         self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
         self.admission = Admission(
-            self.entries, weights, budget, max_sessions, measure=self._measure, evict=self._evict
-        )
+            self.entries, weights, budget, max_sessions, measure=self._measure, evict=self._evict,
+            fixed=lambda sinks: recalled.fixed_bytes(model, self.recall, sinks),
+        )  # fmt: skip
+        self._dropped: set[tuple[str, str]] = set()  # caches dropped: rebuilt on next use
         self._active: list[_Job] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats: dict[str, Any] = {}
         self._published = 0.0
-        self.evictions = self.restores = self.refusals = 0
+        self.evictions = self.restores = self.refusals = self.dropped = 0
         self.batching, self._batch, self.batch_refusal = batching, None, "off (--no-batch)"
         if cluster is not None:
             self.batching = False
@@ -256,9 +270,10 @@ class Engine:
         self.call(self._publish).result()
         if need > self.budget:
             self.stop()
+            ram = " (--recall-ram counts for each session)" if self.recall is not None else ""
             raise UserError(
                 f"--memory-budget {self.budget:,} bytes cannot hold the weights "
-                f"({self.weights:,}) and one session ({need - self.weights:,}); "
+                f"({self.weights:,}) and one session ({need - self.weights:,}{ram}); "
                 f"give at least {need:,}"
             )
 
@@ -269,6 +284,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._stopping = True
+        for entry in self.entries.values():  # the worker is gone: their stores close
+            recalled.release(entry.session)
         self.store.cleanup()
 
     def drain(self) -> None:
@@ -311,6 +328,8 @@ class Engine:
             self.batch_refusal = "a draft model: each request decodes alone, interleaved"
         elif self.settings.cache.kv_bits is not None:
             self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
+        elif self.recall is not None:
+            self.batch_refusal = "--recall: each session keeps its own store and decodes alone"
         else:
             try:
                 self._batch, self.batch_refusal = Batch(self.model), None
@@ -582,8 +601,8 @@ class Engine:
             return  # a temporary folder outlives nothing; ranks save only in step
         for entry in [e for e in self.entries.values() if e.session and not e.transient]:
             try:
-                self._evict(entry)
-            except Unsaved as exc:
+                self._evict(entry, drop=False)
+            except (UserError, Unsaved) as exc:  # UserError: a save that cannot carry recall
                 import sys
 
                 sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
@@ -614,7 +633,7 @@ class Engine:
             self._drop(entry)
             return
         if rollback and entry.checkpoint is not None:
-            entry.session.restore(entry.checkpoint)
+            self._restore(entry.session, entry.checkpoint)
         entry.messages = [dict(m) for m in entry.session.messages]
         entry.tokens_seen = cache_count(entry.session.caches)
         if rollback:
@@ -655,20 +674,54 @@ class Engine:
         their one allocation)."""
         import mlx.core as mx
 
-        policy = self.settings.cache.replace(sinks=sinks)
-        settings = dataclasses.replace(self.settings, cache=policy)
+        settings = self._settings(sinks=sinks)
         probe = ChatSession(
             self.model, self.tokenizer, settings, draft_model=self.draft_model
         )  # fmt: skip
-        probe.prefill(self.tokenizer.decode([0]) or " ")
-        mx.eval([c.state for c in probe.caches])
-        return sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
+        try:
+            probe.prefill(self.tokenizer.decode([0]) or " ")
+            mx.eval([c.state for c in probe.caches])
+            return sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
+        finally:
+            recalled.release(probe)
 
-    def _evict(self, entry: Entry) -> None:
+    def _settings(self, sinks: int | None = None, **changes: Any) -> Settings:
+        """The engine's settings for one new session: its own recall store (a folder
+        of its own), ``sinks`` if given, and ``changes``."""
+        policy = self.settings.cache.replace(recall=recalled.for_session(self.recall))
+        if sinks is not None:
+            policy = policy.replace(sinks=sinks)
+        return dataclasses.replace(self.settings, cache=policy, **changes)
+
+    def _checkpoint(self, session: ChatSession) -> Checkpoint:
+        """A checkpoint of ``session`` (with its recall tier's selections)."""
+        return recalled.mark(session, session.checkpoint())
+
+    def _restore(self, session: ChatSession, checkpoint: Checkpoint) -> None:
+        """``session`` back to ``checkpoint`` (its recall tier too)."""
+        session.restore(checkpoint)
+        recalled.rewind(session, checkpoint)
+
+    def _evict(self, entry: Entry, drop: bool = True) -> None:
         """Save a resident session to disk (listed in the state folder's index) and
         free its memory; :class:`Unsaved` when the folder cannot take it (the
-        session then stays resident)."""
-        path, record = self.store.save(entry)
+        session then stays resident). A session whose save cannot carry its state
+        (``UserError``: a recall store, until saves carry it) has its caches dropped
+        when ``drop`` (its next request rebuilds it from the client's history), else
+        the error is raised."""
+        try:
+            path, record = self.store.save(entry)
+        except RuntimeFailure:  # Unsaved (507): the folder, not the session
+            raise
+        except UserError:
+            if not drop:
+                raise
+            recalled.release(entry.session)
+            entry.session, entry.checkpoint = None, None
+            self._dropped.add(entry.key)
+            self.dropped += 1
+            return
+        recalled.release(entry.session)  # the saved files hold it now
         entry.path, entry.session, entry.checkpoint = path, None, None
         entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
@@ -678,12 +731,14 @@ class Engine:
 
     def _drop(self, entry: Entry) -> None:
         self.entries.pop(entry.key, None)
+        self._dropped.discard(entry.key)
+        recalled.release(entry.session)
         if entry.path is not None:
             self.store.forget(entry)
 
     def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
         """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
-        settings = dataclasses.replace(self.settings, keep_system=self.keep_system)
+        settings = self._settings(keep_system=self.keep_system)
         kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
         try:
             session = ChatSession(self.model, self.tokenizer, settings, **kw)
@@ -691,6 +746,7 @@ class Engine:
             settings.keep_system = False
             session = ChatSession(self.model, self.tokenizer, settings, **kw)
         if session.sinks > settings.cache.window:
+            recalled.release(session)
             raise BadRequest(
                 f"the system prompt has {session.sinks} tokens; the server pins at most "
                 f"--window ({settings.cache.window}) tokens of it"
@@ -704,6 +760,10 @@ class Engine:
         (or none is busy to free it), the session prefills its own."""
         admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
+        if head and self.recall is not None:  # a snapshot's copy would share its tier
+            admission.make_room(extra, keep)
+            session.prefill(head)
+            return
         if not head:
             admission.make_room(extra, keep)
             return
@@ -713,7 +773,7 @@ class Engine:
             session.restore(snap[0])
             admission.touch_snapshot(head)
         else:
-            size = self.session_bytes(session.sinks) // 2
+            size = admission.cache_bytes(session.sinks)
             shared = admission.fits(extra + size, keep, head)
             admission.make_room(extra + size if shared else extra, keep, head)
             session.prefill(head)
@@ -732,7 +792,8 @@ class Engine:
             return False
         session = self._new_session(entry.system, entry.tools)
         need = self.session_bytes(session.sinks)
-        lost = False
+        lost = entry.key in self._dropped  # its caches were dropped: rebuilt
+        self._dropped.discard(entry.key)
         if entry.path is not None:
             self.admission.make_room(need, entry)
             try:
@@ -741,9 +802,14 @@ class Engine:
                 self.restores += 1
             except UserError:
                 self.store.forget(entry)
+                recalled.release(session)
                 session, lost = self._new_session(entry.system, entry.tools), True
-        if entry.path is None:
-            self._from_snapshot(session, entry, extra=need)
+        try:
+            if entry.path is None:
+                self._from_snapshot(session, entry, extra=need)
+        except BaseException:
+            recalled.release(session)
+            raise
         entry.session, entry.bytes, entry.sinks = session, need, session.sinks
         return lost
 
@@ -755,6 +821,7 @@ class Engine:
         return {
             "model": self.model_id, "weights_bytes": self.weights,
             "cache": self.settings.cache.to_json(), "keep_system": self.keep_system,
+            **({"recall": recalled.config(self.recall)} if self.recall is not None else {}),
             "num_draft_tokens": self.settings.num_draft_tokens,
             "draft_model": self.draft_model is not None,
         }  # fmt: skip
@@ -773,6 +840,8 @@ class Engine:
             isolate=self.isolate, new_id=self._new_id,
         )  # fmt: skip
         checkpoint = source.checkpoint if source is not None else None  # room may evict it
+        if mode == "restore" and source is not entry and self.recall is not None:
+            mode, checkpoint = "rebuild", None  # a fork would share the source's store
         try:
             if self._resident(entry):  # its saved file was lost: rebuilt from the history
                 mode = "rebuild"
@@ -782,14 +851,14 @@ class Engine:
             raise
         session, tail = entry.session, None
         if mode == "restore":  # the checkpoint encodes exactly ``history``
-            session.restore(checkpoint)
+            self._restore(session, checkpoint)
             entry.checkpoint = checkpoint
         elif mode == "rebuild":
             self._rebuild(entry, system, history, toolset)
             session = entry.session
             tail = self.settings.cache.window if history else None
         else:
-            entry.checkpoint = session.checkpoint()
+            entry.checkpoint = self._checkpoint(session)
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         cached = cache_count(session.caches)
         box: list = []
@@ -842,13 +911,19 @@ class Engine:
         its transcript (the next turn feeds the tail of it that fits the window)."""
         session = self._new_session(system, tools)
         need = self.session_bytes(session.sinks)
-        if need > entry.bytes:
-            self.admission.make_room(need - entry.bytes, entry)
-        self._from_snapshot(session, entry)
+        try:
+            if need > entry.bytes:
+                self.admission.make_room(need - entry.bytes, entry)
+            self._from_snapshot(session, entry)
+        except BaseException:
+            recalled.release(session)
+            raise
         session.messages = [dict(m) for m in history]
+        if entry.session is not session:
+            recalled.release(entry.session)  # the session it replaces
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.tools = tools
-        entry.checkpoint = session.checkpoint()
+        entry.checkpoint = self._checkpoint(session)
 
     def _add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry
@@ -860,15 +935,15 @@ class Engine:
         )
         self._add(entry)
         try:
-            self.admission.make_room(self.session_bytes(self.settings.cache.sinks) // 2, entry)
-            settings = dataclasses.replace(self.settings, keep_system=False)
+            self.admission.make_room(self.admission.single_bytes(self.settings.cache.sinks), entry)
+            settings = self._settings(keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
             )
         except BaseException:
             self._drop(entry)
             raise
-        entry.session, entry.bytes = session, self.session_bytes(session.sinks) // 2
+        entry.session, entry.bytes = session, self.admission.single_bytes(session.sinks)
         tokens = list(self.tokenizer.encode(clean_text(request.prompt or "")))
         if not tokens:
             self._drop(entry)
@@ -926,7 +1001,11 @@ class Engine:
 
         now = self._published = time.monotonic()
         sessions = []
+        totals = dict.fromkeys(recalled.TOTALS, 0)
         for e in self.entries.values():
+            held = recalled.stats(e.session)  # zeros for a session on disk
+            for k in totals:
+                totals[k] += held[k]
             if e.transient:
                 continue
             seen = cache_count(e.session.caches) if e.session else e.tokens_seen
@@ -945,10 +1024,16 @@ class Engine:
                         e.sinks, drafting=self.draft_model is not None
                     ).to_json(),
                     "cache_bytes": e.bytes if e.session else 0,
+                    # flat: caches + recall region; growing: the recall store (RAM, disk)
+                    **held,
                     "idle_s": round(now - e.last_used, 3),
                     "busy": e.busy,
                 }
             )
+        recall = None
+        if self.recall is not None:
+            recall = {**recalled.config(self.recall), "folder": self.recall.folder,
+                      "ram_bytes_per_session": self.recall.ram_bytes}  # fmt: skip
         self.stats = {
             "sessions": sessions,
             "memory": {
@@ -959,6 +1044,8 @@ class Engine:
                 "snapshots": len(self.snapshots),
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
+                **totals,  # over every resident session: device (flat) and store (growing)
+                "recall": recall,
             },
             "batch": {
                 "enabled": self._batch is not None,
@@ -970,6 +1057,7 @@ class Engine:
                 "evictions": self.evictions,
                 "restores": self.restores,
                 "refusals": self.refusals,
+                "dropped": self.dropped,
                 "active": len(self._active),
             },
         }

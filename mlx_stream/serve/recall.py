@@ -1,0 +1,144 @@
+"""The recall tier of ``serve``'s sessions (``serve --recall``): one store per session,
+in a folder of its own, rewound with the session's checkpoints, counted by bytes.
+
+Contract:
+- **One store per session.** Every session's caches get their own recall tier
+  (:func:`for_session`): with ``--recall-dir`` its spilled blocks go to a subfolder
+  ``serve-<hex>`` of it, made for that session and removed by :func:`release` when the
+  session is forgotten, evicted or replaced (subfolders a killed run left are removed
+  at start, :func:`remove_stale`); without it, a temporary folder of its own. Recall
+  serves one sequence per cache, so a server with ``--recall`` decodes every session
+  alone, interleaved (no batched rows).
+- **Checkpoints.** A SinkCache's deep copy shares its tier (the store can be GBs on
+  disk: it is never copied), so a checkpoint keeps only what the tier cannot rebuild:
+  its selection history (:func:`mark`). After a restore, :func:`rewind` points the tier
+  at the restored caches, forgets what they no longer hold (the tier's own rollback,
+  ``Recall.trimmed``: queries and stored blocks past the restored token, selections
+  refreshed later), puts the checkpoint's selections back and rebuilds the regions
+  from the store. Blocks stored before the restored token are the same tokens in both
+  timelines, so they stay. A checkpoint is never restored into another session (a
+  fork of a recall session is rebuilt from the client's history instead).
+- **Bytes.** Device (flat): the caches (ring, with the slack recall raises) plus the
+  retrieval region (``sinks + blocks x 64`` slots per layer). Store (growing): host
+  memory up to ``ram_bytes`` per session, then files on disk, plus block summaries.
+  On Apple silicon host memory *is* the device's (unified), so admission counts a
+  recall session as its caches, its checkpoint's copy of them, its region and its
+  whole ``ram_bytes`` (the most host memory its blocks take); what spills to disk is
+  not counted (:func:`fixed_bytes`), nor are the block summaries, which stay in host
+  memory and grow with the stream (``3 x kv_heads x head_dim`` float32 numbers per
+  block and layer, about 2% of a float store: ``summary_bytes`` in the stats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+PREFIX = "serve-"  # subfolders of --recall-dir made here (one per session)
+
+
+def tier_of(caches: list) -> Any:
+    """The recall tier of a prompt cache, or ``None``."""
+    return next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+
+
+def for_session(spec: Any) -> Any:
+    """A session's own ``RecallSpec``: ``spec`` with a fresh subfolder of its folder
+    (``spec`` itself without a folder: the store then makes a temporary one)."""
+    if spec is None or spec.folder is None:
+        return spec
+    folder = Path(spec.folder) / f"{PREFIX}{uuid.uuid4().hex[:16]}"
+    return dataclasses.replace(spec, folder=str(folder))
+
+
+def release(session: Any) -> None:
+    """Close ``session``'s store and remove its folder (idempotent)."""
+    tier = tier_of(session.caches) if session is not None else None
+    if tier is None:
+        return
+    tier.close()
+    folder = tier.store.folder
+    if folder is not None and folder.name.startswith(PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale(spec: Any) -> None:
+    """Remove the session subfolders a previous run left in ``spec.folder``."""
+    if spec is None or spec.folder is None or not Path(spec.folder).is_dir():
+        return
+    for sub in Path(spec.folder).iterdir():
+        if sub.name.startswith(PREFIX) and sub.is_dir():
+            shutil.rmtree(sub, ignore_errors=True)
+
+
+def mark(session: Any, checkpoint: Any) -> Any:
+    """``checkpoint`` (of ``session``), carrying the tier's selection history."""
+    tier = tier_of(session.caches)
+    if tier is not None:
+        checkpoint.recall_history = list(tier.history)
+    return checkpoint
+
+
+def rewind(session: Any, checkpoint: Any) -> None:
+    """After ``session.restore(checkpoint)``: bring the shared tier back to the
+    checkpoint (see the module docstring)."""
+    from mlx_stream.cache.sink import SinkCache
+
+    tier = tier_of(session.caches)
+    if tier is None:
+        return
+    layers = [c for c in session.caches[: session.n_target] if isinstance(c, SinkCache)]
+    tier.layers = layers  # the restored copies: the tier reads their token counts
+    for c in layers:
+        tier.trimmed(c, c.tokens_seen)
+    history = getattr(checkpoint, "recall_history", None)
+    if history is not None:
+        tier.history = list(history)
+    tier.applied = [None] * len(layers)  # rebuilt from the store at the next call
+    tier._valid = (None, None)
+
+
+STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes",
+         "summary_bytes", "blocks_stored")  # fmt: skip
+TOTALS = STATS[:1] + STATS[2:6]  # summed over sessions in /health and /v1/sessions
+
+
+def stats(session: Any) -> dict[str, int]:
+    """A session's bytes (zeros for ``None``: a session on disk): ``device_bytes``
+    (caches + region: flat) and ``store_bytes`` (``store_ram_bytes`` +
+    ``store_disk_bytes`` + ``summary_bytes``: growing), and the blocks stored."""
+    out = dict.fromkeys(STATS, 0)
+    if session is None:
+        return out
+    out["device_bytes"] = sum(int(getattr(c, "nbytes", 0) or 0) for c in session.caches)
+    tier = tier_of(session.caches)
+    if tier is None:
+        return out
+    out["device_bytes"] += tier.device_nbytes
+    out.update(region_bytes=tier.device_nbytes, store_bytes=tier.store_nbytes,
+               store_ram_bytes=tier.store.host_bytes, store_disk_bytes=tier.store.disk_bytes,
+               summary_bytes=tier.summaries.nbytes, blocks_stored=tier.stored)  # fmt: skip
+    return out
+
+
+def fixed_bytes(model: Any, spec: Any, sinks: int) -> int:
+    """What a recall session costs once, beside its caches and their checkpoint copy:
+    its region (device) and its store's host memory cap (``ram_bytes``)."""
+    from mlx_stream.cache.estimate import model_layout, recall_bytes
+
+    layout = model_layout(model)
+    if spec is None or layout is None:
+        return 0
+    region = recall_bytes(layout, sinks, spec.blocks, spec.block, spec.bits, spec.group_size)
+    return int(region["region_bytes"]) + int(spec.ram_bytes)
+
+
+def config(spec: Any) -> dict | None:
+    """The recall settings saved sessions depend on (not where the store lives)."""
+    if spec is None:
+        return None
+    return {k: getattr(spec, k) for k in ("blocks", "block", "selector", "placement", "bits",
+                                          "group_size", "refeed")}  # fmt: skip
