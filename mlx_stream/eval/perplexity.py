@@ -193,6 +193,10 @@ def stream_perplexity(
 ) -> PerplexityResult:
     """Feed ``tokens`` as one stream and score every token under the cache policy.
 
+    A model call that raises a ``RuntimeFailure`` (a recall store that cannot grow
+    fails before the call changes the cache) stops the run like ``should_stop``: the
+    checkpoint is saved and the result returned with ``failure`` set.
+
     Args:
         model (nn.Module): The model.
         tokens (Iterable[int]): The stream, e.g. :func:`iter_tokens`. When resuming,
@@ -232,10 +236,6 @@ def stream_perplexity(
 
     Returns:
         PerplexityResult: Totals so far (a resumed run includes the earlier part).
-
-    A model call that raises a ``RuntimeFailure`` (a recall store that cannot grow
-    fails before the call changes the cache) stops the run like ``should_stop``: the
-    checkpoint is saved and the result returned with ``failure`` set.
 
     Raises:
         UserError: The checkpoint belongs to another run (model, settings, text) or
