@@ -65,13 +65,28 @@ def test_resume_with_recall_equals_an_uninterrupted_run(tiny_model_dir, text_fil
     same_figures(rest, whole)
 
 
-def test_a_full_recall_disk_stops_with_the_checkpoint(tiny_model_dir, text_file, tmp_path,
+@pytest.fixture(scope="module")
+def long_file(tmp_path_factory):
+    """Long enough that the store needs a second segment (32 blocks of 64 tokens)."""
+    rng = random.Random(5)
+    words = [rng.choice(tiny_mod.VOCAB_WORDS) for _ in range(2600)]
+    path = tmp_path_factory.mktemp("text") / "long.txt"
+    path.write_text(" ".join(words) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_full_recall_disk_stops_with_the_checkpoint(tiny_model_dir, long_file, tmp_path,
                                                       monkeypatch):  # fmt: skip
-    args = recall_args(tmp_path, text_file, tiny_model_dir)
+    """The disk fills when the store needs its second segment, mid-stream: the
+    checkpoint holds the first 32 blocks and resumes to the uninterrupted figures."""
+    args = recall_args(tmp_path, long_file, tiny_model_dir)
     whole = run_json(*args)
+    real = BlockStore._open_file
 
     def full(self, path, np_dtype, shape):
-        raise self.failure(OSError(28, "No space left on device"))
+        if ".seg1." in path.name:
+            raise self.failure(OSError(28, "No space left on device"))
+        return real(self, path, np_dtype, shape)
 
     monkeypatch.setattr(BlockStore, "_open_file", full)
     ckpt = tmp_path / "c.safetensors"
@@ -83,6 +98,8 @@ def test_a_full_recall_disk_stops_with_the_checkpoint(tiny_model_dir, text_file,
     assert data["interrupted"] is True and 0 < data["tokens"] < whole["tokens"]
     assert "No space left" in data["failure"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing half-written
+    manifest = json.loads((tmp_path / "c.recall" / "manifest.json").read_text())
+    assert manifest["tier"]["store"]["count"][0] == 32  # a full first segment carried
     monkeypatch.undo()  # room again
     rest = run_json(*args, "--resume", str(ckpt))
     same_figures(rest, whole)
