@@ -321,3 +321,20 @@ def test_two_stores_share_a_folder_without_clashing(tmp_path):
     a.put(0, 0, one, one)
     b.put(0, 0, two, two)
     assert mx.array_equal(a.get(0, 0)[0], one) and mx.array_equal(b.get(0, 0)[0], two)
+
+
+def test_a_quantized_window_with_recall_restores_bit_for_bit(head64, tmp_path):
+    tokens = tiny.random_tokens(200, seed=41)
+
+    def cache():
+        return make_sink_cache(head64, SINKS, WINDOW, stride=BLOCK, kv_bits=8, recall=spec())
+
+    whole = cache()
+    want = mx.concatenate([feed(head64, whole, tokens[:90]), feed(head64, whole, tokens[90:])])
+    part = cache()
+    feed(head64, part, tokens[:90])
+    save_cache(tmp_path / "c.safetensors", part)
+    fresh, _ = load_cache(tmp_path / "c.safetensors", head64, spec())
+    assert tier(fresh).selection and fresh[0].key_bits == 8
+    assert mx.array_equal(feed(head64, fresh, tokens[90:]), want[90:])
+    assert tier(fresh).history == tier(whole).history
