@@ -338,3 +338,14 @@ def test_a_quantized_window_with_recall_restores_bit_for_bit(head64, tmp_path):
     assert tier(fresh).selection and fresh[0].key_bits == 8
     assert mx.array_equal(feed(head64, fresh, tokens[90:]), want[90:])
     assert tier(fresh).history == tier(whole).history
+
+
+def test_recall_with_4bit_keys_is_refused_before_the_first_token(head64):
+    from mlx_stream.errors import Unsupported
+
+    with pytest.raises(Unsupported, match="does not serve 4-bit keys"):
+        make_sink_cache(head64, SINKS, WINDOW, stride=BLOCK, kv_bits=4, recall=spec())
+    cache = make_sink_cache(head64, SINKS, WINDOW, stride=BLOCK, kv_bits=4, key_bits=8,
+                            recall=spec())  # fmt: skip
+    feed(head64, cache, tiny.random_tokens(80, seed=2))  # 8-bit keys, 4-bit values: served
+    assert tier(cache).stored

@@ -138,6 +138,11 @@ class Recall:
 
         self.spec, self.block = spec, spec.block
         self.layers = [c for c in caches if isinstance(c, SinkCache)]
+        if any(c.channel_keys for c in self.layers):  # its blocks cannot be cut out of them
+            raise Unsupported(
+                "recall does not serve 4-bit keys (kept per channel): use 8-bit keys "
+                "(--kv-key-bits 8) or a float cache"
+            )
         for i, c in enumerate(self.layers):
             c.recall, c.recall_index = self, i
             c._rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
