@@ -28,9 +28,15 @@ flatness and the full cache's growth.
     python benchmarks/decode.py --contexts 1024,4096    # shorter
 
 ``--windows W1,W2,...`` measures across windows instead: per window, ``sink`` (float),
-``sink-8`` (8-bit keys and values) and ``rotating`` are each fed ``window + sinks + 64``
-tokens of the book (past the first eviction), then decode ``--tokens`` greedy tokens in
-``--repeats`` interleaved rounds (sink, sink-8, rotating, sink, ...); one JSON line per
+``sink-8`` (8-bit keys and values), ``sink-4`` (4-bit) and ``rotating`` are each fed
+``window + sinks + 64`` tokens of the book (past the first eviction), then decode
+``--tokens`` greedy tokens in ``--repeats`` interleaved rounds (sink, sink-8, sink-4,
+rotating, sink, ..., the order rotated every round); ``sink-8-dequant`` and
+``sink-4-dequant`` (only when named in ``--caches``) are the same quantized caches
+attending on dequantized floats (``fast_route`` off: what they do where
+``mlx_stream.cache.qattend`` is not installed), and ``sink-8-token`` the 8-bit cache with
+keys per token through mlx-lm's quantized kernel (``token_keys``: what ``kv_bits=8`` was
+before keys went per channel); one JSON line per
 (cache, window) with the median tok/s over rounds, and a summary line with, per window,
 the median over rounds of each round's ratio to the rotating run beside it, and the
 median over ``--bare`` rounds of bare one-token model calls of each call's time over the
@@ -46,8 +52,10 @@ import time
 import common
 
 CACHES = ("sink", "rotating", "full")
-# The --windows mode: float and 8-bit sink caches against mlx-lm's rotating cache.
-WINDOW_CACHES = ("sink", "sink-8", "rotating")
+# The --windows mode: float, 8-bit and 4-bit sink caches against mlx-lm's rotating cache
+# (and, when named, the quantized ones on their dequantize route).
+WINDOW_CACHES = ("sink", "sink-8", "sink-4", "rotating")
+WINDOW_EXTRA = ("sink-8-dequant", "sink-4-dequant", "sink-8-token")
 # Only with --caches: mlx-stream's generate_step on mlx-lm's RotatingKVCache, which
 # splits the sink/rotating ratio into what the decode loop costs and what the cache costs.
 EXTRA = ("rotating-ours",)
@@ -61,8 +69,20 @@ def make_cache(name: str, model, sinks: int, window: int) -> list:
 
     if name == "sink":
         return make_sink_cache(model, sinks, window)
-    if name == "sink-8":
-        return make_sink_cache(model, sinks, window, kv_bits=8)
+    if name == "sink-8-token":
+        from mlx_stream.cache.sink import SinkCache
+
+        return [
+            SinkCache(sinks, window, kv_bits=8, move=c.move, additive_mask=c.additive_mask,
+                      token_keys=True) if isinstance(c, SinkCache) else c
+            for c in make_sink_cache(model, sinks, window, kv_bits=8)
+        ]  # fmt: skip
+    if name.startswith("sink-"):
+        bits = int(name.split("-")[1])
+        cache = make_sink_cache(model, sinks, window, kv_bits=bits)
+        for c in cache if name.endswith("-dequant") else ():
+            c.fast_route = False  # the dequantize route
+        return cache
     if name.startswith("rotating"):
         return [RotatingKVCache(max_size=sinks + window, keep=sinks) for _ in model.layers]
     return make_prompt_cache(model)
@@ -81,7 +101,7 @@ def decode(name: str, model, cache: list, prompt: list[int], tokens: int, step: 
 
     from mlx_stream.generate.decode import generate_step
 
-    if name in ("sink", "sink-8", "rotating-ours"):
+    if name.startswith("sink") or name == "rotating-ours":
         steps = generate_step(prompt, model, cache, max_tokens=tokens, prefill_step_size=step)
     else:
         steps = mlx_lm_step(
@@ -181,7 +201,8 @@ def across_windows(args, model, tokenizer, weights) -> list[dict]:
     import mlx.core as mx
 
     windows = [int(w) for w in args.windows.split(",")]
-    names = [n for n in args.caches.split(",") if n in WINDOW_CACHES] or list(WINDOW_CACHES)
+    chosen = WINDOW_CACHES + WINDOW_EXTRA
+    names = [n for n in args.caches.split(",") if n in chosen] or list(WINDOW_CACHES)
     book = common.book_tokens(tokenizer, max(windows) + args.sinks + 64 + args.repeats + 1)
     for n in names:  # warm-up on throwaway caches: first-call compilation is not speed
         decode(n, model, make_cache(n, model, args.sinks, 32), book[:8], 4, 8)
@@ -240,8 +261,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument(
         "--windows", default=None,
-        help="comma-separated windows: decode across windows (float and 8-bit sink caches "
-        "against mlx-lm's rotating cache) instead of across contexts",
+        help="comma-separated windows: decode across windows (float, 8-bit and 4-bit sink "
+        "caches against mlx-lm's rotating cache) instead of across contexts",
     )  # fmt: skip
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument(

@@ -10,12 +10,21 @@ One decode step's attention for one layer in the default model's shapes (9 query
   calling the fast float attention;
 - ``dequant-k4``: what ``kv_bits=4`` does: per-channel 4-bit keys (groups of 32 tokens,
   ``mlx_stream.cache.kvquant``) and per-token 4-bit values dequantized, then fast attention;
-- ``qmm-k4``: the same storage attended without dequantizing: scores by
-  ``mx.quantized_matmul(q, keys, transpose=False)`` on the keys stored transposed
-  (``(D, L)``, quantized along the tokens, as kvquant stores them), softmax, then
-  ``mx.quantized_matmul`` on the values. Not wired into the cache (mlx-lm's attention
-  calls ``quantized_matmul`` with ``transpose=True`` only): it says what the
-  quantized-kernel route would cost here.
+- ``qmm-k4`` / ``qmm-k8``: per-channel 4-bit / 8-bit keys attended without
+  dequantizing: scores by ``mx.quantized_matmul(q, keys, transpose=False)`` on the keys
+  stored transposed (``(D, L)``, quantized along the tokens, as kvquant stores them),
+  softmax, then ``mx.quantized_matmul`` on the values (per token, 4 / 8 bits), the
+  query heads of a key/value head folded into the rows of one matmul;
+- the parts of the 8-bit routes alone: ``scores-tok8`` (per-token keys,
+  ``transpose=True``, what mlx-lm's kernel does, heads folded as in ``qmm-k8``),
+  ``scores-ch8`` (per-channel keys, ``transpose=False``) and ``values-8``
+  (``quantized_matmul(p, V, transpose=False)``, values per token);
+- ``cache-k8`` / ``cache-k4``: the whole route a SinkCache with ``kv_bits`` 8 / 4 takes
+  (``mlx_stream.cache.qattend.attend``: float sinks, the packed ring, the float residual
+  of the open group, the cache's own additive mask, GQA) on a cache filled past its
+  first eviction with random keys and values (a decode step in the middle of a group),
+  and ``cache-k8-dequant`` / ``cache-k4-dequant``: the same columns dequantized, then the
+  fast float attention (what such a cache does where the route is not installed).
 
 One JSON line per (contender, window): median microseconds per call and the ratio to
 ``float``.
@@ -29,7 +38,57 @@ import time
 
 import common
 
-CONTENDERS = ("float", "qmm-8", "dequant-8", "dequant-k4", "qmm-k4")
+CONTENDERS = (
+    "float",
+    "qmm-8",
+    "dequant-8",
+    "dequant-k4",
+    "qmm-k4",
+    "qmm-k8",
+    "scores-tok8",
+    "scores-ch8",
+    "values-8",
+    "cache-k8",
+    "cache-k8-dequant",
+    "cache-k4",
+    "cache-k4-dequant",
+)
+
+
+def cache_route(window: int, sinks: int, bits: int, H: int, KVH: int, D: int):
+    """(route, dequantized) callables of one decode step's attention on a SinkCache of
+    ``bits`` filled with random keys and values past its first eviction."""
+    import mlx.core as mx
+
+    from mlx_stream.cache import qattend
+    from mlx_stream.cache.sink import SinkCache
+
+    cache = SinkCache(sinks, window, kv_bits=bits, positions="absolute")
+    cache.fast_route = True
+    total = sinks + window + 48  # mid-group: the open group holds 16 residual tokens
+    key = mx.random.key(7)
+    while cache.tokens_seen < total - 1:
+        n = min(cache.max_call_tokens(), total - 1 - cache.tokens_seen)
+        k1, k2, key = mx.random.split(key, 3)
+        cache.update_and_fetch(mx.random.normal((1, KVH, n, D), key=k1),
+                               mx.random.normal((1, KVH, n, D), key=k2))  # fmt: skip
+        mx.eval(cache.keys.state, cache.values)
+    mask = cache.make_mask(1)
+    keys, values = cache.update_and_fetch(*mx.random.normal((2, 1, KVH, 1, D), key=key))
+    q = mx.random.normal((1, H, 1, D), key=mx.random.key(8))
+    mx.eval(q, mask, keys, values)
+    fk, fv = qattend.unpack(keys, values)
+    scale = D**-0.5
+
+    def dequantized():
+        k, v = qattend.unpack(keys, values)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    route = lambda: qattend.attend(q, keys, values, scale, mask)  # noqa: E731
+    error = mx.abs(route() - mx.fast.scaled_dot_product_attention(q, fk, fv, scale=scale,
+                                                                  mask=mask)).max().item()  # fmt: skip
+    assert error < 1e-4, f"the route differs from float attention by {error}"
+    return route, dequantized
 
 
 def contenders(L: int, H: int, KVH: int, D: int) -> dict:
@@ -47,18 +106,28 @@ def contenders(L: int, H: int, KVH: int, D: int) -> dict:
     k8, v8 = (mx.quantize(x, group_size=g, bits=8) for x in (k, v))
     v4 = mx.quantize(v, group_size=g, bits=4)
     kt4 = mx.quantize(k.swapaxes(-1, -2), group_size=G, bits=4)  # (1, KVH, D, L)
-    mx.eval(q, k, v, k8, v8, v4, kt4)
+    kt8 = mx.quantize(k.swapaxes(-1, -2), group_size=G, bits=8)
+    probs = mx.softmax(mx.random.normal((1, KVH, H // KVH, L), key=mx.random.key(3)), axis=-1)
+    mx.eval(q, k, v, k8, v8, v4, kt4, kt8, probs)
     scale, rep = D**-0.5, H // KVH
 
     def deq(x, bits, group=g):
         return mx.dequantize(*x, group_size=group, bits=bits)
 
-    def qmm_k4():
+    def qmm_k(kt, vq, bits):
         qs = (q * scale).reshape(1, KVH, rep, D)
-        scores = mx.quantized_matmul(qs, *kt4, transpose=False, group_size=G, bits=4)
+        scores = mx.quantized_matmul(qs, *kt, transpose=False, group_size=G, bits=bits)
         probs = mx.softmax(scores, axis=-1, precise=True)
-        out = mx.quantized_matmul(probs, *v4, transpose=False, group_size=g, bits=4)
+        out = mx.quantized_matmul(probs, *vq, transpose=False, group_size=g, bits=bits)
         return out.reshape(1, H, 1, D)
+
+    def scores_tok8():
+        qs = (q * scale).reshape(1, KVH, rep, D)
+        return mx.quantized_matmul(qs, *k8, transpose=True, group_size=g, bits=8)
+
+    def scores_ch8():
+        qs = (q * scale).reshape(1, KVH, rep, D)
+        return mx.quantized_matmul(qs, *kt8, transpose=False, group_size=G, bits=8)
 
     sdpa = mx.fast.scaled_dot_product_attention
     return {
@@ -71,7 +140,13 @@ def contenders(L: int, H: int, KVH: int, D: int) -> dict:
         "dequant-k4": lambda: sdpa(
             q, deq(kt4, 4, G).swapaxes(-1, -2), deq(v4, 4), scale=scale, mask=None
         ),
-        "qmm-k4": qmm_k4,
+        "qmm-k4": lambda: qmm_k(kt4, v4, 4),
+        "qmm-k8": lambda: qmm_k(kt8, v8, 8),
+        "scores-tok8": scores_tok8,
+        "scores-ch8": scores_ch8,
+        "values-8": lambda: mx.quantized_matmul(
+            probs, *v8, transpose=False, group_size=g, bits=8
+        ),  # fmt: skip
     }
 
 
@@ -88,6 +163,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = []
     for window in (int(w) for w in args.windows.split(",")):
         fns = contenders(args.sinks + window + 31, 9, 3, 64)
+        for bits in (8, 4):
+            route, dequantized = cache_route(window, args.sinks, bits, 9, 3, 64)
+            fns[f"cache-k{bits}"], fns[f"cache-k{bits}-dequant"] = route, dequantized
         for f in fns.values():  # warm-up
             mx.eval(f())
         times = {n: [] for n in fns}

@@ -67,7 +67,7 @@ KvBits = Annotated[
     int | None,
     typer.Option(
         "--kv-bits",
-        help="Store the KV cache quantized to 4 or 8 bits (4-bit keys per channel, the newest "
+        help="Store the KV cache quantized to 4 or 8 bits (keys per channel, the newest "
         "in float; sinks keep a full-precision copy).",
     ),
 ]
@@ -75,7 +75,7 @@ KvKeyBits = Annotated[
     int | None,
     typer.Option(
         "--kv-key-bits",
-        help="Bits for the keys when they differ from --kv-bits (8: per-token 8-bit keys).",
+        help="Bits for the keys when they differ from --kv-bits (8: 8-bit keys).",
     ),
 ]
 KvGroupSize = Annotated[

@@ -94,16 +94,21 @@ def test_decode_across_windows(monkeypatch, tmp_path, tiny_model_dir):
 
 def test_quantized_attention_routes_agree(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("quantized_attention", monkeypatch, tmp_path, tiny_model_dir)
-    assert {r["contender"] for r in lines} == {"float", "qmm-8", "dequant-8", "dequant-k4",
-                                                "qmm-k4"}  # fmt: skip
+    script = load_script("quantized_attention", monkeypatch)
+    assert {r["contender"] for r in lines} == set(script.CONTENDERS)
     assert all(r["us"] > 0 for r in lines)
     # The quantized-kernel route on per-channel keys computes what dequantizing does.
     import mlx.core as mx
 
-    fns = load_script("quantized_attention", monkeypatch).contenders(99, 9, 3, 64)
+    fns = script.contenders(99, 9, 3, 64)
     ref = fns["float"]()
     assert mx.allclose(fns["qmm-k4"](), fns["dequant-k4"](), atol=1e-4).item()
     assert mx.abs(fns["qmm-8"]() - ref).max().item() < 0.02
+    assert mx.abs(fns["qmm-k8"]() - ref).max().item() < 0.02
+    # The cache's own route (cache_route checks it against float attention as well)
+    for bits in (8, 4):
+        route, dequantized = script.cache_route(64, 4, bits, 9, 3, 64)
+        assert mx.allclose(route(), dequantized(), atol=1e-4).item()
 
 
 def test_key_schemes(monkeypatch, tmp_path):
@@ -238,3 +243,51 @@ def test_recall_persist(monkeypatch, tmp_path, tiny_model_dir):
     assert [r["store"] for r in lines] == ["float", "float-spilled"]
     assert all(r["identical"] and r["same_selections"] and r["stored_blocks"] > 0 for r in lines)
     assert lines[1]["store_disk_mb"] > 0 and lines[1]["restored_disk_mb"] > 0
+
+
+def test_recall_decode(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall_decode", monkeypatch, tmp_path, tiny_model_dir, "--profile")
+    *rows, summary = lines
+    names = {"recall", "window", "window-slack"}
+    assert {r["cache"] for r in rows if r["phase"] == "prefill"} == names
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert len(decode) == 3 * summary["rounds"]
+    for r in decode:  # 64 steps cross exactly one block boundary
+        assert r["steps"] == 64 and len(r["boundaries"]) == 1 and r["ms_per_step"] > 0
+        if r["cache"] == "recall":
+            assert r["refreshes"] == 1 and r["selection"] and r["rebuilds"] >= 0
+    # the ratio is the one of the medians the summary reports
+    ms = summary["ms_per_step"]
+    assert summary["recall_over_window"] == pytest.approx(ms["recall"] / ms["window"], abs=2e-3)
+    lo, hi = summary["recall_over_window_range"]
+    assert 0 < lo <= summary["recall_over_window_median_round"] <= hi
+    keys = summary["attn_keys"]  # the region adds k blocks of keys to the ring's
+    assert keys["recall"] == keys["keys-only"] > keys["window-slack"] > keys["window"]
+    assert set(summary["attn_layer_ms"]) == {"recall", "window", "window-slack", "keys-only"}
+    assert summary["refresh_ms_per_step"] > 0
+    parts = summary["refresh_profile_ms"]  # cProfile of the rounds' refreshes
+    assert parts["gather_queries"] > 0 and parts["score_blocks"] > 0
+
+
+def test_recall_soak(monkeypatch, tmp_path, tiny_model_dir):
+    store = tmp_path / "store"
+    lines = run("recall_soak", monkeypatch, tmp_path, tiny_model_dir, "--folder", str(store),
+                "--keep")  # fmt: skip
+    *samples, summary = lines
+    assert summary["summary"] and summary["tokens"] == samples[-1]["tokens"] == 2048
+    steady = samples[1:]
+    assert len(steady) >= 4
+    # device bytes of the caches and the regions do not grow; the store does, on disk
+    assert len({r["cache_mb"] for r in steady}) == 1 and len({r["region_mb"] for r in steady}) == 1
+    blocks = [r["stored_blocks"] for r in samples]
+    assert blocks == sorted(blocks) and blocks[-1] > blocks[0]
+    assert samples[-1]["store_disk_mb"] > 0 and samples[-1]["store_ram_mb"] <= 0.05
+    assert any(p.suffix == ".npy" for p in store.iterdir())  # --keep kept the files
+    assert all(r["refresh_s_per_1k"] >= 0 and r["s_per_1k"] > 0 for r in samples)
+    table = load_script("recall_soak", monkeypatch).render(lines)
+    assert table.count("\n| ") == len(samples) and "| 2,048 |" in table
+    with pytest.raises(SystemExit) as e:  # a folder already holding files is refused
+        load_script("recall_soak", monkeypatch).main(
+            ["--quick", "--model", str(tiny_model_dir), "--folder", str(store)]
+        )
+    assert e.value.code == 2

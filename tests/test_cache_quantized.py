@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.generate import speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 
+from mlx_stream.cache import SinkCache, kvquant
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.sink import load_cache, make_sink_cache, save_cache
 from tests import tiny
@@ -36,16 +37,19 @@ def test_logits_close_to_float_cache_before_eviction(model, bits):
     ref = feed(model, make_sink_cache(model, sinks=S, window=W, slack=16), TOKENS[: S + W], 8)
     error = mx.abs(ours - ref).max().item() / mx.abs(ref).max().item()
     assert error < TOLERANCE[bits]
-    # 8-bit returns quantized tuples (mlx-lm's quantized kernel); 4-bit per-channel keys
-    # return floats, which must not route attention to that kernel.
-    assert hasattr(quantized(model, bits)[0], "bits") == (bits == 8)
+    # Per-channel keys (8 and 4 bits) attend on their packed keys (qattend), never
+    # through mlx-lm's quantized kernel (which a ``bits`` attribute selects); 8-bit keys
+    # kept per token (the recall tier's) still go there.
+    assert not hasattr(quantized(model, bits)[0], "bits")
+    assert quantized(model, bits)[0].fast_route
     assert not hasattr(make_sink_cache(model)[0], "bits")
+    assert SinkCache(S, W, kv_bits=8, token_keys=True).bits == 8
 
 
-@pytest.mark.parametrize(("bits", "window", "share"), [(8, W, 0.5), (4, 480, 0.35)])
+@pytest.mark.parametrize(("bits", "window", "share"), [(8, 480, 0.4), (4, 480, 0.35)])
 def test_quantized_cache_is_smaller_and_fixed(model, bits, window, share):
-    # 4-bit keys add a float residual of 64 tokens (kvquant.RECENT) and need a slack of
-    # 64: a window of 480 (480 + 64 fills the per-channel groups exactly) keeps it small.
+    # Per-channel keys add a float residual of 64 tokens (kvquant.RECENT) and need a
+    # slack of 64: a window of 480 (480 + 64 fills the groups exactly) keeps it small.
     sizes = {"sinks": S, "window": window, "slack": 64}
     ours, floats = quantized(model, bits, **sizes), make_sink_cache(model, **sizes)
     feed(model, ours, TOKENS[:100], 16)
@@ -100,7 +104,8 @@ def test_save_load_round_trip(tmp_path, model):
     feed(model, cache, TOKENS[:150], 16)
     save_cache(tmp_path / "q.safetensors", cache)
     loaded, _ = load_cache(tmp_path / "q.safetensors", model)
-    assert loaded[0].bits == 8 and isinstance(loaded[0].keys, tuple)
+    assert loaded[0].key_bits == 8 and isinstance(loaded[0].keys, kvquant.ChannelKeys)
+    assert loaded[0].fast_route  # the model's layers were proven: the same route
     nxt = mx.array([TOKENS[150:166]])
     assert mx.array_equal(model(nxt, cache=loaded), model(nxt, cache=cache))
 

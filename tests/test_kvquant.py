@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import kvquant, load_cache, make_sink_cache, save_cache
+from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, save_cache
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
@@ -68,7 +68,9 @@ def test_slack_rounds_up_to_whole_groups(model):
     cache = four_bit(model)[0]
     assert (cache.window + cache.slack) % kvquant.GROUP == 0
     assert cache.slack == 56  # at least 32 (calls are written in place), 40 + 32 -> 96
-    assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 16
+    # 8-bit keys are per channel too; kept per token (for the recall tier) they need none.
+    assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 56
+    assert SinkCache(S, W, 16, kv_bits=8, token_keys=True).slack == 16
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 33])
@@ -230,3 +232,21 @@ def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model)
     )
     assert [t for t, _, _ in out] == plain
     assert state.drafted > state.accepted  # rollbacks happened
+
+
+def test_a_call_attends_only_the_residual_slots_of_its_open_groups():
+    # The residual columns of a call: the floats of [group_start(n), n + N), contiguous
+    # unless they wrap around the residual (then all of it); none before the first
+    # ring token.
+    assert kvquant.recent_range(2, 1, S) == (0, 0)  # a sink
+    assert kvquant.recent_range(S, 1, S) == (0, 1)
+    assert kvquant.recent_range(S + 40, 1, S) == (32, 41)  # group 1: slots 32..63
+    assert kvquant.recent_range(S + 63, 1, S) == (32, 64)
+    assert kvquant.recent_range(S + 64, 1, S) == (0, 1)  # group 2 reuses slots 0..31
+    assert kvquant.recent_range(S + 40, 30, S) == (0, kvquant.RECENT)  # 32..69 wraps
+    assert kvquant.recent_range(S + 10, 30, S) == (0, 40)
+    for n, N in ((S + 40, 1), (S + 10, 30), (S + 40, 30), (1, 8)):
+        tokens = kvquant.recent_tokens(n, N, S)
+        lo, hi = kvquant.recent_range(n, N, S)
+        # every float a row of the call may read is inside the range
+        assert set(tokens[tokens >= 0]) <= set(tokens[lo:hi])

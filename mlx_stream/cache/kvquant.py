@@ -1,4 +1,4 @@
-"""Per-channel 4-bit keys for the sink + window ring (KIVI's scheme, fitted to a ring).
+"""Per-channel 4-bit and 8-bit keys for the sink + window ring (KIVI's scheme, fitted to a ring).
 
 Why: key channels have outliers, and ``mx.quantize`` groups along the head dimension, so
 one large channel sets the step of all the others in its group. KIVI (Liu et al., ICML
@@ -8,6 +8,14 @@ output error against float keys, 1,024 tokens of Botchan, mean over the 30 layer
 per-token 4-bit 0.223 (group 64) and 0.155 (group 32), a Hadamard rotation of the head
 dimension before per-token 4-bit 0.127-0.142, per-channel smoothing scales 0.29,
 per-channel groups of 32 tokens 0.086 (8-bit per token: 0.013).
+
+8-bit keys are stored the same way for speed, not quality: keys transposed (``(D,
+slots)``, quantized along the tokens) are the weight ``mx.quantized_matmul(q, keys,
+transpose=False)`` takes, which on the CPU backend costs a third of the per-token
+``transpose=True`` scores (``mlx_stream.cache.qattend`` attends that way;
+benchmarks/README.md "Which attention route"). A cache whose window feeds the recall
+tier keeps 8-bit keys per token (``per_channel(bits, token_keys=True)``): the tier
+reads per-token storage.
 
 Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits):
 
@@ -34,10 +42,14 @@ Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits
   over a window), and the float residual is rotated as floats.
 - Bytes: every array here is in the cache's ``state`` (``estimate.cache_bytes`` counts
   them exactly).
+- Columns a call attends: the cache's slots (sinks, ring, spare sinks), then the
+  residual slots ``recent_range(n, N)`` that hold the tokens of the call's open groups
+  (the others are masked for every row, so they are left out: a decode step attends
+  at most ``GROUP`` residual columns).
 
-Attention reads dequantized float keys: mlx-lm's attention calls ``quantized_matmul`` on
-keys grouped along the head dimension only (benchmarks/README.md "Quantized" measures
-what each route costs).
+Attention either reads dequantized float keys (``fetch``: any model) or runs on the
+packed ring (``mlx_stream.cache.qattend``, where the model's attention is proven to
+reach it).
 """
 
 from __future__ import annotations
@@ -52,20 +64,21 @@ RECENT = 2 * GROUP
 #: Smallest slack: a call of ``N`` tokens written into the ring first needs ``N - 1``
 #: free slots, and the residual admits calls of at least ``GROUP + 1`` (``call_limit``).
 MIN_SLACK = GROUP
-#: Key bits stored per channel (8-bit keys stay per token: they lose nothing measurable).
-CHANNEL_BITS = (4,)
+#: Key bits stored per channel (4: quality; 8: the fast quantized attention route).
+CHANNEL_BITS = (4, 8)
 
 
-def per_channel(key_bits: int | None) -> bool:
-    """Whether keys of ``key_bits`` are stored per channel (``ChannelKeys``)."""
-    return key_bits in CHANNEL_BITS
+def per_channel(key_bits: int | None, token_keys: bool = False) -> bool:
+    """Whether keys of ``key_bits`` are stored per channel (``ChannelKeys``);
+    ``token_keys`` keeps 8-bit keys per token (caches feeding the recall tier)."""
+    return key_bits in CHANNEL_BITS and not (token_keys and key_bits == 8)
 
 
-def ring_slack(window: int, slack: int, key_bits: int | None) -> int:
+def ring_slack(window: int, slack: int, key_bits: int | None, token_keys: bool = False) -> int:
     """The slack of a cache asked for ``slack``: with per-channel keys, calls are
     written into the ring before attention, so it covers a call of ``MIN_SLACK + 1``
     tokens, and ``window + slack`` is a multiple of ``GROUP`` (fixed ring slots)."""
-    if not per_channel(key_bits):
+    if not per_channel(key_bits, token_keys):
         return slack
     slack = max(slack, MIN_SLACK)
     return slack + (-(window + slack)) % GROUP
@@ -95,7 +108,7 @@ def trim_limit(tokens_seen: int, sinks: int, n: int) -> bool:
 
 
 class ChannelKeys:
-    """Key storage of one SinkCache layer: float sinks, per-channel 4-bit ring groups,
+    """Key storage of one SinkCache layer: float sinks, per-channel 4/8-bit ring groups,
     and a float residual of the newest tokens.
 
     Args:
@@ -213,11 +226,12 @@ class ChannelKeys:
 
     # ----- reads ---------------------------------------------------------------------------
 
-    def fetch(self) -> mx.array:
-        """Float keys for every column: sinks, ring, spare sinks, then the residual."""
+    def fetch(self, lo: int = 0, hi: int = RECENT) -> mx.array:
+        """Float keys for every column: sinks, ring, spare sinks, then the residual
+        slots ``lo:hi``."""
         S = self.sinks
         ring = mx.dequantize(*self.ring, group_size=GROUP, bits=self.bits).swapaxes(-1, -2)
-        recent = self.recent.astype(self.dtype)
+        recent = self.recent[..., lo:hi, :].astype(self.dtype)
         parts = [self.edge[..., :S, :], ring.astype(self.dtype), self.edge[..., S:, :], recent]
         return mx.concatenate([p for p in parts if p.shape[-2]], axis=2)
 
@@ -233,9 +247,21 @@ def recent_tokens(n: int, N: int, sinks: int) -> np.ndarray:
     return tokens
 
 
+def recent_range(n: int, N: int, sinks: int) -> tuple[int, int]:
+    """The residual slots ``lo:hi`` an ``N``-token call at ``n`` attends: those holding
+    ``[group_start(n), n + N)`` when they do not wrap around the residual, else all."""
+    lo_token = max(group_start(n, sinks), sinks)
+    count = n + N - lo_token
+    if count <= 0:
+        return 0, 0
+    lo = (lo_token - sinks) % RECENT
+    return (lo, lo + count) if lo + count <= RECENT else (0, RECENT)
+
+
 def mask(visible: np.ndarray, slots: np.ndarray, n: int, sinks: int, window: int,
          window_size: int | None) -> np.ndarray:  # fmt: skip
-    """The boolean mask ``(N, slots_total + RECENT)`` of an ``N``-token call at ``n``.
+    """The boolean mask ``(N, slots_total + hi - lo)`` of an ``N``-token call at ``n``
+    (``lo, hi = recent_range(n, N, sinks)``).
 
     Args:
         visible (np.ndarray): The ring's mask over the value slots (``Ring.visible``,
@@ -259,4 +285,5 @@ def mask(visible: np.ndarray, slots: np.ndarray, n: int, sinks: int, window: int
     extra = (tok >= sinks) & (tok <= q) & ((tok - sinks) // GROUP == row_group) & (tok > q - window)
     if window_size is not None:
         extra &= tok > q - window_size
-    return np.concatenate([seen, extra], axis=1)
+    lo, hi = recent_range(n, N, sinks)
+    return np.concatenate([seen, extra[:, lo:hi]], axis=1)

@@ -40,7 +40,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import kvquant
+from mlx_stream.cache import kvquant, qattend
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, check_model, model_type, position_limit
 from mlx_stream.cache.ring import Ring
@@ -83,7 +83,9 @@ class SinkCache(mlx_cache._BaseCache):
             tokens with a float residual of the newest tokens (``mlx_stream.cache.kvquant``:
             ``slack`` is rounded up to fit its groups) and attention runs on dequantized
             floats. Sinks are re-derived from a full-precision copy whenever they move.
-            Default: ``None``.
+            8-bit keys are per channel too (unless ``token_keys``): attention then runs
+            on the packed keys where ``mlx_stream.cache.qattend`` is installed, else on
+            dequantized floats. Default: ``None``.
         kv_group_size (int): Quantization group size (32, 64 or 128; divides the
             head dimension). Default: ``64``.
         key_bits (int, optional): Bits for the keys when they differ from ``kv_bits``
@@ -96,6 +98,8 @@ class SinkCache(mlx_cache._BaseCache):
         additive_mask (bool): Whether ``make_mask`` may return the additive (0/-inf)
             form to a model that did not ask for an array; ``False`` for models that
             combine masks themselves. Default: ``True``.
+        token_keys (bool): Keep 8-bit keys per token (mlx-lm's quantized attention;
+            the recall tier reads that storage). Default: ``False``.
     """
 
     def __init__(
@@ -111,15 +115,21 @@ class SinkCache(mlx_cache._BaseCache):
         key_bits: int | None = None,
         move: Move | None = None,
         additive_mask: bool = True,
+        token_keys: bool = False,
     ):
         key_bits = kv_bits if key_bits is None else key_bits
         validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
-        self.channel_keys = kvquant.per_channel(key_bits)  # kvquant.ChannelKeys storage
-        slack = kvquant.ring_slack(window, slack, key_bits)
+        # kvquant.ChannelKeys storage
+        self.channel_keys = kvquant.per_channel(key_bits, token_keys)
+        self.token_keys = token_keys and key_bits == 8
+        self._asked_slack = slack  # the spec's: per-channel keys round the ring's up
+        slack = kvquant.ring_slack(window, slack, key_bits, token_keys)
         # Per-channel keys write a call into the ring before attending (their mask
         # picks float or quantized columns per row): the older in-place layout.
         self.ring = Ring(sinks, window, slack, stride, positions, in_place=self.channel_keys)
         self.move = move if move is not None else (Move(0, rope) if rope is not None else None)
+        # Attention on the packed keys (mlx_stream.cache.qattend), once proven on the model
+        self.fast_route = self.channel_keys and qattend.proven(self.move)
         self.additive_mask = additive_mask
         self.keys = None
         self.values = None
@@ -201,15 +211,41 @@ class SinkCache(mlx_cache._BaseCache):
         n = self.tokens_seen
         if self.channel_keys and N > kvquant.call_limit(n, self.sinks):
             raise Unsupported(
-                f"a call of {N} tokens at token {n} needs more float keys than 4-bit keys "
+                f"a call of {N} tokens at token {n} needs more float keys than "
+                f"{self.key_bits}-bit keys "
                 f"keep (at most {kvquant.call_limit(n, self.sinks)} here); feed at most "
                 "max_call_tokens() tokens"
             )
 
-    def _residual_slots(self, n: int, N: int) -> mx.array:
-        """The value slot of the token each residual column holds for a call at ``n``."""
-        tokens = kvquant.recent_tokens(n, N, self.sinks)
-        return mx.array([self.ring.slot(int(t)) if t >= 0 else 0 for t in tokens], mx.int32)
+    @property
+    def _packed(self) -> bool:
+        """Whether attention runs on the packed keys (``qattend``; the recall tier
+        attends on floats)."""
+        return self.fast_route and self.recall is None
+
+    #: The last ``_residual_slots`` answer: every layer of a model asks the same at a step.
+    _residual_memo: tuple = (None, None)
+
+    def _residual(self, n: int, N: int) -> tuple[int, int, np.ndarray, int | None]:
+        """The residual columns ``lo:hi`` a call at ``n`` attends, the value slot of the
+        token each holds, and (``qattend``'s single-token step) the first of the
+        contiguous slots their keys are spliced into, else ``None``."""
+        S, R = self.sinks, self.capacity - self.sinks
+        lo, hi = kvquant.recent_range(n, N, S)
+        tokens = kvquant.recent_tokens(n, N, S)[lo:hi]
+        slots = np.where(tokens >= S, S + (tokens - S) % R, 0)  # Ring.slot, or 0 for none
+        splice = None
+        if self._packed and N == 1 and hi > lo and slots[-1] - slots[0] == hi - lo - 1:
+            splice = int(slots[0])
+        return lo, hi, slots, splice
+
+    def _residual_slots(self, n: int, N: int) -> tuple[int, int, mx.array, int | None]:
+        key = (self.sinks, self.capacity, n, N, self._packed)
+        memo = SinkCache._residual_memo
+        if memo[0] != key:
+            lo, hi, slots, splice = self._residual(n, N)
+            memo = SinkCache._residual_memo = (key, (lo, hi, mx.array(slots, mx.int32), splice))
+        return memo[1]
 
     def _channel_mask(self, N: int, window_size: int | None) -> np.ndarray:
         """The boolean mask over every slot and the float residual (per-channel keys)."""
@@ -220,7 +256,15 @@ class SinkCache(mlx_cache._BaseCache):
         slots = ring.slots.copy()
         for slot, i, length in ring.runs(n, N):
             slots[slot : slot + length] = np.arange(n + i, n + i + length)
-        return kvquant.mask(visible, slots, n, self.sinks, self.window, window_size)
+        mask = kvquant.mask(visible, slots, n, self.sinks, self.window, window_size)
+        lo, hi, _, splice = self._residual(n, N)
+        if splice is None:
+            return mask
+        # qattend splices the residual keys into their own slots: one column a token.
+        L = ring.slots_total
+        out = mask[:, :L].copy()
+        out[:, splice : splice + hi - lo] |= mask[:, L:]
+        return out
 
     # ----- moving positions ---------------------------------------------------------
 
@@ -410,19 +454,25 @@ class SinkCache(mlx_cache._BaseCache):
             self._returned = out if self._shared else None
             return out
         self._returned = None
-        return self._fetch(L)
+        return self._fetch(L, packed=self._packed)
 
-    def _fetch(self, L: int):
-        """The first ``L`` slots of keys and values, as attention takes them."""
+    def _fetch(self, L: int, packed: bool = False):
+        """The first ``L`` slots of keys and values, as attention takes them (``packed``:
+        per-channel keys as ``qattend``'s packed form)."""
         g = self.kv_group_size
         if self.channel_keys:
-            # Per-channel keys: float keys for every slot and the residual columns; the
+            # Per-channel keys: keys for every slot and the residual columns; the
             # residual columns' values are the same tokens' values, gathered.
-            values = kvstore.unpack(self.values, self.value_bits, g)
             if self._recent_slots is None:  # loaded, not yet called
                 self._recent_slots = self._residual_slots(self.tokens_seen, 0)
-            recent = mx.take(values, self._recent_slots, axis=2)
-            return self.keys.fetch(), mx.concatenate([values, recent], axis=2)
+            lo, hi, idx, splice = self._recent_slots
+            if self._packed:
+                pair = qattend.pack(self.keys, self.values, lo, hi, idx, splice,
+                                    self.value_bits, g)  # fmt: skip
+                return pair if packed else qattend.unpack(*pair)
+            values = kvstore.unpack(self.values, self.value_bits, g)
+            recent = mx.take(values, idx, axis=2)
+            return self.keys.fetch(lo, hi), mx.concatenate([values, recent], axis=2)
         keys, values = kvstore.get(self.keys, 0, L), kvstore.get(self.values, 0, L)
         if self.quantized and not hasattr(self, "bits"):
             # Mixed key/value bits: attention runs on dequantized floats.
@@ -496,7 +546,8 @@ class SinkCache(mlx_cache._BaseCache):
         n = ring.check_trim(n)
         if self.channel_keys and not kvquant.trim_limit(ring.tokens_seen, self.sinks, n):
             raise Unsupported(
-                f"cannot trim {n} tokens exactly: 4-bit keys keep the floats of the last "
+                f"cannot trim {n} tokens exactly: {self.key_bits}-bit keys keep the floats "
+                "of the last "
                 f"{kvquant.RECENT} tokens only, and this rollback reopens a group older "
                 "than that"
             )
@@ -549,8 +600,9 @@ class SinkCache(mlx_cache._BaseCache):
         v = list(v)
         if self.channel_keys and not isinstance(v[0], dict):
             raise Unsupported(
-                "this cache was saved with per-token 4-bit keys, which mlx-stream no longer "
-                "reads (4-bit keys are now per channel): start the session again"
+                f"this cache was saved with per-token {self.key_bits}-bit keys, which "
+                f"mlx-stream no longer reads ({self.key_bits}-bit keys are now per "
+                "channel): start the session again"
             )
         if self.channel_keys:
             keys = kvquant.ChannelKeys.from_state(v[0], self.sinks, self.key_bits)
@@ -577,14 +629,16 @@ class SinkCache(mlx_cache._BaseCache):
 
     @property
     def spec(self) -> CacheSpec:
-        """The cache's policy as one value."""
-        return CacheSpec(self.sinks, self.window, self.slack, self.stride, self.positions,
+        """The cache's policy as one value (the slack asked for: ``slack`` is the ring's,
+        which per-channel keys round up)."""
+        return CacheSpec(self.sinks, self.window, self._asked_slack, self.stride, self.positions,
                          self.value_bits, self.kv_group_size, self.key_bits)  # fmt: skip
 
     @property
     def meta_state(self) -> dict:
         return {
             **self.spec.to_json(),
+            "token_keys": self.token_keys,
             "tokens_seen": self.tokens_seen,
             "filled": self.ring.filled,
             "layout_applied": list(self._layout_applied),
@@ -594,9 +648,11 @@ class SinkCache(mlx_cache._BaseCache):
     @meta_state.setter
     def meta_state(self, meta: dict) -> None:
         s = CacheSpec.from_json(meta)  # also a file from before kv_bits existed
+        # Files from before 8-bit keys went per channel kept them per token.
+        token_keys = meta.get("token_keys", s.key_bits == 8)
         self.__init__(
             s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
-            s.kv_group_size, s.key_bits, self.move, self.additive_mask,
+            s.kv_group_size, s.key_bits, self.move, self.additive_mask, token_keys,
         )  # fmt: skip
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
@@ -714,8 +770,9 @@ def build_sink_cache(model: nn.Module, spec: CacheSpec) -> list:
             )
         limit = position_limit(model)
         key_bits = s.kv_bits if s.key_bits is None else s.key_bits
-        ring_slack = kvquant.ring_slack(s.window, s.slack, key_bits)
-        in_place = kvquant.per_channel(key_bits)
+        token_keys = s.recall is not None
+        ring_slack = kvquant.ring_slack(s.window, s.slack, key_bits, token_keys)
+        in_place = kvquant.per_channel(key_bits, token_keys)
         ring = Ring(s.sinks, s.window, ring_slack, s.stride, s.positions, in_place=in_place)
         highest = ring.max_offset + ring.room(ring.max_offset) - 1
         if limit is not None and highest >= limit[0]:
@@ -730,12 +787,15 @@ def build_sink_cache(model: nn.Module, spec: CacheSpec) -> list:
             c = SinkCache(
                 s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
                 s.kv_group_size, s.key_bits, verdict.moves.get(i), verdict.additive_mask,
+                token_keys=s.recall is not None,  # the recall tier reads per-token keys
             )  # fmt: skip
         out.append(c)
     if s.recall is not None:
         from mlx_stream.recall.tier import attach
 
         attach(s.recall, out)
+    elif any(isinstance(c, SinkCache) and c.channel_keys for c in out):
+        qattend.install(model, out)  # attention on the packed keys, where proven
     return out
 
 

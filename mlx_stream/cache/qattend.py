@@ -1,0 +1,243 @@
+"""Quantized attention on the packed per-channel keys (MLX's quantized matmul route).
+
+Why: per-channel keys (``mlx_stream.cache.kvquant``) are stored transposed, ``(D,
+slots)`` quantized along the tokens, which is exactly the weight
+``mx.quantized_matmul(q, keys, transpose=False)`` takes; values are quantized per token,
+the weight of ``mx.quantized_matmul(p, values, transpose=False)``. On the CPU backend a
+SinkCache's whole 8-bit route (sinks, residual, mask, GQA) costs 0.38-0.56x float
+attention at 4096 slots, 0.80-0.94x at 512-1024 and 1.10-1.27x at 128-256, where mlx-lm's
+quantized attention (per-token keys, ``transpose=True``) costs 1.1-2.3x and
+dequantize-then-attend 2.2-7x
+(``benchmarks/quantized_attention.py``). On Metal it is the route to take as well:
+decode attention there is bound by memory traffic, and the quantized matmul reads the
+packed words where dequantizing writes and reads the floats again (not measured: no
+Mac here; the same ops have Metal kernels).
+
+Contract:
+
+- ``install(model, caches)`` wraps mlx-lm's ``scaled_dot_product_attention`` in the
+  modules the model's layers come from (as ``mlx_stream.recall.hook`` does) and runs a
+  lazy probe pass on copies of ``caches``: only if every per-channel SinkCache layer
+  hands its packed keys and values to the wrapper untouched does it set
+  ``fast_route`` on those caches (and on any SinkCache made later with the same layer's
+  ``Move``, the model's own: a cache loaded from a file). Elsewhere the caches keep returning dequantized floats
+  (correct, slower). The wrapper passes every other call through unchanged (floats,
+  mlx-lm's caches, recall caches), so it stays installed.
+- A cache with ``fast_route`` returns ``(PackedKeys, PackedValues)`` from
+  ``update_and_fetch``: a snapshot of its storage for the columns of the call (sinks,
+  ring, spare sinks, then the residual columns ``kvquant.recent_range``) in the order
+  of ``make_mask``'s columns. ``attend`` computes the same attention as the float route
+  over the dequantized keys, to rounding: scores on the packed ring by the quantized
+  matmul, the float sinks and residual by a matmul, the mask, a precise softmax, values
+  by the quantized matmul (plus the residual columns' values, gathered). Every row is
+  computed alone, so a chunk's row equals the token-by-token row to rounding.
+- GQA: the query heads of one key/value head are folded into the rows of one matmul.
+  Attention sinks (``sinks=``, gpt-oss) go to the float route on dequantized tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import weakref
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from mlx_stream.cache import kvquant
+from mlx_stream.cache import storage as kvstore
+
+NAME = "scaled_dot_product_attention"
+#: The position movers (``Move``, one per layer, owned by the model) of layers proven to
+#: reach the wrapper: a SinkCache built or loaded later for the same model takes the
+#: route from its constructor.
+_PROVEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def proven(move) -> bool:
+    """Whether the layer that ``move`` belongs to was proven to attend on packed keys."""
+    return move is not None and move in _PROVEN
+
+
+class PackedKeys(NamedTuple):
+    """One call's keys: ``floats`` ``(B, H, E + recent, D)`` (the float sinks, spare
+    sinks, then the ``recent`` residual columns), ``ring`` the packed ``(B, H, D, R)``
+    groups; ``splice``: the slot the residual columns replace (a single-token step: its
+    mask has one column per slot), else ``None`` (they are extra columns)."""
+
+    floats: mx.array
+    ring: tuple
+    recent: int
+    sinks: int
+    bits: int
+    splice: int | None
+
+
+class PackedValues(NamedTuple):
+    """One call's values: the slot storage (packed triple, or float) and the value slot
+    of each residual column (``idx``)."""
+
+    slots: object
+    idx: mx.array
+    bits: int | None
+    group_size: int
+
+
+def pack(keys: kvquant.ChannelKeys, values, lo: int, hi: int, idx: mx.array,
+         splice: int | None, value_bits: int | None,
+         group_size: int) -> tuple[PackedKeys, PackedValues]:  # fmt: skip
+    """The packed pair a ``fast_route`` cache returns (residual columns ``lo:hi``, whose
+    value slots are ``idx``, spliced at slot ``splice`` when not ``None``)."""
+    floats = keys.edge
+    if hi > lo:  # sinks, spare sinks and residual keys: one matmul in ``attend``
+        floats = mx.concatenate([floats, keys.recent[..., lo:hi, :].astype(keys.dtype)], axis=2)
+    return (
+        PackedKeys(floats, keys.ring, hi - lo, keys.sinks, keys.bits, splice),
+        PackedValues(values, idx, value_bits, group_size),
+    )
+
+
+def unpack(keys: PackedKeys, values: PackedValues) -> tuple[mx.array, mx.array]:
+    """The float keys and values of every column (the dequantize route)."""
+    S = keys.sinks
+    ring = mx.dequantize(*keys.ring, group_size=kvquant.GROUP, bits=keys.bits)
+    ring = ring.swapaxes(-1, -2).astype(keys.floats.dtype)
+    E = keys.floats.shape[-2] - keys.recent
+    edge, recent = keys.floats[..., :E, :], keys.floats[..., E:, :]
+    if keys.splice is not None:
+        a = keys.splice - S
+        ring = mx.concatenate([ring[..., :a, :], recent, ring[..., a + keys.recent :, :]], 2)
+    parts = [edge[..., :S, :], ring, edge[..., S:, :]]
+    if keys.splice is None:
+        parts.append(recent)
+    k = mx.concatenate([p for p in parts if p.shape[-2]], axis=2)
+    v = kvstore.unpack(values.slots, values.bits, values.group_size).astype(k.dtype)
+    if keys.recent and keys.splice is None:
+        v = mx.concatenate([v, mx.take(v, values.idx, axis=2)], axis=2)
+    return k, v
+
+
+def attend(queries: mx.array, keys: PackedKeys, values: PackedValues, scale: float,
+           mask) -> mx.array:  # fmt: skip
+    """Attention of ``queries`` (B, n_heads, N, D) over the packed columns.
+
+    Args:
+        queries (mx.array): The layer's queries.
+        keys, values: What the cache's ``update_and_fetch`` returned.
+        scale (float): The attention scale.
+        mask: ``None``, ``"causal"``, or a boolean or additive ``(N, columns)`` array
+            (or one that broadcasts to ``(B, n_heads, N, columns)``).
+
+    Returns:
+        mx.array: ``(B, n_heads, N, D_v)``.
+    """
+    B, H, N, D = queries.shape
+    KVH = keys.floats.shape[1]
+    rep = H // KVH
+    S = keys.sinks
+    q = (queries * scale).reshape(B, KVH, rep * N, D)
+    ring = mx.quantized_matmul(q, *keys.ring, transpose=False, group_size=kvquant.GROUP,
+                               bits=keys.bits)  # fmt: skip
+    if keys.floats.shape[-2]:
+        side = q @ keys.floats.swapaxes(-1, -2)  # sinks, spare sinks, residual
+        E = side.shape[-1] - keys.recent
+        if keys.splice is not None:  # the residual scores replace their slots' ring scores
+            a = keys.splice - S
+            ring[..., a : a + keys.recent] = side[..., E:]
+            side = side[..., :E]
+        parts = [side[..., :S], ring, side[..., S:]]
+        scores = mx.concatenate([p for p in parts if p.shape[-1]], axis=-1)
+    else:
+        scores = ring
+    C = scores.shape[-1]
+    if mask is not None and N == 1 and not isinstance(mask, str) and mask.ndim < 3:
+        # one row (a decode step): the mask broadcasts over the folded heads
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    elif mask is not None:
+        scores = scores.reshape(B, KVH, rep, N, C)
+        if isinstance(mask, str):
+            mask = mx.arange(C - N, C)[:, None] >= mx.arange(C)[None]
+        if mask.ndim == 4:  # (B or 1, heads or 1, N, C): heads split as the scores'
+            b, h = mask.shape[:2]
+            mask = mask.reshape(b, 1, 1, N, C) if h == 1 else mask.reshape(b, KVH, rep, N, C)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+        scores = scores.reshape(B, KVH, rep * N, C)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    if keys.recent and keys.splice is None:
+        # A row sees a token through its ring column or its residual column, never
+        # both (the mask): the residual's weight goes to the token's value slot.
+        L = C - keys.recent
+        probs = probs[..., :L].at[..., values.idx].add(probs[..., L:])
+    if isinstance(values.slots, tuple):
+        out = mx.quantized_matmul(probs, *values.slots, transpose=False,
+                                  group_size=values.group_size, bits=values.bits)  # fmt: skip
+    else:
+        out = probs @ values.slots
+    out = out.reshape(B, H, N, -1)
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+
+def _wrap(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if not isinstance(keys, PackedKeys):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                            sinks=sinks)  # fmt: skip
+        if getattr(cache, "_qattend_probe", False):
+            cache._qattend_seen = True
+        if sinks is not None:  # attention sinks: mlx's fast attention on floats
+            keys, values = unpack(keys, values)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                            sinks=sinks)  # fmt: skip
+        return attend(queries, keys, values, scale, mask)
+
+    scaled_dot_product_attention.qattend_wrapper = True
+    # The recall hook wraps a function only once: tell it when it already did.
+    scaled_dot_product_attention.recall_wrapper = getattr(original, "recall_wrapper", False)
+    return scaled_dot_product_attention
+
+
+def _modules(model) -> list:
+    """Python modules of the model's classes that import mlx-lm's attention by name."""
+    out = []
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None and hasattr(module, NAME) and module not in out:
+            out.append(module)
+    return out
+
+
+def install(model, caches: list) -> bool:
+    """Wrap the model's attention function and, if a lazy probe pass proves that every
+    per-channel SinkCache layer reaches it with its packed keys, set ``fast_route`` on
+    those caches.
+
+    Returns:
+        bool: Whether the caches attend on their packed keys.
+    """
+    channel = [i for i, c in enumerate(caches) if getattr(c, "channel_keys", False)]
+    if not channel:
+        return False
+    for module in _modules(model):
+        fn = getattr(module, NAME)
+        if callable(fn) and not getattr(fn, "qattend_wrapper", False):
+            setattr(module, NAME, _wrap(fn))
+    probe = copy.deepcopy(caches)
+    for i in channel:
+        probe[i].fast_route, probe[i]._qattend_probe = True, True
+    try:
+        model(mx.array([[0]]), cache=probe)  # lazy: builds the graph, computes nothing
+    except Exception:  # noqa: BLE001 - a model that cannot take the route keeps floats
+        return False
+    if not all(getattr(probe[i], "_qattend_seen", False) for i in channel):
+        return False
+    for i in channel:
+        caches[i].fast_route = True
+        if caches[i].move is not None:
+            _PROVEN.add(caches[i].move)
+    return True
