@@ -14,8 +14,8 @@ token are known before the first block (:func:`bytes_per_token`).
 
 A store's files carry its own ``tag`` (stores may share a folder), are allocated on
 the disk when made (a full disk is a ``RuntimeFailure`` naming the folder then, never a
-``SIGBUS`` later; :meth:`BlockStore.reserve` makes them ahead of a call) and are removed
-by :meth:`BlockStore.close` or when the store is collected. :meth:`BlockStore.export` and
+``SIGBUS`` later; :meth:`BlockStore.reserve` makes them ahead of a call).
+:meth:`BlockStore.export` and
 :meth:`BlockStore.restore` save and restore the blocks file by file (a spilled segment
 is copied, never read into memory whole; restored past the RAM budget it is a file
 again).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +115,8 @@ class BlockStore:
         self.host_bytes = 0
         self.disk_bytes = 0
         self.tag = uuid.uuid4().hex[:12]  # names this store's files
-        self._files: list[Path] = []  # files this store made (removed by close)
         if self.folder is not None:
             check_folder(self.folder)
-        weakref.finalize(self, _remove, self._files)
 
     # ----- writing -------------------------------------------------------------------
 
@@ -172,7 +169,6 @@ class BlockStore:
         full disk is an error here, not a ``SIGBUS`` when a page is first written."""
         try:
             array = np.lib.format.open_memmap(path, "w+", np_dtype, shape)
-            self._files.append(path)
             with open(path, "r+b") as f:
                 os.posix_fallocate(f.fileno(), 0, os.path.getsize(path))
         except OSError as e:
@@ -186,7 +182,6 @@ class BlockStore:
         return RuntimeFailure(f"cannot write the recall store in {self._folder()} ({why})")
 
     def _restore_file(self, reader: Any, name: str, path: Path, np_dtype, shape: tuple):
-        self._files.append(path)
         try:
             return reader.copy(name, path, np_dtype, shape)
         except OSError as e:
@@ -308,18 +303,12 @@ class BlockStore:
         return self.host_bytes + self.disk_bytes
 
     def close(self) -> None:
-        """Drop the blocks and remove this store's files."""
+        """Drop the blocks (and remove a temporary folder; files in a given folder
+        stay, e.g. for a soak to measure)."""
         self.segments = [[] for _ in range(self.layers)]
-        _remove(self._files)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-def _remove(paths: list[Path]) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
-    paths.clear()
 
 
 def check_folder(folder: Path) -> None:
