@@ -15,10 +15,9 @@ token are known before the first block (:func:`bytes_per_token`).
 A store's files carry its own ``tag`` (stores may share a folder), are allocated on
 the disk when made (a full disk is a ``RuntimeFailure`` naming the folder then, never a
 ``SIGBUS`` later; :meth:`BlockStore.reserve` makes them ahead of a call).
-:meth:`BlockStore.export` and
-:meth:`BlockStore.restore` save and restore the blocks file by file (a spilled segment
-is copied, never read into memory whole; restored past the RAM budget it is a file
-again).
+:meth:`BlockStore.export` and :meth:`BlockStore.restore` save and restore the blocks
+file by file (a spilled segment is copied, never read into memory whole; restored past
+the RAM budget it is a file again).
 """
 
 from __future__ import annotations
