@@ -273,6 +273,16 @@ def interrupted_line(result: Any, checkpoint: Path | None) -> str:
     return f"{where}; nothing saved (pass --checkpoint FILE to keep a stopped run)"
 
 
+def failure_line(result: Any, checkpoint: Path | None) -> str:
+    """What a run stopped by a failure says: why, where, and how to go on."""
+    where = f"{result.failure}; stopped at token {result.position}"
+    if checkpoint is not None and result.checkpoint_error is None:
+        return f"{where}; checkpoint saved, continue with --resume {checkpoint}"
+    if result.checkpoint_error is not None:
+        return f"{where}; {result.checkpoint_error}"
+    return f"{where}; nothing saved (pass --checkpoint FILE to keep a stopped run)"
+
+
 @handle_errors
 def stream_run(
     path: Source,
@@ -307,7 +317,8 @@ def stream_run(
     Scores every token and reports perplexity overall and per segment. --prompt then
     answers a question from what is still in the window (with --recall: also from the
     evicted blocks its queries choose). Ctrl-C (or SIGTERM) stops
-    between model calls, saves --checkpoint and prints the figures so far.
+    between model calls, saves --checkpoint and prints the figures so far; so does a
+    recall store whose disk is full (exit 1). A checkpoint carries the recall store.
     """
     check_positive(chunk, "--chunk")
     check_positive(segment, "--segment")
@@ -321,8 +332,6 @@ def stream_run(
     if json_schema is not None and prompt is None:
         fail("--json-schema constrains the answer to --prompt: pass --prompt too")
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
-    if recall_policy is not None and (checkpoint or resume):
-        fail("--checkpoint and --resume do not carry the recall store yet: drop --recall")
     if csv is not None:
         check_output_path(csv)
     if checkpoint is not None:
@@ -373,6 +382,12 @@ def stream_run(
     finally:
         if path != "-":
             f.close()
+    if result.failure is not None:  # e.g. the recall store's disk is full
+        if result.tokens:
+            report(result, cache, json_out, {"interrupted": True, "failure": result.failure}
+                   if json_out else {})  # fmt: skip
+        error_line(failure_line(result, checkpoint))
+        raise typer.Exit(EXIT_RUNTIME)
     if result.interrupted and result.tokens == 0:
         typer.echo(interrupted_line(result, checkpoint), err=True)
         raise typer.Exit(EXIT_INTERRUPTED)

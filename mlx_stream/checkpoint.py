@@ -7,6 +7,11 @@ A checkpoint is a ``save_cache`` file (safetensors) whose metadata also holds:
   size, plus ``text_sha256``, a digest of the token ids consumed so far;
 - ``checksum``: a sha256 over every array of the cache, computed before saving.
 
+A cache with a recall tier also has its store beside the file (``X.recall/``, see
+``mlx_stream.recall.persist``): every file listed with its sha256 in a manifest whose
+own sha256 the checkpoint's metadata holds, so the checksums cover the store too. The
+identity then holds the recall settings (:func:`recall_identity`).
+
 Resuming checks the identity against the new run (any difference is a
 :class:`~mlx_stream.errors.UserError` naming the field), the checksum against the
 arrays loaded, and the digest against the first tokens of the new stream, so a
@@ -26,7 +31,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_stream import files
 from mlx_stream.errors import UserError
 
 SUFFIX = ".safetensors"
@@ -81,20 +85,13 @@ def save(path: str | os.PathLike, caches: list, state: dict, identity: dict) -> 
     """
     from mlx_stream.cache.sink import save_cache
 
-    path = Path(path)
-    files.remove_stale(path)  # a save killed midway leaves its temporary
-    tmp = path.with_name(f"{files.temp_prefix(path)}{SUFFIX}")
     metadata = {
         STATE_KEY: json.dumps(state),
         IDENTITY_KEY: json.dumps(identity, sort_keys=True),
         CHECKSUM_KEY: checksum(caches),
     }
-    try:
-        save_cache(tmp, caches, metadata)
-        os.chmod(tmp, files.file_mode())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # Atomic, the recall store's sidecar with it; a killed save's temporaries go next time.
+    save_cache(Path(path), caches, metadata)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -155,6 +152,26 @@ def _upgrade(identity: dict, layers: str | None, path: Path) -> dict:
     return {**rest, **spec.to_json()}
 
 
+#: The recall settings a checkpoint is bound to, by the name its refusal shows.
+RECALL_FIELDS = {
+    "recall-blocks": "blocks", "recall-block": "block", "recall-selector": "selector",
+    "recall-placement": "placement", "recall-prompt-placement": "prompt_placement",
+    "recall-bits": "bits",
+    "recall-group-size": "group_size", "recall-refeed": "refeed",
+}  # fmt: skip
+
+
+def recall_identity(spec: Any) -> dict:
+    """The identity fields of a run's recall policy (a ``RecallSpec``; none without
+    one, so identities from before recall stay as they were): ``recall`` and what
+    changes what attention sees; where the store lives and its RAM budget are left out
+    (a resumed run may put it on another disk). A run without recall resuming a
+    checkpoint with a store is refused when the cache loads."""
+    if spec is None:
+        return {}
+    return {"recall": True, **{name: getattr(spec, f) for name, f in RECALL_FIELDS.items()}}
+
+
 def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:
     """A :class:`UserError` naming the first field (in ``current``'s order; a cache
     setting by its flag, ``kv-bits``) where ``current`` differs from what the
@@ -165,6 +182,8 @@ def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:
         if field == TEXT_FIELD:
             continue
         if saved.get(field) != current[field]:
+            if field == "recall":
+                raise UserError(f"{path}: made without --recall, this run has it")
             name = FLAGS.get(field, field).lstrip("-")
             raise UserError(
                 f"{path}: made with {name} {_show(saved.get(field))}, "
@@ -177,14 +196,17 @@ def _show(value: Any) -> str:
 
 
 def load(
-    path: str | os.PathLike, model: Any, identity: dict | None = None
+    path: str | os.PathLike, model: Any, identity: dict | None = None, recall: Any = "saved"
 ) -> tuple[list, dict, dict]:
-    """Load a checkpoint and verify it.
+    """Load a checkpoint and verify it (its recall store too: every file against
+    the sha256 its manifest records).
 
     Args:
         path: The checkpoint.
         model: The model it belongs to (SinkCaches need its rope modules).
         identity (dict, optional): The new run's identity to check against.
+        recall: The run's ``RecallSpec`` (``None``: no recall; ``"saved"``: the
+            checkpoint's), as ``load_cache`` takes it.
 
     Returns:
         ``(caches, state, identity)``: the identity as saved (``text_sha256``
@@ -200,7 +222,7 @@ def load(
     if identity is not None:
         check_identity(path, meta["identity"], identity)
     try:
-        caches, _ = load_cache(path, model)
+        caches, _ = load_cache(path, model, recall)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path}: cannot load its cache ({' '.join(str(e).split())})") from None
     if checksum(caches) != meta["checksum"]:

@@ -257,6 +257,13 @@ def test_recall_placement(monkeypatch, tmp_path, tiny_model_dir):
     assert all(p > 1 for p in ppl) and len(set(ppl)) == 3  # recall changed what was read
 
 
+def test_recall_persist(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("recall_persist", monkeypatch, tmp_path, tiny_model_dir)
+    assert [r["store"] for r in lines] == ["float", "float-spilled"]
+    assert all(r["identical"] and r["same_selections"] and r["stored_blocks"] > 0 for r in lines)
+    assert lines[1]["store_disk_mb"] > 0 and lines[1]["restored_disk_mb"] > 0
+
+
 def test_recall_decode(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("recall_decode", monkeypatch, tmp_path, tiny_model_dir, "--profile")
     *rows, summary = lines

@@ -52,7 +52,6 @@ def test_stream_run_answers_with_recall(tiny_model_dir, text_file, tmp_path):
         (["--recall-blocks", "0"], ("--recall-blocks",)),
         (["--recall-bits", "3"], ("--recall-bits",)),
         (["--recall-ram", "-1"], ("--recall-ram",)),
-        (["--checkpoint", "x.safetensors"], ("--recall",)),
     ],
 )
 def test_bad_recall_settings_are_one_line(tiny_model_dir, text_file, extra, words):
@@ -109,15 +108,15 @@ def test_profile_shows_device_and_store_bytes_apart(tiny_model_dir):
     assert_one_line_error(refused, 2, "--recall")
 
 
-def test_chat_with_recall_runs_past_the_window_and_refuses_save(tiny_model_dir):
+def test_chat_with_recall_runs_past_the_window_and_saves(tiny_model_dir, tmp_path):
     rng = random.Random(3)
     turns = [" ".join(rng.choice(tiny_mod.VOCAB_WORDS) for _ in range(120)) for _ in range(3)]
     args = ["chat", "-m", str(tiny_model_dir), "--window", "24", "--sinks", "2",
             "--max-tokens", "8"]  # fmt: skip
     plain = runner.invoke(app, args, input="\n".join(turns) + "\n")
     result = runner.invoke(app, [*args, "--recall", "--recall-blocks", "2"],
-                           input="\n".join(turns) + "\n/save x\n")  # fmt: skip
+                           input="\n".join(turns) + f"\n/save {tmp_path / 'x'}\n")  # fmt: skip
     assert plain.exit_code == 0 and result.exit_code == 0, result.stderr
     got = [line for line in result.stdout.splitlines() if line.strip()]
-    assert len(got) == 3
-    assert "/save does not carry the recall store" in result.stderr
+    assert len(got) == 4 and got[3].startswith("Saved")
+    assert (tmp_path / "x.recall" / "manifest.json").is_file()  # /save carries the store

@@ -32,6 +32,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,7 +45,7 @@ from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, check_model, model_type, position_limit
 from mlx_stream.cache.ring import Ring
 from mlx_stream.cache.spec import CacheSpec
-from mlx_stream.errors import Unsupported
+from mlx_stream.errors import Unsupported, UserError
 
 POSITIONS = ("cache", "absolute")
 DEFAULT_SINKS = 4
@@ -807,13 +808,20 @@ def max_call_tokens(caches: list) -> int | None:
 
 def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = None) -> None:
     """Save a prompt cache (SinkCache and mlx-lm caches) to ``path`` (safetensors),
-    atomically: a failed save leaves any earlier file untouched.
+    atomically: a failed save leaves any earlier file untouched. A recall tier goes to
+    the sidecar folder ``X.recall`` beside ``X.safetensors``, bound to the file by its
+    manifest's sha256 (``mlx_stream.recall.persist``).
 
     Args:
         path: Destination file.
         caches (list): The prompt cache.
         metadata (dict, optional): Strings saved along (e.g. a transcript).
+
+    Raises:
+        OSError: The file or its sidecar cannot be written (the earlier save stays).
     """
+    from mlx_stream import files
+
     arrays, layers = {}, []
     for i, c in enumerate(caches):
         state = list(c.state) if isinstance(c, SinkCache) else c.state
@@ -835,26 +843,59 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = No
         )
     header = {"mlx_stream": json.dumps({"layers": layers}), **(metadata or {})}
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".safetensors")
+    files.remove_stale(path)  # a save killed midway leaves its temporary
+    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+    staged = None
+    if tier is not None:
+        from mlx_stream.recall import persist
+
+        staged = persist.stage(path, tier)
+        header[persist.KEY] = staged.binding
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=files.temp_prefix(path), suffix=".safetensors"
+    )
     os.close(fd)
     try:
         mx.save_safetensors(tmp, arrays, header)
+        os.chmod(tmp, files.file_mode())
+        if staged is not None:
+            staged.commit()
         os.replace(tmp, path)
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if staged is not None:
+        staged.finish()
+    else:  # an earlier save's recall store: no file names it now
+        from mlx_stream.recall import persist
+
+        persist.drop(path)
 
 
-def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple[list, dict]:
-    """Load a prompt cache saved by ``save_cache``.
+def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
+               recall: Any = "saved") -> tuple[list, dict]:  # fmt: skip
+    """Load a prompt cache saved by ``save_cache`` (its recall tier too).
 
     Args:
         path: The file.
         model (nn.Module, optional): The model it belongs to; SinkCaches need to know
-            where its layers' positions live to keep moving sinks.
+            where its layers' positions live to keep moving sinks (and a recall tier
+            needs it for its attention hook).
+        recall: The run's ``RecallSpec``, checked against a saved tier's settings;
+            ``None``: the run has no recall (a file with a tier is refused);
+            ``"saved"``: whatever the file holds (a tier's store then lives in a
+            temporary folder). Default: ``"saved"``.
 
     Returns:
         tuple: ``(caches, metadata)``.
+
+    Raises:
+        UserError: The recall tier is missing, changed or made with other settings
+            than ``recall``.
     """
     try:
         arrays, header = mx.load(str(path), format="safetensors", return_metadata=True)
@@ -863,7 +904,17 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
     if "mlx_stream" not in header:
         raise Unsupported(f"{path} is not an mlx-stream cache file")
     layers = json.loads(header.pop("mlx_stream"))["layers"]
-    verdict = check_model(model, mlx_cache.make_prompt_cache(model)) if model is not None else None
+    from mlx_stream.recall import persist
+
+    binding = header.pop(persist.KEY, None)
+    if binding is None and recall not in (None, "saved"):
+        raise UserError(f"{path}: saved without a recall store; this run has --recall")
+    if binding is not None and recall is None:
+        raise UserError(f"{path}: saved with a recall store; this run has no --recall")
+    if binding is not None and model is None:
+        raise Unsupported(f"{path}: its recall store needs the model to be loaded with")
+    raw = mlx_cache.make_prompt_cache(model) if model is not None else None
+    verdict = check_model(model, raw) if model is not None else None
     moving = any(
         layer["class"] == "SinkCache" and (layer["meta"] or {}).get("positions") == "cache"
         for layer in layers
@@ -888,4 +939,6 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None) -> tuple
             cls = getattr(mlx_cache, layer["class"])
             c = cls.from_state(tuple(state) if isinstance(state, list) else state)
         caches.append(c)
+    if binding is not None:
+        persist.restore(path, binding, model, raw, verdict, caches, recall)
     return caches, header

@@ -35,7 +35,7 @@ from mlx_stream.cache.reclaim import ReclaimSchedule
 from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
-from mlx_stream.errors import UserError
+from mlx_stream.errors import RuntimeFailure, UserError
 
 DEFAULT_BLOCK_CHARS = 1 << 16
 # Last place in a block where a word ends and whitespace begins.
@@ -111,6 +111,9 @@ class PerplexityResult:
             holds its state).
         checkpoint_error: Why a checkpoint could not be saved (the run went on), or
             ``None``.
+        failure: Why the run stopped early on a runtime failure (the recall store
+            could not grow: a full disk), or ``None``; the checkpoint, if any, holds the
+            state before the call that failed.
         prompt_cache: The cache as the run left it (a resumed run loads its own).
     """
 
@@ -125,6 +128,7 @@ class PerplexityResult:
     interrupted: bool = False
     checkpoint_error: str | None = None
     prompt_cache: list | None = field(default=None, repr=False)
+    failure: str | None = None
 
 
 @dataclass
@@ -189,6 +193,10 @@ def stream_perplexity(
 ) -> PerplexityResult:
     """Feed ``tokens`` as one stream and score every token under the cache policy.
 
+    A model call that raises a ``RuntimeFailure`` (a recall store that cannot grow
+    fails before the call changes the cache) stops the run like ``should_stop``: the
+    checkpoint is saved and the result returned with ``failure`` set.
+
     Args:
         model (nn.Module): The model.
         tokens (Iterable[int]): The stream, e.g. :func:`iter_tokens`. When resuming,
@@ -216,7 +224,8 @@ def stream_perplexity(
             the file resumed from stays as it was). Default: ``False``.
         reclaim (ReclaimSchedule, optional): Pool reclaims. Default: crossing 256.
         identity (dict, optional): What a checkpoint belongs to (model, settings),
-            saved with it and checked on resume; ``segment`` is always part of it.
+            saved with it and checked on resume; ``segment`` is always part of it, and
+            so are the recall settings of ``cache_spec`` when it is given.
         should_stop (Callable[[], bool], optional): Checked between model calls; when
             it returns True the run stops there, saves its checkpoint and returns
             with ``interrupted`` set (e.g. after Ctrl-C).
@@ -230,15 +239,19 @@ def stream_perplexity(
 
     Raises:
         UserError: The checkpoint belongs to another run (model, settings, text) or
-            its arrays are corrupted.
+            its arrays (or its recall store's files) are corrupted.
     """
     totals = _Totals(segment=segment)
     identity = {**(identity or {}), "segment": segment}
+    recall: Any = "saved"
+    if cache_spec is not None:
+        recall = cache_spec.recall
+        identity.update(ckpt.recall_identity(recall))
     digest = ckpt.TextDigest()
     stream = iter(tokens)
     source = checkpoint if resume is True else (resume or None)
     if source is not None and Path(source).exists():
-        prompt_cache, state, saved = ckpt.load(source, model, identity)
+        prompt_cache, state, saved = ckpt.load(source, model, identity, recall)
         try:
             totals = _Totals(**state)
         except TypeError:
@@ -278,7 +291,7 @@ def stream_perplexity(
 
     mx.reset_peak_memory()
     tic, start = time.perf_counter(), totals.position
-    interrupted = False
+    interrupted, failure = False, None
     if totals.pending is None:
         totals.pending = next(stream, None)
         totals.position += totals.pending is not None
@@ -293,10 +306,14 @@ def stream_perplexity(
         new = list(itertools.islice(stream, n))
         if not new:
             break
-        digest.update(new)
         x = mx.array([totals.pending] + new[:-1])
-        logits = model(x[None], cache=prompt_cache)[0]
+        try:
+            logits = model(x[None], cache=prompt_cache)[0]
+        except RuntimeFailure as e:  # raised before the call changed the cache
+            failure = str(e)
+            break
         nll = np.array(_token_nll(logits, mx.array(new)), dtype=np.float64)
+        digest.update(new)  # only now: a checkpoint after a failed call has not seen them
         totals.add(totals.position, nll)
         previous = totals.position
         totals.pending, totals.position = new[-1], previous + len(new)
@@ -314,6 +331,7 @@ def stream_perplexity(
         peak_memory=mx.get_peak_memory(), segments=totals.segments(),
         position=totals.position, interrupted=interrupted,
         checkpoint_error=errors[0] if errors else None, prompt_cache=prompt_cache,
+        failure=failure,
     )  # fmt: skip
 
 

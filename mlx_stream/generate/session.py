@@ -455,11 +455,10 @@ class ChatSession:
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Save the KV cache and the transcript (each file atomically); with a draft
-        model its cache goes to ``PATH.draft.safetensors``."""
+        model its cache goes to ``PATH.draft.safetensors``; a recall tier's store to
+        the folder ``PATH.recall`` (with its checksums; ``save_cache``)."""
         from mlx_stream.cache.sink import save_cache
 
-        if self.settings.cache.recall is not None:
-            raise UserError("/save does not carry the recall store yet (chat without --recall)")
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
         try:
@@ -474,9 +473,8 @@ class ChatSession:
         return cache_path, transcript_path
 
     def load(self, path: str | Path) -> Path:
-        """Restore a conversation saved by :meth:`save`."""
-        if self.settings.cache.recall is not None:
-            raise UserError("/load does not carry the recall store yet (chat without --recall)")
+        """Restore a conversation saved by :meth:`save` (its recall store too, which
+        must have been made with this session's recall settings)."""
         from mlx_stream.cache.sink import load_cache
 
         cache_path, _ = checkpoint_paths(path)
@@ -486,7 +484,7 @@ class ChatSession:
         if self.draft_model is not None and not draft_path.is_file():
             raise UserError(f"{cache_path}: saved without a draft model (no {draft_path.name})")
         try:
-            caches, meta = load_cache(cache_path, self.model)
+            caches, meta = load_cache(cache_path, self.model, self.settings.cache.recall)
             state = json.loads(meta[STATE_KEY])
             if self.draft_model is not None:
                 caches += load_cache(draft_path, self.draft_model)[0]

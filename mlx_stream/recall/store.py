@@ -11,19 +11,28 @@ position ``i``). Arrays leave the device as raw bits (a bfloat16 array travels a
 a segment that would take the store past ``ram_bytes`` is a ``np.memmap`` file in the
 folder instead, so a long stream grows the disk, not the process. Bytes per stored
 token are known before the first block (:func:`bytes_per_token`).
+
+A store's files carry its own ``tag`` (stores may share a folder), are allocated on
+the disk when made (a full disk is a ``RuntimeFailure`` naming the folder then, never a
+``SIGBUS`` later; :meth:`BlockStore.reserve` makes them ahead of a call).
+:meth:`BlockStore.export` and :meth:`BlockStore.restore` save and restore the blocks
+file by file (a spilled segment is copied, never read into memory whole; restored past
+the RAM budget it is a file again).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_stream.cache import storage as kvstore
-from mlx_stream.errors import UserError
+from mlx_stream.errors import RuntimeFailure, UserError
 
 SEGMENT = 32  # blocks per segment (one allocation, or one file, per layer and tensor)
 
@@ -35,6 +44,19 @@ def to_host(x: mx.array) -> np.ndarray:
     """The bits of ``x`` as a numpy array (bfloat16 viewed as uint16: numpy has none)."""
     view, _ = _RAW[x.dtype]
     return np.array(x.view(view) if view != x.dtype else x, copy=False)
+
+
+def dtype_name(dtype) -> str:
+    """``mx.bfloat16`` -> ``"bfloat16"`` (a dtype the store keeps)."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def dtype_of(name: str):
+    """``dtype_name``'s inverse (``ValueError`` for a dtype the store does not keep)."""
+    dtype = getattr(mx, str(name), None)
+    if dtype not in _RAW:
+        raise ValueError(f"dtype {name!r}")
+    return dtype
 
 
 def to_device(x: np.ndarray, dtype) -> mx.array:
@@ -91,6 +113,7 @@ class BlockStore:
         self.shapes = None  # ((H, D, dtype) of keys, of values)
         self.host_bytes = 0
         self.disk_bytes = 0
+        self.tag = uuid.uuid4().hex[:12]  # names this store's files
         if self.folder is not None:
             check_folder(self.folder)
 
@@ -109,8 +132,10 @@ class BlockStore:
             segs.append(self._new_segment(layer, len(segs)))
         return segs[index]
 
-    def _new_segment(self, layer: int, index: int) -> tuple:
-        out = []
+    def _new_segment(self, layer: int, index: int, source: Any = None) -> tuple:
+        """Segment ``index`` of ``layer``: in RAM while the budget holds, else a file;
+        zeros, or the parts ``source`` (``(persist.Reader, names)``) saved."""
+        out, names = [], None if source is None else iter(source[1])
         for t, (H, D, dtype) in enumerate(self.shapes):
             parts = []
             for p, (shape, kind) in enumerate(_parts(H, self.block, D, dtype, self.bits,
@@ -118,20 +143,64 @@ class BlockStore:
                 np_dtype = _RAW[kind][1]
                 shape = (SEGMENT, *shape)
                 size = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+                name = None if names is None else next(names)
                 if self.host_bytes + size <= self.ram_bytes:
-                    parts.append(np.zeros(shape, np_dtype))
+                    parts.append(np.zeros(shape, np_dtype) if source is None
+                                 else source[0].array(name, np_dtype, shape))  # fmt: skip
                     self.host_bytes += size
                 else:
-                    path = self._folder() / f"layer{layer}.seg{index}.{'kv'[t]}{p}.npy"
-                    try:
-                        parts.append(np.lib.format.open_memmap(path, "w+", np_dtype, shape))
-                    except OSError as e:
-                        raise UserError(
-                            f"cannot write the recall store in {path.parent} ({e.strerror})"
-                        ) from None
+                    path = self._file(layer, index, t, p)
+                    if source is None:
+                        parts.append(self._open_file(path, np_dtype, shape))
+                    else:
+                        parts.append(self._restore_file(source[0], name, path, np_dtype, shape))
                     self.disk_bytes += size
             out.append(parts)
         return tuple(out)
+
+    def _file(self, layer: int, index: int, t: int, p: int) -> Path:
+        """The file of one part of a spilled segment (named after this store: several
+        stores may share a folder)."""
+        return self._folder() / f"{self.tag}.layer{layer}.seg{index}.{'kv'[t]}{p}.npy"
+
+    def _open_file(self, path: Path, np_dtype, shape: tuple) -> np.memmap:
+        """A new memory-mapped ``.npy`` file, its blocks allocated on the disk now: a
+        full disk is an error here, not a ``SIGBUS`` when a page is first written."""
+        try:
+            array = np.lib.format.open_memmap(path, "w+", np_dtype, shape)
+            with open(path, "r+b") as f:
+                os.posix_fallocate(f.fileno(), 0, os.path.getsize(path))
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise self.failure(e) from None
+        return array
+
+    def failure(self, e: OSError) -> RuntimeFailure:
+        """The one-line failure of a store that cannot write its folder mid-stream."""
+        why = e.strerror or type(e).__name__
+        return RuntimeFailure(f"cannot write the recall store in {self._folder()} ({why})")
+
+    def _restore_file(self, reader: Any, name: str, path: Path, np_dtype, shape: tuple):
+        try:
+            return reader.copy(name, path, np_dtype, shape)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise self.failure(e) from None
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    def reserve(self, blocks: int) -> None:
+        """Allocate now every segment that blocks ``< blocks`` of every layer need
+        (``shapes`` known), so that storing them cannot fail for want of space.
+
+        Raises:
+            RuntimeFailure: A segment file cannot be written (a full disk).
+        """
+        if self.shapes is None or blocks <= 0:
+            return
+        for layer in range(self.layers):
+            self._segment(layer, (blocks - 1) // SEGMENT)
 
     def put(self, layer: int, j: int, keys: mx.array, values: mx.array, first: int = 0) -> None:
         """Store block ``j`` of ``layer`` (``keys``/``values``: ``(1, H, block, D)``,
@@ -153,6 +222,62 @@ class BlockStore:
         """Keep only ``layer``'s blocks ``< blocks`` (a rollback removed tokens of the
         later ones)."""
         self.count[layer] = min(self.count[layer], blocks)
+
+    # ----- saving and restoring (mlx_stream.recall.persist) -----------------------------
+
+    def export(self, writer: Any) -> dict:
+        """Write the segments that hold stored blocks through ``writer`` (a
+        ``persist.Writer``; a spilled segment's file is copied, not read into memory)
+        and return what :meth:`restore` needs besides them."""
+        segments = []
+        for layer in range(self.layers):
+            names = []
+            for index in range(-(-self.count[layer] // SEGMENT)):
+                parts = [x for tensor in self.segments[layer][index] for x in tensor]
+                seg = []
+                for p, part in enumerate(parts):
+                    name = f"store.layer{layer}.seg{index}.{p}.npy"
+                    if isinstance(part, np.memmap):
+                        part.flush()
+                        seg.append(writer.copy(name, Path(part.filename)))
+                    else:
+                        seg.append(writer.array(name, part))
+                names.append(seg)
+            segments.append(names)
+        shapes = None if self.shapes is None else [[H, D, dtype_name(t)] for H, D, t in self.shapes]
+        return {"layers": self.layers, "block": self.block, "bits": self.bits,
+                "group": self.group, "count": list(self.count), "shapes": shapes,
+                "first": {str(j): f for j, f in self.first.items()}, "segments": segments}  # fmt: skip
+
+    def restore(self, reader: Any, data: dict) -> None:
+        """Fill this empty store from what :meth:`export` saved (``reader``: a
+        ``persist.Reader``); segments go to RAM while its budget holds, to files in
+        this store's folder past it.
+
+        Raises:
+            UserError: The saved store has another shape or a file is not intact.
+        """
+        saved = (data["layers"], data["block"], data["bits"], data["group"])
+        if saved != (self.layers, self.block, self.bits, self.group):
+            raise UserError(
+                f"{reader.folder}: a store of {saved[0]} layers, blocks of {saved[1]}, "
+                f"{saved[2]} bits; this cache needs {self.layers}, {self.block}, {self.bits}"
+            )
+        count, segments = [int(c) for c in data["count"]], data["segments"]
+        if len(count) != self.layers or len(segments) != self.layers:
+            raise ValueError("layers")
+        if data["shapes"] is not None:
+            self.shapes = tuple((int(H), int(D), dtype_of(t)) for H, D, t in data["shapes"])
+        for index in range(max((len(s) for s in segments), default=0)):  # the order of puts
+            for layer in range(self.layers):
+                if index < len(segments[layer]):
+                    seg = self._new_segment(layer, index, (reader, segments[layer][index]))
+                    self.segments[layer].append(seg)
+        for layer in range(self.layers):
+            if len(self.segments[layer]) * SEGMENT < count[layer]:
+                raise ValueError("segments")
+        self.count = count
+        self.first = {int(j): int(f) for j, f in data["first"].items()}
 
     # ----- reading -------------------------------------------------------------------
 
@@ -177,6 +302,8 @@ class BlockStore:
         return self.host_bytes + self.disk_bytes
 
     def close(self) -> None:
+        """Drop the blocks (and remove a temporary folder; files in a given folder
+        stay, e.g. for a soak to measure)."""
         self.segments = [[] for _ in range(self.layers)]
         if self._tmp is not None:
             self._tmp.cleanup()

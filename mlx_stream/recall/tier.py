@@ -43,6 +43,17 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
 * **Rollback.** ``trim`` forgets the queries of the trimmed tokens, stored blocks
   holding a trimmed token and selections refreshed after the point trimmed back to
   (a stored block a row can see again is no candidate until it is evicted again).
+* **Saving.** :meth:`Recall.export` / :meth:`Recall.restore` carry everything the
+  next calls read: the store (every layer, as stored), the summaries, ``first``, the
+  selection history, the recent queries the next refresh reads and ``scale``; the
+  regions are rebuilt from the store at the next call. So feeding, saving, loading
+  into a fresh cache and feeding on gives the logits and selections of a run that
+  never stopped, bit for bit (same calls). ``save_cache``/``load_cache`` write and
+  check the files (``mlx_stream.recall.persist``).
+* **A full disk.** At the start of a call the first layer allocates every store
+  segment the call will fill (:meth:`Recall.reserve`); a store that cannot grow raises
+  a ``RuntimeFailure`` naming its folder there, before any layer has stored or written
+  anything of the call, so the cache stays as it was before it.
 
 Supported: batch 1, ``positions="cache"``, layers whose keys carry the rope on all of
 their dims (or no position); anything else is refused with one line before the first
@@ -58,10 +69,10 @@ from mlx_lm.models.base import create_causal_mask
 
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, model_type
-from mlx_stream.errors import RuntimeFailure, Unsupported
+from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
 from mlx_stream.recall import hook, select
 from mlx_stream.recall.spec import RecallSpec
-from mlx_stream.recall.store import BlockStore
+from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
 
 HISTORY = 16  # selections kept for rollback (a rollback reaches slack + 1 tokens back)
 
@@ -131,6 +142,11 @@ class Recall:
 
         self.spec, self.block = spec, spec.block
         self.layers = [c for c in caches if isinstance(c, SinkCache)]
+        if any(c.channel_keys for c in self.layers):  # its blocks cannot be cut out of them
+            raise Unsupported(
+                "recall does not serve 4-bit keys (kept per channel): use 8-bit keys "
+                "(--kv-key-bits 8) or a float cache"
+            )
         for i, c in enumerate(self.layers):
             c.recall, c.recall_index = self, i
             c._rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
@@ -185,6 +201,8 @@ class Recall:
     def before_write(self, cache, n: int, N: int) -> None:
         """At the start of a call of ``N`` tokens at ``n``, after the cache's layout
         is applied and before anything is written."""
+        if cache.recall_index == 0:  # before anything changes: a full disk stops here
+            self.reserve(cache, n)
         if (cache.recall_index == 0 and n % self.block == 0 and n != self.refreshed_at
                 and n > self.history[-1][2]):  # fmt: skip
             self.refresh(n)  # from blocks every layer stored at earlier boundaries
@@ -210,6 +228,24 @@ class Recall:
     def stored(self) -> int:
         """Blocks stored in every layer."""
         return self.store.blocks()
+
+    def reserve(self, cache, n: int) -> None:
+        """Allocate the store segments the call at token ``n`` fills in any layer (the
+        first layer's ``cache`` gives the shapes before the first block), so a store
+        that cannot grow fails before a layer of the call has stored anything.
+
+        Raises:
+            RuntimeFailure: The store folder cannot be written (a full disk).
+        """
+        count = self._evicted_blocks(n // self.block * self.block)
+        if count <= min(self.store.count, default=0) or cache.keys is None:
+            return
+        if self.store.shapes is None:  # what _gather hands the store: float, this dtype
+            g = cache.kv_group_size
+            one = [kvstore.unpack(kvstore.get(b, 0, 1), bits, g)
+                   for b, bits in ((cache.keys, cache.key_bits), (cache.values, cache.value_bits))]  # fmt: skip
+            self.store.shapes = tuple((x.shape[1], x.shape[-1], x.dtype) for x in one)
+        self.store.reserve(count)
 
     def _evicted_blocks(self, n: int) -> int:
         """Blocks no row of a call at ``n`` can see (each wholly before its window)."""
@@ -488,6 +524,70 @@ class Recall:
             region = mx.broadcast_to(mx.array(np.where(valid, 0.0, -np.inf), mask.dtype), shape)
         mask = mx.concatenate([region, mask[..., lead:]], axis=-1)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    # ----- saving and restoring (mlx_stream.recall.persist) -----------------------------
+
+    def export(self, writer) -> dict:
+        """Write the tier's arrays through ``writer`` (a ``persist.Writer``) and return
+        its numbers: the store, the summaries, ``first``, the selection history, the
+        recent queries the next refresh reads, ``scale``. The regions are not saved:
+        they are rebuilt from the store."""
+        queries = []  # per layer: one file of every entry's rows, and [t0, anchor, rows]
+        for i, entries in enumerate(self.queries):
+            if not entries:
+                queries.append(None)
+                continue
+            q = mx.concatenate([e[1] for e in entries], axis=2)
+            name = writer.array(f"queries.layer{i}.npy", to_host(q))
+            rows = [[int(t0), int(anchor), int(x.shape[2])] for t0, x, anchor in entries]
+            queries.append({"file": name, "dtype": dtype_name(q.dtype), "entries": rows})
+        tables = {}
+        for kind in ("mean", "lo", "hi"):
+            tables[kind] = [None if t is None else writer.array(f"summary.{kind}.layer{i}.npy", t)
+                            for i, t in enumerate(getattr(self.summaries, kind))]  # fmt: skip
+        return {
+            "layers": len(self.layers), "first": [int(f) for f in self.first],
+            "history": [[int(p), [int(j) for j in sel], int(hold)] for p, sel, hold in self.history],
+            "scale": None if self.scale is None else float(self.scale),
+            "refreshes": self.refreshes, "queries": queries,
+            "summaries": {**tables, "count": self.summaries.count},
+            "store": self.store.export(writer),
+        }  # fmt: skip
+
+    def restore(self, reader, data: dict) -> None:
+        """Take the state :meth:`export` saved (``reader``: a ``persist.Reader``); the
+        regions are rebuilt from the store at the next call."""
+        L = len(self.layers)
+        if data["layers"] != L or len(data["queries"]) != L:
+            raise UserError(f"{reader.folder}: a recall store of {data['layers']} layers, not {L}")
+        self.store.restore(reader, data["store"])
+        for kind in ("mean", "lo", "hi"):
+            names = data["summaries"][kind]
+            if len(names) != L:
+                raise ValueError(kind)
+            setattr(self.summaries, kind,
+                    [None if n is None else reader.array(n, np.float32) for n in names])  # fmt: skip
+        self.summaries.count = int(data["summaries"]["count"])
+        self.first = [int(f) for f in data["first"]]
+        self.history = [(int(p), tuple(int(j) for j in sel), int(hold))
+                        for p, sel, hold in data["history"]]  # fmt: skip
+        if not self.history:
+            raise ValueError("history")
+        self.scale = data["scale"]
+        self.refreshes = int(data["refreshes"])
+        self.queries = []
+        for row in data["queries"]:
+            if row is None:
+                self.queries.append([])
+                continue
+            q, at, entries = to_device(reader.array(row["file"]), dtype_of(row["dtype"])), 0, []
+            for t0, anchor, n in row["entries"]:
+                entries.append((int(t0), q[:, :, at : at + int(n), :], int(anchor)))
+                at += int(n)
+            if at != q.shape[2]:
+                raise ValueError("queries")
+            self.queries.append(entries)
+        self.regions, self.applied, self._valid = [None] * L, [None] * L, (None, None)
 
     def close(self) -> None:
         """Free the store (its temporary files too)."""

@@ -142,5 +142,6 @@ def config(spec: Any) -> dict | None:
     """The recall settings saved sessions depend on (not where the store lives)."""
     if spec is None:
         return None
-    return {k: getattr(spec, k) for k in ("blocks", "block", "selector", "placement", "bits",
-                                          "group_size", "refeed")}  # fmt: skip
+    from mlx_stream.recall.persist import CHECKED
+
+    return {k: getattr(spec, k) for k in CHECKED}

@@ -1,9 +1,11 @@
 """The state folder: where ``serve`` keeps the sessions it evicted, across restarts.
 
 Contract: a saved session is its files (``session-<hash>.safetensors``, ``.json``,
-``.draft.safetensors``; named by a hash of owner and id, so no client id reads as a
-path out of the folder) plus one record in ``index.json``, written atomically, with
-the sha256 and size of each file and the ``config`` the caches depend on (model,
+``.draft.safetensors``, and with recall the folder ``.recall/`` of its store; named by
+a hash of owner and id, so no client id reads as a path out of the folder) plus one
+record in ``index.json``, written atomically, with the sha256 and size of each file
+(of a recall folder: its ``manifest.json``, which holds the sha256 of every other file
+there, checked when the session loads) and the ``config`` the caches depend on (model,
 cache spec, ...). :meth:`SessionStore.load` finds a previous run's sessions again:
 each record whose files are there with their sizes and whose config is this run's
 (checksums are checked on the session's next load, :meth:`SessionStore.check`);
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +34,9 @@ from mlx_stream.serve.refusals import Unsaved
 
 MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
-SUFFIXES = (".safetensors", ".json", ".draft.safetensors")  # the files of a saved session
+RECALL = ".recall"  # the folder of a saved session's recall store (ChatSession.save)
+# the files of a saved session (of its recall folder: the manifest)
+SUFFIXES = (".safetensors", ".json", ".draft.safetensors", RECALL + "/manifest.json")
 
 
 class SessionStore:
@@ -116,7 +121,8 @@ class SessionStore:
         cleared)."""
         for suffix in SUFFIXES:
             with contextlib.suppress(OSError):
-                entry.path.with_name(entry.path.name + suffix).unlink()
+                (entry.path.parent / (entry.path.name + suffix)).unlink()
+        shutil.rmtree(entry.path.with_name(entry.path.name + RECALL), ignore_errors=True)
         entry.path = None
         if self.records.pop(entry.key, None) is not None:
             with contextlib.suppress(OSError):  # a stale index names missing files: dropped
@@ -124,16 +130,16 @@ class SessionStore:
 
     @staticmethod
     def checksums(path: Path) -> dict[str, str]:
-        """sha256 of each file of a saved session, by file name."""
+        """sha256 of each file of a saved session, by its name in the state folder."""
         sums = {}
         for suffix in SUFFIXES:
-            file = path.with_name(path.name + suffix)
+            file = path.parent / (path.name + suffix)
             if suffix == ".safetensors" or file.exists():
                 digest = hashlib.sha256()
                 with open(file, "rb") as f:
                     for block in iter(lambda f=f: f.read(1 << 20), b""):
                         digest.update(block)
-                sums[file.name] = digest.hexdigest()
+                sums[path.name + suffix] = digest.hexdigest()
         return sums
 
     def sizes(self, record: dict) -> dict[str, int]:
@@ -208,11 +214,14 @@ class SessionStore:
             if ok:
                 found.append(entry)
                 self.records[entry.key] = r
-                named.update(r["sha256"])
+                named.update(name.split("/", 1)[0] for name in r["sha256"])
         with contextlib.suppress(OSError):
             for file in self.state_dir.iterdir():
                 ours = file.name.startswith(("session-", ".session-", f".{INDEX}."))
-                if ours and file.name not in named and file.is_file():
-                    file.unlink()
+                if ours and file.name not in named:
+                    if file.is_dir() and not file.is_symlink():  # a recall store's folder
+                        shutil.rmtree(file, ignore_errors=True)
+                    elif file.is_file():
+                        file.unlink()
             self.write_index()
         return found
