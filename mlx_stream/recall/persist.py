@@ -153,12 +153,14 @@ class Reader:
         self._check(name, array, dtype, shape)
         return array
 
-    def copy(self, name: str, target: Path, dtype: Any, shape: tuple) -> np.memmap:
-        """Copy ``name`` to ``target`` (checked on the way) and map it read-write."""
+    def copy(self, name: str, target: Path, dtype: Any, shape: tuple) -> Any:
+        """Copy ``name`` to ``target`` (checked on the way); a ``store.FileArray`` of it."""
+        from mlx_stream.recall.store import FileArray
+
         with open(target, "wb") as f:
             self._stream(name, f)
         try:
-            array = np.lib.format.open_memmap(target, "r+")
+            array = FileArray(target)
         except (OSError, ValueError) as e:
             raise self._bad(name, f"unreadable ({type(e).__name__})") from None
         self._check(name, array, dtype, shape)

@@ -8,8 +8,9 @@ position ``i``). Arrays leave the device as raw bits (a bfloat16 array travels a
 ``uint16``), so a round trip is exact for float stores; a quantized store keeps mlx's
 ``(packed, scales, biases)`` triple per tensor, the window's own format
 (``mlx_stream.cache.storage``). Blocks are kept in segments of ``SEGMENT`` blocks per layer;
-a segment that would take the store past ``ram_bytes`` is a ``np.memmap`` file in the
-folder instead, so a long stream grows the disk, not the process. Bytes per stored
+a segment that would take the store past ``ram_bytes`` is a ``.npy`` file in the
+folder instead (:class:`FileArray`: read and written a block at a time, no map or file
+kept open), so a long stream grows the disk, not the process. Bytes per stored
 token are known before the first block (:func:`bytes_per_token`).
 
 A store's files carry its own ``tag`` (stores may share a folder), are allocated on
@@ -88,6 +89,47 @@ def bytes_per_token(
     return layers * kv_heads * (one(key_dim) + one(value_dim))
 
 
+class FileArray:
+    """One part of a spilled segment: a ``.npy`` file read and written a block at a
+    time with positioned I/O, opened only for each access. No memory map stays open,
+    so a long stream's store grows neither the open files nor the process's resident
+    memory (a map's touched pages count in its RSS; reads here go through the OS page
+    cache, which the kernel reclaims).
+
+    Args:
+        path (Path): A ``.npy`` file whose first axis indexes blocks.
+    """
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)  # fmt: skip
+            shape, _, dtype = read(f)
+            self.offset = f.tell()
+        self.filename, self.shape, self.dtype = str(path), tuple(shape), np.dtype(dtype)
+        self.row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def __setitem__(self, i: int, value: np.ndarray) -> None:
+        data = np.ascontiguousarray(value, dtype=self.dtype).tobytes()
+        fd = os.open(self.filename, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, self.offset + i * self.row)
+        finally:
+            os.close(fd)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        fd = os.open(self.filename, os.O_RDONLY)
+        try:
+            data = os.pread(fd, self.row, self.offset + i * self.row)
+        finally:
+            os.close(fd)
+        return np.frombuffer(data, self.dtype).reshape(self.shape[1:])
+
+    def flush(self) -> None:
+        """Nothing is buffered: every write went to the file."""
+
+
 class BlockStore:
     """Evicted blocks of every layer.
 
@@ -163,17 +205,18 @@ class BlockStore:
         stores may share a folder)."""
         return self._folder() / f"{self.tag}.layer{layer}.seg{index}.{'kv'[t]}{p}.npy"
 
-    def _open_file(self, path: Path, np_dtype, shape: tuple) -> np.memmap:
-        """A new memory-mapped ``.npy`` file, its blocks allocated on the disk now: a
-        full disk is an error here, not a ``SIGBUS`` when a page is first written."""
+    def _open_file(self, path: Path, np_dtype, shape: tuple) -> FileArray:
+        """A new ``.npy`` file, its blocks allocated on the disk now: a full disk is an
+        error here, not a failed write mid-stream."""
         try:
             array = np.lib.format.open_memmap(path, "w+", np_dtype, shape)
+            del array  # the header and the file's size: unmapped again at once
             with open(path, "r+b") as f:
                 os.posix_fallocate(f.fileno(), 0, os.path.getsize(path))
+            return FileArray(path)
         except OSError as e:
             path.unlink(missing_ok=True)
             raise self.failure(e) from None
-        return array
 
     def failure(self, e: OSError) -> RuntimeFailure:
         """The one-line failure of a store that cannot write its folder mid-stream."""
@@ -237,7 +280,7 @@ class BlockStore:
                 seg = []
                 for p, part in enumerate(parts):
                     name = f"store.layer{layer}.seg{index}.{p}.npy"
-                    if isinstance(part, np.memmap):
+                    if isinstance(part, FileArray):
                         part.flush()
                         seg.append(writer.copy(name, Path(part.filename)))
                     else:
