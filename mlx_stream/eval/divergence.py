@@ -19,7 +19,7 @@ the later rows of a chunk, and that is part of what it is measured on. A sink ca
 carry the recall tier (``Policy.recall``, cache positions only): evicted blocks stored
 and brought back by the queries, refreshed at block boundaries as the text streams in
 (what recall changes on ordinary text). Its free runs go on a copy that shares the
-tier's store; the tier is rewound to the uncopied cache afterwards (``_rewind``).
+tier's store; the tier is rewound to the uncopied cache afterwards (``Recall.rewind``).
 """
 
 from __future__ import annotations
@@ -309,23 +309,9 @@ def _free_run(model, first, pos, generate, reference, caches, samples) -> None:
         history = None if tier is None else list(tier.history)
         mine = greedy(model, copy.deepcopy(c), first, generate)
         if tier is not None:
-            _rewind(tier, c, history)
+            tier.rewind(c, history)  # the copy ran on the shared tier
         s.append({"position": pos, **compare_generations(ref, mine)})
 
 
 def _tier(cache: list) -> Any:
     return next((c.recall for c in cache if getattr(c, "recall", None) is not None), None)
-
-
-def _rewind(tier: Any, cache: list, history: list) -> None:
-    """The recall tier back to ``cache`` (a copy of it, which shares the tier, ran on):
-    the tier's own rollback to the cache's token count, its selections as they were,
-    its regions rebuilt from the store at the next call."""
-    from mlx_stream.cache.sink import SinkCache
-
-    tier.layers = [c for c in cache if isinstance(c, SinkCache)]
-    for c in tier.layers:
-        tier.trimmed(c, c.tokens_seen)
-    tier.history = history
-    tier.applied = [None] * len(tier.layers)
-    tier._valid = (None, None)

@@ -222,6 +222,22 @@ class Recall:
             while len(self.history) > 1 and self.history[-1][0] > keep:
                 self.history.pop()
 
+    def rewind(self, caches: list, history: list | None = None) -> None:
+        """Bring the tier back to ``caches``: copies of its caches (a SinkCache's deep
+        copy shares its tier) that were restored, or that ran on while these did not.
+        The tier's own rollback to their token count (queries, stored blocks and
+        selections past it), the selection ``history`` saved with them, and regions
+        rebuilt from the store at the next call."""
+        from mlx_stream.cache.sink import SinkCache
+
+        self.layers = [c for c in caches if isinstance(c, SinkCache)]
+        for c in self.layers:
+            self.trimmed(c, c.tokens_seen)
+        if history is not None:
+            self.history = list(history)
+        self.applied = [None] * len(self.layers)
+        self._valid = (None, None)
+
     # ----- store ----------------------------------------------------------------------
 
     @property

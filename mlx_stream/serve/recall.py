@@ -85,20 +85,9 @@ def mark(session: Any, checkpoint: Any) -> Any:
 def rewind(session: Any, checkpoint: Any) -> None:
     """After ``session.restore(checkpoint)``: bring the shared tier back to the
     checkpoint (see the module docstring)."""
-    from mlx_stream.cache.sink import SinkCache
-
     tier = tier_of(session.caches)
-    if tier is None:
-        return
-    layers = [c for c in session.caches[: session.n_target] if isinstance(c, SinkCache)]
-    tier.layers = layers  # the restored copies: the tier reads their token counts
-    for c in layers:
-        tier.trimmed(c, c.tokens_seen)
-    history = getattr(checkpoint, "recall_history", None)
-    if history is not None:
-        tier.history = list(history)
-    tier.applied = [None] * len(layers)  # rebuilt from the store at the next call
-    tier._valid = (None, None)
+    if tier is not None:
+        tier.rewind(session.caches[: session.n_target], getattr(checkpoint, "recall_history", None))
 
 
 STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes",
