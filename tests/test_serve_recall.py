@@ -179,16 +179,13 @@ def test_an_unsaveable_recall_session_is_dropped_then_rebuilt_from_the_history(
 
 
 def test_an_evicted_recall_session_continues_from_the_state_folder(loaded, tmp_path):  # noqa: F811
-    """NEEDS ChatSession.save/load TO CARRY THE RECALL STORE (another branch): skipped
-    until then. An evicted session's store goes to the state folder with it and
-    comes back: it answers as a session that was never evicted."""
+    """An evicted session's store goes to the state folder with it and comes back:
+    it answers as a session that was never evicted."""
     e = make_engine(loaded, tmp_path / "state", tmp_path / "recall", max_sessions=1)
     try:
         first, second = text(300, 1), text(200, 4)
         messages, _ = chat(e, "a", first)
         chat(e, "b", text(300, 2))  # evicts a
-        if e.dropped and not e.evictions:
-            pytest.skip("session.save does not carry the recall store yet")
         assert e.evictions == 1
         messages.append({"role": "user", "content": second})
         resumed, _, err = ask(e, messages, session_id="a")

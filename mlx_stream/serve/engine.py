@@ -49,10 +49,11 @@ Contract:
   session, rewound with its checkpoints); such sessions decode alone, interleaved
   (recall serves one sequence per cache), start from no shared snapshot, and a fork
   is rebuilt from the client's history. Admission counts a recall session's caches,
-  checkpoint, region and store host-memory cap. A session whose save cannot carry its
-  store (``session.save`` refuses recall) is not written to the state folder when
-  room is needed: its caches are dropped (counted in ``dropped``) and its next request
-  rebuilds it from the client's history.
+  checkpoint, region and store host-memory cap. An evicted recall session's store
+  goes to the state folder with it (``session.save``: a ``.recall/`` folder beside
+  its cache file); a session whose save fails with a ``UserError`` is not written
+  there when room is needed: its caches are dropped (counted in ``dropped``) and its
+  next request rebuilds it from the client's history.
 
 Parts, one concern each: :mod:`~mlx_stream.serve.admission` (the byte budget: what a
 session and a snapshot cost, what to evict), :mod:`~mlx_stream.serve.store` (the state
@@ -602,7 +603,7 @@ class Engine:
         for entry in [e for e in self.entries.values() if e.session and not e.transient]:
             try:
                 self._evict(entry, drop=False)
-            except (UserError, Unsaved) as exc:  # UserError: a save that cannot carry recall
+            except (UserError, Unsaved) as exc:  # UserError: a session save refused
                 import sys
 
                 sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
@@ -705,8 +706,8 @@ class Engine:
     def _evict(self, entry: Entry, drop: bool = True) -> None:
         """Save a resident session to disk (listed in the state folder's index) and
         free its memory; :class:`Unsaved` when the folder cannot take it (the
-        session then stays resident). A session whose save cannot carry its state
-        (``UserError``: a recall store, until saves carry it) has its caches dropped
+        session then stays resident). A session whose save is refused
+        (``UserError``) has its caches dropped
         when ``drop`` (its next request rebuilds it from the client's history), else
         the error is raised."""
         try:
