@@ -27,7 +27,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.eval.needle import WORDS
 from mlx_stream.generate.session import ChatSession, Settings
-from mlx_stream.recall import RecallSpec
+from mlx_stream.recall import RecallSpec, tier_of
 
 TELL = "Hi! Please remember this: my secret word is {w}. I will ask you for it later."
 ASK = "What is my secret word? Answer with the word only."
@@ -61,7 +61,7 @@ def converse(model, tokenizer, cache: CacheSpec, word: str, chunks: list[str], t
     got: list[str] = []
     session.reply(ASK, got.append, max_tokens=12)
     answer = "".join(got)
-    recall = next((c.recall for c in session.caches if getattr(c, "recall", None)), None)
+    recall = tier_of(session.caches)
     row = {"turns": turns + 1, "conversation_tokens": before, "fact_distance": before - told_at,
            "answer": answer, "found": word.lower() in answer.lower()}  # fmt: skip
     if recall is not None:

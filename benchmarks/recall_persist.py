@@ -32,7 +32,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
 
 from mlx_stream.cache import make_sink_cache, max_call_tokens
 from mlx_stream.cache.sink import load_cache, save_cache
-from mlx_stream.recall import RecallSpec, persist
+from mlx_stream.recall import RecallSpec, persist, tier_of
 
 STORES = {
     "float": {},
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tic = time.perf_counter()
             feed(model, cache, before, args.chunk)
             fed_s = time.perf_counter() - tic
-            tier = persist.tier_of(cache)
+            tier = tier_of(cache)
             path = tmp / "c.safetensors"
             with Peak() as saving:
                 tic = time.perf_counter()
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 tic = time.perf_counter()
                 restored, _ = load_cache(path, model, spec)
                 load_s = time.perf_counter() - tic
-            back = persist.tier_of(restored)
+            back = tier_of(restored)
             want = mx.concatenate(feed(model, cache, after, args.chunk))
             got = mx.concatenate(feed(model, restored, after, args.chunk))
             record = base_record(

@@ -79,7 +79,9 @@ def stats_text(session: ChatSession) -> str:
             f"peak {s['peak_memory'] / 1e6:.1f} MB",
         ),  # fmt: skip
     ]
-    tier = next((c.recall for c in session.caches if getattr(c, "recall", None)), None)
+    from mlx_stream.recall import tier_of
+
+    tier = tier_of(session.caches)
     if tier is not None:  # device bytes stay flat; the store grows (RAM, then disk)
         rows.append(("recall region", f"{tier.device_nbytes / 1e6:.1f} MB (device, fixed)"))
         rows.append(("recall store", f"{tier.store.host_bytes / 1e6:.1f} MB RAM + "

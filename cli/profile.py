@@ -129,11 +129,12 @@ def run_setting(
 
     from mlx_stream.cache.reclaim import ReclaimSchedule, memory_snapshot
     from mlx_stream.generate.decode import stream_generate
+    from mlx_stream.recall import tier_of
 
     caches = make_caches(model, setting.cache, cache)
     if setting.draft:
         caches += make_caches(draft_model, setting.cache, cache.replace(recall=None))
-    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+    tier = tier_of(caches)
     schedule = ReclaimSchedule(every, setting.schedule)
     mx.clear_cache()
     mx.reset_peak_memory()

@@ -35,7 +35,7 @@ def recall_cache(model, **kw):
     return make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(**kw))
 
 
-def feed(model, cache, tokens, chunk: int) -> mx.array:
+def feed(model, cache, tokens, chunk: int = 8) -> mx.array:
     """Logits of every token, fed in calls of at most ``chunk`` tokens."""
     out, i = [], 0
     while i < len(tokens):

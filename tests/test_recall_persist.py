@@ -22,41 +22,16 @@ import pytest
 from mlx_stream.cache import make_sink_cache, max_call_tokens
 from mlx_stream.cache.sink import load_cache, save_cache
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.recall import RecallSpec, persist
+from mlx_stream.recall import persist, tier_of
 from mlx_stream.recall.store import SEGMENT, BlockStore, FileArray
 from tests import tiny
-
-SINKS, WINDOW, BLOCK = 2, 16, 8
-
-
-def spec(**kw) -> RecallSpec:
-    return RecallSpec(**{"blocks": 4, "block": BLOCK, **kw})
-
-
-def recall_cache(model, **kw):
-    return make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(**kw))
-
-
-def feed(model, cache, tokens, chunk: int = 8) -> mx.array:
-    """Logits of every token, fed in calls of at most ``chunk`` tokens."""
-    out, i = [], 0
-    while i < len(tokens):
-        n = min(chunk, max_call_tokens(cache), len(tokens) - i)
-        logits = model(mx.array([tokens[i : i + n]]), cache=cache)[0]
-        mx.eval(logits)
-        out.append(logits)
-        i += n
-    return mx.concatenate(out, axis=0)
+from tests.test_recall import BLOCK, SINKS, WINDOW, feed, recall_cache, spec
 
 
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
-
-
-def tier(cache):
-    return persist.tier_of(cache)
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +61,16 @@ def test_save_load_continue_equals_an_uninterrupted_run(tiny_llama, head64, tmp_
     part = recall_cache(model, **kw)
     feed(model, part, tokens[:cut])
     save_cache(tmp_path / "c.safetensors", part)
-    saved = tier(part)
+    saved = tier_of(part)
     assert saved.stored > 4 and saved.selection  # a store and a selection to carry
     fresh, _ = load_cache(tmp_path / "c.safetensors", model, spec(**kw))
-    restored = tier(fresh)
+    restored = tier_of(fresh)
     assert restored is not saved and restored.store is not saved.store
     assert restored.history == saved.history and restored.first == saved.first
     assert restored.store.count == saved.store.count
     got = feed(model, fresh, tokens[cut:])
     assert mx.array_equal(got, want[cut:])  # bit-identical logits
-    assert restored.history == tier(whole).history  # and the same selections
+    assert restored.history == tier_of(whole).history  # and the same selections
     assert len({h[1] for h in restored.history}) > 1  # which changed after the restore
     if "ram_bytes" in kw:  # the restored store is on disk again, not in memory
         assert restored.store.host_bytes == 0 and restored.store.disk_bytes > 0
@@ -163,7 +138,7 @@ def test_other_recall_settings_are_refused_naming_the_setting(tiny_llama, tmp_pa
         load_cache(path, tiny_llama, None)
     # where the store lives and its RAM budget are the run's own
     cache, _ = load_cache(path, tiny_llama, spec(ram_bytes=0, folder=str(tmp_path / "elsewhere")))
-    assert tier(cache).store.disk_bytes > 0 and any((tmp_path / "elsewhere").iterdir())
+    assert tier_of(cache).store.disk_bytes > 0 and any((tmp_path / "elsewhere").iterdir())
     plain = make_sink_cache(tiny_llama, SINKS, WINDOW, stride=BLOCK)
     save_cache(tmp_path / "plain.safetensors", plain)
     with pytest.raises(UserError, match="saved without a recall store"):
@@ -176,7 +151,7 @@ def test_a_failed_save_leaves_the_earlier_one(tiny_llama, tmp_path, monkeypatch)
     feed(tiny_llama, cache, tokens[:100])
     path = tmp_path / "c.safetensors"
     save_cache(path, cache)
-    history = tier(cache).history[:]
+    history = tier_of(cache).history[:]
     feed(tiny_llama, cache, tokens[100:150])
     calls = []
 
@@ -193,7 +168,7 @@ def test_a_failed_save_leaves_the_earlier_one(tiny_llama, tmp_path, monkeypatch)
     monkeypatch.undo()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing half-written
     restored, _ = load_cache(path, tiny_llama, spec())
-    assert tier(restored).history == history  # the earlier save, whole
+    assert tier_of(restored).history == history  # the earlier save, whole
     whole = recall_cache(tiny_llama)
     feed(tiny_llama, whole, tokens[:100])
     want = feed(tiny_llama, whole, tokens[100:])
@@ -207,12 +182,12 @@ def test_a_save_killed_between_its_renames_loads_the_earlier_store(tiny_llama, t
     feed(tiny_llama, cache, tokens[:100])
     path = tmp_path / "c.safetensors"
     save_cache(path, cache)
-    history = tier(cache).history[:]
+    history = tier_of(cache).history[:]
     feed(tiny_llama, cache, tokens[100:140])
-    staged = persist.stage(path, tier(cache))
+    staged = persist.stage(path, tier_of(cache))
     staged.commit()  # the new sidecar is in place, the cache file is still the old one
     restored, _ = load_cache(path, tiny_llama, spec())
-    assert tier(restored).history == history
+    assert tier_of(restored).history == history
     (aside,) = tmp_path.glob(".c.recall.old-*")
     aside.rename(tmp_path / f".c.recall.old-{dead_pid()}-x")  # its process is gone
 
@@ -223,10 +198,10 @@ def test_a_save_killed_between_its_renames_loads_the_earlier_store(tiny_llama, t
     with pytest.raises(OSError):
         save_cache(path, cache)  # a save that fails keeps what the cache file names
     monkeypatch.undo()
-    assert tier(load_cache(path, tiny_llama, spec())[0]).history == history
+    assert tier_of(load_cache(path, tiny_llama, spec())[0]).history == history
     save_cache(path, cache)  # the next save that succeeds clears what was left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.recall", "c.safetensors"]
-    assert tier(load_cache(path, tiny_llama, spec())[0]).history == tier(cache).history
+    assert tier_of(load_cache(path, tiny_llama, spec())[0]).history == tier_of(cache).history
 
 
 def test_rollback_after_a_restore(tiny_llama, tmp_path):
@@ -236,7 +211,7 @@ def test_rollback_after_a_restore(tiny_llama, tmp_path):
     path = tmp_path / "c.safetensors"
     save_cache(path, cache)
     restored, _ = load_cache(path, tiny_llama, spec())
-    recall = tier(restored)
+    recall = tier_of(restored)
     state = (recall.history[:], recall.selection)
     feed(tiny_llama, restored, tokens[100:105], 1)  # crosses the boundary at 104
     assert recall.history != state[0]
@@ -332,9 +307,9 @@ def test_a_quantized_window_with_recall_restores_bit_for_bit(head64, tmp_path):
     feed(head64, part, tokens[:90])
     save_cache(tmp_path / "c.safetensors", part)
     fresh, _ = load_cache(tmp_path / "c.safetensors", head64, spec())
-    assert tier(fresh).selection and fresh[0].key_bits == 8
+    assert tier_of(fresh).selection and fresh[0].key_bits == 8
     assert mx.array_equal(feed(head64, fresh, tokens[90:]), want[90:])
-    assert tier(fresh).history == tier(whole).history
+    assert tier_of(fresh).history == tier_of(whole).history
 
 
 def test_recall_with_4bit_keys_is_refused_before_the_first_token(head64):
@@ -345,4 +320,4 @@ def test_recall_with_4bit_keys_is_refused_before_the_first_token(head64):
     cache = make_sink_cache(head64, SINKS, WINDOW, stride=BLOCK, kv_bits=4, key_bits=8,
                             recall=spec())  # fmt: skip
     feed(head64, cache, tiny.random_tokens(80, seed=2))  # 8-bit keys, 4-bit values: served
-    assert tier(cache).stored
+    assert tier_of(cache).stored

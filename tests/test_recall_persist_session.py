@@ -14,7 +14,7 @@ from cli.main import app
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import UserError
 from mlx_stream.generate.session import ChatSession, Settings
-from mlx_stream.recall import RecallSpec, persist
+from mlx_stream.recall import RecallSpec, tier_of
 from tests import tiny as tiny_mod
 
 runner = CliRunner()
@@ -55,16 +55,16 @@ def test_save_load_continues_like_the_uninterrupted_chat(loaded, tmp_path):
     want = [text(whole, "what was said first"), text(whole, words(80, 2))]
     first = session(loaded, recall(tmp_path))
     text(first, LONG)
-    tier = persist.tier_of(first.caches)
+    tier = tier_of(first.caches)
     assert tier.stored >= 3 and tier.selection  # the reply used recalled blocks
     cache_path, _ = first.save(tmp_path / "talk")
     assert (tmp_path / "talk.recall" / "manifest.json").is_file()
     second = session(loaded, recall(tmp_path))
     assert second.load(tmp_path / "talk") == cache_path
-    restored = persist.tier_of(second.caches)
+    restored = tier_of(second.caches)
     assert restored.history == tier.history and restored.store.count == tier.store.count
     assert [text(second, "what was said first"), text(second, words(80, 2))] == want
-    assert restored.history == persist.tier_of(whole.caches).history
+    assert restored.history == tier_of(whole.caches).history
 
 
 def test_load_with_other_recall_settings_is_one_line(loaded, tmp_path):
@@ -126,7 +126,7 @@ def test_the_state_folder_keeps_a_recall_store_across_a_restart(loaded, tmp_path
     restarted.check(found)  # the manifest is what was saved
     again = session(loaded, recall(tmp_path))
     again.load(found.path)
-    assert persist.tier_of(again.caches).history == persist.tier_of(s.caches).history
+    assert tier_of(again.caches).history == tier_of(s.caches).history
     assert text(again, "what was said") == text(s, "what was said")
     # a changed store file is found when the session loads; a changed manifest by check
     folder = state / (path.name + ".recall")
@@ -182,7 +182,7 @@ def test_the_server_evicts_a_recall_session_and_restores_it_after_a_restart(load
             got, usage = ask(b, follow)
             assert b.restores == 1 and usage["prompt_tokens_details"]["cached_tokens"] > 0
             assert got == want
-            tier = persist.tier_of(b.entries[("", "s")].session.caches)
+            tier = tier_of(b.entries[("", "s")].session.caches)
             assert tier is not None and tier.stored >= 3
         finally:
             b.stop()

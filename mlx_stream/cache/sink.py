@@ -844,7 +844,9 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = No
     header = {"mlx_stream": json.dumps({"layers": layers}), **(metadata or {})}
     path = Path(path)
     files.remove_stale(path)  # a save killed midway leaves its temporary
-    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+    from mlx_stream.recall import tier_of  # lazily: recall sits above the cache
+
+    tier = tier_of(caches)
     staged = None
     if tier is not None:
         from mlx_stream.recall import persist

@@ -38,6 +38,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.decode import generate_step
+from mlx_stream.recall import tier_of
 
 POSITIONS = ("cache", "absolute", "rotating")
 
@@ -287,7 +288,7 @@ def divergence(
         if callback is not None:
             callback(pos, T - 1)
     for c in caches:
-        tier = _tier(c)
+        tier = tier_of(c)
         if tier is not None:
             tier.close()  # the store's temporary files
     return [
@@ -305,13 +306,9 @@ def _free_run(model, first, pos, generate, reference, caches, samples) -> None:
     """Greedy continuations from copies of every cache at stream index ``pos``."""
     ref = greedy(model, copy.deepcopy(reference), first, generate)
     for c, s in zip(caches, samples, strict=True):
-        tier = _tier(c)
+        tier = tier_of(c)
         history = None if tier is None else list(tier.history)
         mine = greedy(model, copy.deepcopy(c), first, generate)
         if tier is not None:
             tier.rewind(c, history)  # the copy ran on the shared tier
         s.append({"position": pos, **compare_generations(ref, mine)})
-
-
-def _tier(cache: list) -> Any:
-    return next((c.recall for c in cache if getattr(c, "recall", None) is not None), None)

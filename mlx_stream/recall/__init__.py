@@ -14,4 +14,9 @@ lazily, to build a cache that asked for it; ``generate.decode`` calls it at a pr
 
 from mlx_stream.recall.spec import RecallSpec
 
-__all__ = ["RecallSpec"]
+__all__ = ["RecallSpec", "tier_of"]
+
+
+def tier_of(caches: list):
+    """The recall tier (``tier.Recall``) a prompt cache's layers share, or ``None``."""
+    return next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)

@@ -67,11 +67,6 @@ def sidecar(path: str | os.PathLike) -> Path:
     return path.with_name(path.name.removesuffix(".safetensors") + ".recall")
 
 
-def tier_of(caches: list) -> Any:
-    """The recall tier the caches carry, or ``None``."""
-    return next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
-
-
 # ----- files with their checksums ---------------------------------------------------
 
 

@@ -70,7 +70,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, model_type
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
-from mlx_stream.recall import hook, select
+from mlx_stream.recall import hook, select, tier_of
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
 
@@ -631,6 +631,6 @@ def prompt_end(model, caches: list, fed) -> None:
     """The end of a prompt for ``model``'s ``caches`` (``fed``: the prompt's tokens
     fed so far): its recall tier, if any, refreshes and feeds the prompt's tail again
     (:meth:`Recall.prompt_end`)."""
-    tier = next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
+    tier = tier_of(caches)
     if tier is not None:
         tier.prompt_end(model, caches, fed)

@@ -37,12 +37,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.recall import tier_of
+
 PREFIX = "serve-"  # subfolders of --recall-dir made here (one per session)
-
-
-def tier_of(caches: list) -> Any:
-    """The recall tier of a prompt cache, or ``None``."""
-    return next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)
 
 
 def for_session(spec: Any) -> Any:
