@@ -202,8 +202,9 @@ def _wrap(original):
     return scaled_dot_product_attention
 
 
-def _modules(model) -> list:
-    """Python modules of the model's classes that import mlx-lm's attention by name."""
+def attention_modules(model) -> list:
+    """Python modules of the model's classes that import mlx-lm's attention by name
+    (the recall tier's hook wraps the same name there)."""
     out = []
     for m in model.modules():
         module = sys.modules.get(type(m).__module__)
@@ -223,7 +224,7 @@ def install(model, caches: list) -> bool:
     channel = [i for i, c in enumerate(caches) if getattr(c, "channel_keys", False)]
     if not channel:
         return False
-    for module in _modules(model):
+    for module in attention_modules(model):
         fn = getattr(module, NAME)
         if callable(fn) and not getattr(fn, "qattend_wrapper", False):
             setattr(module, NAME, _wrap(fn))

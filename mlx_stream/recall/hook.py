@@ -16,14 +16,11 @@ refuses, with one line, a model where some layer never calls it.
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from mlx_stream.cache.qattend import NAME, attention_modules
 from mlx_stream.errors import Unsupported
-
-NAME = "scaled_dot_product_attention"
 
 
 def _wrap(original):
@@ -36,16 +33,6 @@ def _wrap(original):
 
     scaled_dot_product_attention.recall_wrapper = True
     return scaled_dot_product_attention
-
-
-def _modules(model) -> list:
-    """Python modules of the model's classes that import mlx-lm's attention by name."""
-    out = []
-    for m in model.modules():
-        module = sys.modules.get(type(m).__module__)
-        if module is not None and hasattr(module, NAME) and module not in out:
-            out.append(module)
-    return out
 
 
 class _Probe:
@@ -66,7 +53,7 @@ def install(model, layers: list[int], name: str) -> None:
     Raises:
         Unsupported: One line naming the first layer whose attention does not call it.
     """
-    for module in _modules(model):
+    for module in attention_modules(model):
         fn = getattr(module, NAME)
         if callable(fn) and not getattr(fn, "recall_wrapper", False):
             setattr(module, NAME, _wrap(fn))
