@@ -234,6 +234,23 @@ def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model)
     assert state.drafted > state.accepted  # rollbacks happened
 
 
+@pytest.mark.real_model
+def test_real_model_chunks_give_token_by_token_logits_bit_for_bit(real_model_path):
+    # A verify block of 4 rows on 4-bit keys gives the logits of 4 decode steps, bit
+    # for bit, past many group fills (before, a chunk's residual keys sat in extra
+    # columns: 277 of 400 rows differed, 48 in their greedy token). bfloat16: its
+    # matmuls give a row the same bits in a block as alone on the CPU.
+    from mlx_stream.models import loader
+    from tests.conftest import DATA
+
+    model, tokenizer = loader.load(real_model_path, dtype="bfloat16")
+    with open(DATA / "botchan.txt", encoding="utf-8") as f:
+        tokens = tokenizer.encode(f.read(3000))[:240]
+    kw = {"sinks": 4, "window": 64, "slack": 16, "kv_bits": 4, "positions": "absolute"}
+    one = feed(model, make_sink_cache(model, **kw), tokens, 1)
+    assert mx.array_equal(feed(model, make_sink_cache(model, **kw), tokens, 4), one)
+
+
 def test_a_call_attends_only_the_residual_slots_of_its_open_groups():
     # The residual columns of a call: the floats of [group_start(n), n + N), contiguous
     # unless they wrap around the residual (then all of it); none before the first

@@ -137,6 +137,28 @@ def test_speculative_greedy_equals_plain_greedy_with_eight_bit_keys(model):
     assert state.drafted > state.accepted > 0  # rollbacks happened
 
 
+@pytest.fixture(scope="module")
+def bf16_model():
+    # bfloat16 matmuls give a row the same bits in a block as alone on the CPU (float32
+    # ones through OpenBLAS do not: there even mlx-lm's KVCache differs in the last bits)
+    m = tiny.make_model("llama", hidden_size=256, num_attention_heads=4,
+                        num_key_value_heads=2, scale=1.0)  # fmt: skip
+    m.set_dtype(mx.bfloat16)
+    return m
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("chunk", [3, 5, 33])
+def test_a_chunks_logits_are_token_by_token_logits_bit_for_bit(bf16_model, bits, chunk):
+    # Every row of a chunk (a speculative verify block) attends over the columns of a
+    # decode step at its token, in the same order: the same bits, not just close ones.
+    tokens = tiny.random_tokens(260, seed=12)
+    kw = {"sinks": S, "window": W, "slack": 32, "stride": 16, "kv_bits": bits, "kv_group_size": G}
+    one = feed(bf16_model, make_sink_cache(bf16_model, **kw), tokens, 1)
+    chunked = feed(bf16_model, make_sink_cache(bf16_model, **kw), tokens, chunk)
+    assert mx.array_equal(chunked, one)
+
+
 class _Attention(nn.Module):
     def __init__(self, direct: bool):
         super().__init__()

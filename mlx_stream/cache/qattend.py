@@ -29,8 +29,14 @@ Contract:
   of ``make_mask``'s columns. ``attend`` computes the same attention as the float route
   over the dequantized keys, to rounding: scores on the packed ring by the quantized
   matmul, the float sinks and residual by a matmul, the mask, a precise softmax, values
-  by the quantized matmul (plus the residual columns' values, gathered). Every row is
-  computed alone, so a chunk's row equals the token-by-token row to rounding.
+  by the quantized matmul. The residual keys' scores go into their own slots' columns
+  (a decode step: the slots of its open group; a chunk: per row, where its mask shows
+  the token through the residual), so every row of a chunk or a speculative verify
+  block attends over exactly the columns of a decode step at its token, in the same
+  order, and gets the same bits wherever the matmuls give a row the same bits in a
+  block as alone (the CPU's quantized matmul and softmax always; float matmuls in
+  bfloat16/float16, or float32 through MLX's bundled BLAS; not float32 through
+  OpenBLAS, where mlx-lm's own KVCache also differs in the last bits).
 - GQA: the query heads of one key/value head are folded into the rows of one matmul.
   Attention sinks (``sinks=``, gpt-oss) go to the float route on dequantized tensors.
 """
@@ -134,45 +140,55 @@ def attend(queries: mx.array, keys: PackedKeys, values: PackedValues, scale: flo
     B, H, N, D = queries.shape
     KVH = keys.floats.shape[1]
     rep = H // KVH
-    S = keys.sinks
+    S, r = keys.sinks, keys.recent
     q = (queries * scale).reshape(B, KVH, rep * N, D)
     ring = mx.quantized_matmul(q, *keys.ring, transpose=False, group_size=kvquant.GROUP,
                                bits=keys.bits)  # fmt: skip
+    resid = None  # the residual columns' scores, when not spliced yet
     if keys.floats.shape[-2]:
         side = q @ keys.floats.swapaxes(-1, -2)  # sinks, spare sinks, residual
-        E = side.shape[-1] - keys.recent
-        if keys.splice is not None:  # the residual scores replace their slots' ring scores
+        E = side.shape[-1] - r
+        if r:
+            side, resid = side[..., :E], side[..., E:]
+        if r and keys.splice is not None:  # the residual scores replace their slots' ring scores
             a = keys.splice - S
-            ring[..., a : a + keys.recent] = side[..., E:]
-            side = side[..., :E]
+            ring[..., a : a + r] = resid
+            resid = None
         parts = [side[..., :S], ring, side[..., S:]]
         scores = mx.concatenate([p for p in parts if p.shape[-1]], axis=-1)
     else:
         scores = ring
-    C = scores.shape[-1]
-    if mask is not None and N == 1 and not isinstance(mask, str) and mask.ndim < 3:
+    L = scores.shape[-1]  # one column per slot
+    if mask is not None and N == 1 and resid is None and not isinstance(mask, str) and mask.ndim < 3:
         # one row (a decode step): the mask broadcasts over the folded heads
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    elif mask is not None:
-        scores = scores.reshape(B, KVH, rep, N, C)
-        if isinstance(mask, str):
-            mask = mx.arange(C - N, C)[:, None] >= mx.arange(C)[None]
+    elif mask is not None and not isinstance(mask, str):
+        scores = scores.reshape(B, KVH, rep, N, L)
         if mask.ndim == 4:  # (B or 1, heads or 1, N, C): heads split as the scores'
             b, h = mask.shape[:2]
-            mask = mask.reshape(b, 1, 1, N, C) if h == 1 else mask.reshape(b, KVH, rep, N, C)
+            mask = mask.reshape(b, 1, 1, N, -1) if h == 1 else mask.reshape(b, KVH, rep, N, -1)
+        if resid is not None:
+            scores, mask = _splice_rows(scores, mask, resid.reshape(B, KVH, rep, N, r), values.idx)
+            resid = None
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-        scores = scores.reshape(B, KVH, rep * N, C)
+        scores = scores.reshape(B, KVH, rep * N, L)
+    elif resid is not None:  # no mask array: the residual stays as extra columns
+        scores = mx.concatenate([scores, resid], axis=-1)
+        if isinstance(mask, str):
+            C = L + r
+            causal = mx.arange(C - N, C)[:, None] >= mx.arange(C)[None]
+            scores = mx.where(causal, scores.reshape(B, KVH, rep, N, C), mx.finfo(scores.dtype).min)
+            scores = scores.reshape(B, KVH, rep * N, C)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    if keys.recent and keys.splice is None:
+    if resid is not None:
         # A row sees a token through its ring column or its residual column, never
         # both (the mask): the residual's weight goes to the token's value slot.
-        L = C - keys.recent
         probs = probs[..., :L].at[..., values.idx].add(probs[..., L:])
     if isinstance(values.slots, tuple):
         out = mx.quantized_matmul(probs, *values.slots, transpose=False,
@@ -181,6 +197,30 @@ def attend(queries: mx.array, keys: PackedKeys, values: PackedValues, scale: flo
         out = probs @ values.slots
     out = out.reshape(B, H, N, -1)
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+
+def _splice_rows(scores: mx.array, mask: mx.array, resid: mx.array, idx: mx.array):
+    """A chunk's rows laid out as decode steps: row ``i`` reads a residual token's score
+    and mask in the token's own slot where its mask shows that token through the
+    residual (the tokens of its open group). So every row attends over exactly the
+    columns a single-token step at its token attends over, in the same order, and
+    gives the same bits (each of the kernels here computes a row on its own): a
+    speculative verify block or a chunk equals token-by-token decoding.
+
+    Args:
+        scores: ``(B, KVH, rep, N, L)``, one column per slot.
+        mask: broadcasts to ``(B, KVH, rep, N, L + r)``; its last ``r`` columns are
+            the residual's.
+        resid: ``(B, KVH, rep, N, r)`` the residual columns' scores.
+        idx: ``(r,)`` the slot of each residual column's token (a column of no token
+            points at slot 0 and is masked for every row: it writes slot 0 unchanged).
+    """
+    L = scores.shape[-1]
+    own, extra = mask[..., :L], mask[..., L:]
+    seen = extra if extra.dtype == mx.bool_ else extra > -mx.inf
+    scores[..., idx] = mx.where(seen, resid, mx.take(scores, idx, axis=-1))
+    own[..., idx] = mx.where(seen, extra, mx.take(own, idx, axis=-1))
+    return scores, own
 
 
 def _wrap(original):
