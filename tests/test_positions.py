@@ -31,6 +31,29 @@ def test_ring_rows_see_sinks_and_their_window_without_a_model(in_place):
     assert seen[1, 8:10].all() and seen[2, 10:12].all()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("window_size", [None, 5])
+def test_a_decode_steps_mask_is_the_definition_after_writes_and_rollbacks(in_place, window_size):
+    # visible(1) takes a short path past the first eviction: check it against the
+    # definition (a slot is seen if its token is a sink or in the row's window) while
+    # the ring fills, wraps and rolls back.
+    ring = Ring(sinks=3, window=8, slack=4, stride=2, positions="cache", in_place=in_place)
+    rng = np.random.default_rng(0)
+    for _ in range(120):
+        if ring.tokens_seen > 20 and rng.random() < 0.2:
+            ring.forget(int(rng.integers(1, ring.slack + 2)))
+        ring.write(1)
+        n = ring.tokens_seen
+        t = ring.slots.copy()
+        t[ring.slot(n)] = n
+        want = (t >= 0) & (t <= n) & ((t < 3) | (t > n - 8))
+        if window_size is not None:
+            want &= t > n - window_size
+        got = ring.visible(1, window_size)
+        assert got.shape == (1, ring.fetched(1))
+        assert got[0].tolist() == want[: ring.fetched(1)].tolist()
+
+
 def test_ring_positions_stay_bounded():
     ring = Ring(sinks=4, window=32, slack=8, stride=8, positions="cache")
     for _ in range(100):

@@ -204,17 +204,27 @@ class ChannelKeys:
         first = max(0, (max(n, S) - S) // GROUP)
         last_done = (n + N - S) // GROUP  # groups 0..last_done-1 are complete after the call
         for k in range(first, last_done):
-            end = S + (k + 1) * GROUP - 1
-            if end < n:
-                continue
-            r = (k * GROUP) % RECENT
-            floats = self.recent[..., r : r + GROUP, :].swapaxes(-1, -2).astype(self.dtype)
-            packed = mx.quantize(floats, group_size=GROUP, bits=self.bits)
-            c = (k * GROUP) % self.ring_slots
-            words = GROUP * self.bits // 32
-            self.ring[0][..., c // GROUP * words : (c // GROUP + 1) * words] = packed[0]
-            self.ring[1][..., c // GROUP : c // GROUP + 1] = packed[1]
-            self.ring[2][..., c // GROUP : c // GROUP + 1] = packed[2]
+            if S + (k + 1) * GROUP - 1 >= n:
+                self._quantize_group(k)
+
+    def write_one(self, key: mx.array, n: int) -> None:
+        """``write`` of one ring token (``n >= sinks``): the decode step's path."""
+        t = n - self.sinks
+        r = t % RECENT
+        self.recent[..., r : r + 1, :] = key.astype(self.recent.dtype)
+        if (t + 1) % GROUP == 0:
+            self._quantize_group(t // GROUP)
+
+    def _quantize_group(self, k: int) -> None:
+        """Quantize group ``k`` from its floats in the residual into its ring slots."""
+        r = (k * GROUP) % RECENT
+        floats = self.recent[..., r : r + GROUP, :].swapaxes(-1, -2).astype(self.dtype)
+        packed = mx.quantize(floats, group_size=GROUP, bits=self.bits)
+        c = (k * GROUP) % self.ring_slots
+        words = GROUP * self.bits // 32
+        self.ring[0][..., c // GROUP * words : (c // GROUP + 1) * words] = packed[0]
+        self.ring[1][..., c // GROUP : c // GROUP + 1] = packed[1]
+        self.ring[2][..., c // GROUP : c // GROUP + 1] = packed[2]
 
     def shift_ring(self, shift) -> None:
         """Apply ``shift`` ((B, H, L, D) -> same) to every ring key and the residual: the

@@ -159,7 +159,13 @@ def attend(queries: mx.array, keys: PackedKeys, values: PackedValues, scale: flo
     else:
         scores = ring
     L = scores.shape[-1]  # one column per slot
-    if mask is not None and N == 1 and resid is None and not isinstance(mask, str) and mask.ndim < 3:
+    if (
+        mask is not None
+        and N == 1
+        and resid is None
+        and not isinstance(mask, str)
+        and mask.ndim < 3
+    ):
         # one row (a decode step): the mask broadcasts over the folded heads
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)

@@ -196,6 +196,8 @@ class Ring:
 
     def visible(self, N: int, window_size: int | None = None) -> np.ndarray:
         """The boolean mask ``(N, fetched(N))`` of the next ``N``-token call."""
+        if N == 1 and not self.in_order(1):
+            return self._visible_step(window_size)
         if self.concatenates(N):
             return self._visible_before(N, window_size)
         n = self.tokens_seen
@@ -223,6 +225,16 @@ class Ring:
             sink_tokens = np.tile(np.arange(S), self.spare_sets)[None, :]
             spare &= sink_tokens > q - window_size
         return np.concatenate([seen, spare], axis=1)
+
+    def _visible_step(self, window_size: int | None) -> np.ndarray:
+        """``visible(1)`` past the first eviction, in a few array operations: a decode
+        step asks for it once per token (the general form costs ~10x as much)."""
+        n, S, t = self.tokens_seen, self.sinks, self.slots
+        seen = (t >= 0) & ((t < S) | (t > n - self.window))
+        if window_size is not None:
+            seen &= t > n - window_size
+        seen[self.slot(n)] = True  # the step's own token
+        return seen[None, : self.fetched(1)]
 
     def _visible_before(self, N: int, window_size: int | None) -> np.ndarray:
         """The mask of a concatenating call: the buffer as it was, the spare sink sets

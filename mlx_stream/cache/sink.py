@@ -253,6 +253,10 @@ class SinkCache(mlx_cache._BaseCache):
         seen = ring.visible(N, window_size)
         visible = np.zeros((N, ring.slots_total), dtype=bool)
         visible[:, : seen.shape[1]] = seen
+        if N == 1 and self._packed and not ring.in_order(1):
+            # A decode step sees its open group's floats in their own slots: its mask
+            # is the ring's (tests/test_qattend.py checks it against the general form).
+            return visible
         slots = ring.slots.copy()
         for slot, i, length in ring.runs(n, N):
             slots[slot : slot + length] = np.arange(n + i, n + i + length)
@@ -411,6 +415,8 @@ class SinkCache(mlx_cache._BaseCache):
         N = keys.shape[2]
         ring, g = self.ring, self.kv_group_size
         n = ring.tokens_seen
+        if N == 1 and self._steady(n):
+            return self._decode_step(keys, values, n)
         self._check_call(N)
         if self.recall is not None and keys.shape[0] != 1:  # at the first call, not later
             raise Unsupported("recall serves one sequence per cache (batch 1)")
@@ -455,6 +461,34 @@ class SinkCache(mlx_cache._BaseCache):
             return out
         self._returned = None
         return self._fetch(L, packed=self._packed)
+
+    def _steady(self, n: int) -> bool:
+        """Whether a one-token call at ``n`` is a plain decode step on the packed route:
+        past the first eviction, in the layout already applied, nothing but its own
+        slot and residual slot to write (``update_and_fetch``'s general path would do
+        the same, with more bookkeeping: the step is most of decoding's Python time)."""
+        return (
+            self._packed
+            and self.keys is not None
+            and n >= self.ring.sinks + self.ring.window
+            and (not self._moving or n // self.ring.stride == self._layout_stride)
+        )
+
+    def _decode_step(self, keys: mx.array, values: mx.array, n: int):
+        ring = self.ring
+        s = ring.slot(n)
+        kvstore.put(
+            self.values, s, s + 1, kvstore.pack(values, self.value_bits, self.kv_group_size)
+        )
+        self.keys.write_one(keys, n)
+        self._recent_slots = self._residual_slots(n, 1)
+        ring.write(1)
+        if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
+            self._undo = None
+        self._last_fetched, self._concatenated, self._returned = ring.slots_total, False, None
+        lo, hi, idx, splice = self._recent_slots
+        return qattend.pack(self.keys, self.values, lo, hi, idx, splice, self.value_bits,
+                            self.kv_group_size)  # fmt: skip
 
     def _fetch(self, L: int, packed: bool = False):
         """The first ``L`` slots of keys and values, as attention takes them (``packed``:
