@@ -111,6 +111,18 @@ def test_quantized_attention_routes_agree(monkeypatch, tmp_path, tiny_model_dir)
         assert mx.allclose(route(), dequantized(), atol=1e-4).item()
 
 
+def test_block_exactness(monkeypatch, tmp_path):
+    from tests import tiny
+
+    folder = tiny.save_model_folder(
+        tmp_path / "hd64", num_attention_heads=1, num_key_value_heads=1
+    )  # head_dim 64: 4-bit keys and values
+    lines = run("block_exactness", monkeypatch, tmp_path, folder, "--dtypes", "bfloat16")
+    assert {r["cache"] for r in lines} == {"kvcache", "sink", "sink-8", "sink-4"}
+    for r in lines:  # bfloat16: a block's rows are the single steps' rows, bit for bit
+        assert r["tokens"] == 80 and r["rows_differing"] == 0 and r["max_abs_diff"] == 0
+
+
 def test_key_schemes(monkeypatch, tmp_path):
     from tests import tiny
 
