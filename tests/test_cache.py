@@ -259,10 +259,11 @@ def test_no_sinks_is_window_only(tiny_llama):
 
 
 def test_mask_shows_sinks_and_window_per_row(tiny_llama):
-    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=16, stride=16)
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=16)
     feed(tiny_llama, cache, TOKENS[:160], 16)
     mask = cache[0].make_mask(16, return_array=True)
-    # The buffer as it was, then the call's own 16 tokens (no stride crossed here).
+    # More tokens than slack + 1: the buffer as it was, then the call's own 16 tokens
+    # (no stride crossed here).
     assert mask.dtype == mx.bool_ and mask.shape == (16, cache[0].capacity + 16)
     assert (mask.sum(axis=1) == S + W).all().item()
     # A model that only passes the mask to attention gets the additive form: 0 where
@@ -270,6 +271,20 @@ def test_mask_shows_sinks_and_window_per_row(tiny_llama):
     additive = cache[0].make_mask(16)
     assert additive.dtype == cache[0].values.dtype
     assert mx.array_equal(additive, mx.where(mask, 0.0, -mx.inf).astype(additive.dtype)).item()
+
+
+def test_a_call_within_the_slack_is_written_in_place(tiny_llama):
+    # At most slack + 1 tokens (a verify block): written into the ring first, so each
+    # row attends over the slots a decode step at its token does (bit for bit in
+    # bfloat16: benchmarks/block_exactness.py), one column per slot.
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=16, stride=16)
+    feed(tiny_llama, cache, TOKENS[:160], 16)
+    mask = cache[0].make_mask(16, return_array=True)
+    assert mask.shape == (16, cache[0].capacity)
+    assert (mask.sum(axis=1) == S + W).all().item()
+    B, H, _, D = cache[0].keys.shape
+    k, _ = cache[0].update_and_fetch(*[mx.zeros((B, H, 16, D))] * 2)
+    assert k.shape[2] == cache[0].capacity
 
 
 def test_a_single_token_step_needs_no_mask_without_slack(tiny_llama):

@@ -22,7 +22,10 @@ those columns; the cache concatenates them, as mlx-lm's rotating cache does for 
 chunk), and writes its tokens into the ring afterwards. So a call never needs slots it
 overwrites, ``slack`` only serves rollback (``trim(n)`` is exact for ``n <= slack + 1``),
 and a single-token step attends over the ``sinks + window + slack`` slots it fills: with
-``slack=0`` all of them are visible and the step needs no mask. ``in_place=True`` (the
+``slack=0`` all of them are visible and the step needs no mask. A call of at most
+``slack + 1`` tokens within one sink layout (a speculative verify block: the decode
+loop's slack is sized for it) is written in place first instead, so its rows attend
+over exactly a decode step's slots (``concatenates``). ``in_place=True`` (the
 per-channel 4-bit keys of ``mlx_stream.cache.kvquant``) writes every call into the ring first,
 keeps spare sink slots after it and needs ``slack + 1`` slots for the largest call.
 """
@@ -148,8 +151,17 @@ class Ring:
 
     def concatenates(self, N: int) -> bool:
         """Whether the next ``N``-token call attends over the buffer as it was before it,
-        followed by its own tokens (not in place, past the first eviction)."""
-        return not self.in_place and N > 1 and not self.in_order(N)
+        followed by its own tokens (not in place, past the first eviction). A call of at
+        most ``slack + 1`` tokens in one sink layout (a speculative verify block) is
+        written in place first instead: each token it overwrites left the window of
+        every row, and each row then attends over the slots a decode step at its token
+        attends over, in the same order, for the same bits."""
+        return (
+            not self.in_place
+            and N > 1
+            and not self.in_order(N)
+            and (N > self.slack + 1 or len(self.sink_layouts(N)) > 1)
+        )
 
     def max_call_tokens(self) -> int:
         """Most tokens the next call may feed without overwriting a token a row still
