@@ -7,10 +7,11 @@ import copy
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from mlx_stream.cache import SinkCache, load_cache, make_sink_cache, qattend, save_cache
+from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, qattend, save_cache
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
 from tests.test_cache import feed
@@ -87,6 +88,35 @@ def test_a_decode_step_splices_the_residual_into_its_slots():
     chunk_mask = cache.make_mask(3)
     k, _ = cache.update_and_fetch(keys[..., 51:54, :], values[..., 51:54, :])
     assert k.splice is None and chunk_mask.shape[-1] == cache.ring.slots_total + k.recent
+
+
+def test_a_decode_steps_mask_is_the_general_spliced_mask():
+    # A decode step's mask takes a short path: the ring's own visibility. Check it
+    # against the general form (the per-channel mask with the residual columns folded
+    # into their tokens' slots) through group fills, sink moves and rebases.
+    cache = SinkCache(S, W, 8, 16, rope=nn.RoPE(D), kv_bits=8, kv_group_size=G)
+    cache.fast_route = True
+    keys, values, _ = tensors(2, 2)
+    ring, L = cache.ring, cache.ring.slots_total
+    checked = 0
+    for n in range(T):
+        got = np.array(cache.make_mask(1, return_array=True))
+        if n >= S + W:
+            slots = ring.slots.copy()
+            slots[ring.slot(n)] = n
+            seen = (slots >= 0) & ((slots < S) | (slots > n - W))
+            visible = np.zeros((1, L), dtype=bool)
+            visible[0, : len(seen)] = seen
+            general = kvquant.mask(visible, slots, n, S, W, None)
+            lo, hi = kvquant.recent_range(n, 1, S)
+            want = general[:, :L].copy()
+            for j, tok in enumerate(kvquant.recent_tokens(n, 1, S)[lo:hi]):
+                if tok >= S:
+                    want[:, ring.slot(tok)] |= general[:, L + j]
+            assert got.tolist() == want.tolist()
+            checked += 1
+        cache.update_and_fetch(keys[..., n : n + 1, :], values[..., n : n + 1, :])
+    assert checked > 5 * G
 
 
 @pytest.fixture(scope="module")

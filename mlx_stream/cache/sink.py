@@ -255,7 +255,7 @@ class SinkCache(mlx_cache._BaseCache):
         visible[:, : seen.shape[1]] = seen
         if N == 1 and self._packed and not ring.in_order(1):
             # A decode step sees its open group's floats in their own slots: its mask
-            # is the ring's (tests/test_qattend.py checks it against the general form).
+            # is the ring's (tests/test_qattend.py checks it against the general form, step by step).
             return visible
         slots = ring.slots.copy()
         for slot, i, length in ring.runs(n, N):
