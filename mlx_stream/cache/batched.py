@@ -138,8 +138,7 @@ class BatchSinkCache(mlx_cache._BaseCache):
                 slot = row.move.slot if row.move is not None and row.move.moves else 0
                 row.sink_copy[..., n : n + 1, :] = (keys, values)[slot][b : b + 1]
             row.ring.write(1)
-            if row._undo is not None and row.ring.tokens_seen >= row._undo[0] + row.slack + 2:
-                row._undo = None  # as SinkCache.update_and_fetch: no rollback reaches it
+            row._expire_undo()
         return self.keys, self.values
 
     def _relayout(self, b: int, row: SinkCache, n: int) -> None:

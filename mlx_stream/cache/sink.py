@@ -451,8 +451,7 @@ class SinkCache(mlx_cache._BaseCache):
             self._recent_slots = self._residual_slots(n, N)
             L = ring.slots_total
         ring.write(N)
-        if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
-            self._undo = None  # no rollback can reach back across that rebase any more
+        self._expire_undo()
         self._last_fetched = L
         self._concatenated = concat is not None
         if concat is not None:
@@ -470,7 +469,7 @@ class SinkCache(mlx_cache._BaseCache):
         return (
             self._packed
             and self.keys is not None
-            and n >= self.ring.sinks + self.ring.window
+            and not self.ring.in_order(1)
             and (not self._moving or n // self.ring.stride == self._layout_stride)
         )
 
@@ -483,12 +482,14 @@ class SinkCache(mlx_cache._BaseCache):
         self.keys.write_one(keys, n)
         self._recent_slots = self._residual_slots(n, 1)
         ring.write(1)
-        if self._undo is not None and ring.tokens_seen >= self._undo[0] + self.slack + 2:
-            self._undo = None
+        self._expire_undo()
         self._last_fetched, self._concatenated, self._returned = ring.slots_total, False, None
-        lo, hi, idx, splice = self._recent_slots
-        return qattend.pack(self.keys, self.values, lo, hi, idx, splice, self.value_bits,
-                            self.kv_group_size)  # fmt: skip
+        return self._fetch(ring.slots_total, packed=True)
+
+    def _expire_undo(self) -> None:
+        """Drop the copy kept to undo a rebase once no rollback can reach back across it."""
+        if self._undo is not None and self.ring.tokens_seen >= self._undo[0] + self.slack + 2:
+            self._undo = None
 
     def _fetch(self, L: int, packed: bool = False):
         """The first ``L`` slots of keys and values, as attention takes them (``packed``:
