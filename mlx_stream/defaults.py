@@ -20,14 +20,23 @@ DEFAULT_RECALL_RAM_MB = 1024
 
 # Decoding and evaluation (mlx_stream.generate.decode, mlx_stream.eval.perplexity).
 DEFAULT_MAX_TOKENS = 256
+# A server request that sets no max_tokens (Codex sends none): room for an agent's whole
+# answer (a cut reply reads to an agent as a failed turn), still an end for a model that
+# never stops.
+DEFAULT_SERVE_MAX_TOKENS = 4096
 DEFAULT_NUM_DRAFT_TOKENS = 3
 DEFAULT_CHUNK = 64
 DEFAULT_CHECKPOINT_EVERY = 4096
 
-# Tokens one server request may feed (mlx_stream.serve.engine: its new message; a history
-# is never fed past the window). 16k is what small models are trained on and what an edge
-# CPU prefills in about a minute, a chunk per round between the other requests' tokens.
-DEFAULT_MAX_PROMPT_TOKENS = 16384
+# Tokens one server request may feed (mlx_stream.serve.engine: a new session's whole
+# history, else its new messages): a long prompt streams through the window a chunk per
+# round like any other, so this only guards against a runaway client. 256k covers the
+# 200k-token conversations coding agents keep before they compact them.
+DEFAULT_MAX_PROMPT_TOKENS = 262144
+# Tokens of a rendered system prompt that serve pins as a session's sinks (keep_system);
+# the rest flows through the window. An agent's prompt runs to 6-20k tokens: its head
+# (who the assistant is, the rules) stays, its tool list streams by and recall keeps it.
+DEFAULT_PIN_TOKENS = 1024
 
 # Reclaiming MLX's buffer pool (mlx_stream.cache.reclaim).
 DEFAULT_RECLAIM_EVERY = 256

@@ -266,7 +266,7 @@ def test_serve_recall_flags_reach_the_server(tiny_model_dir, tmp_path):
         assert len(list(recall_dir.iterdir())) == 1
     finally:
         server.stop()
-    assert "recall 2 blocks" in server.proc.stderr.read()
+    assert "recall 2 blocks" in server.log()
     assert list(recall_dir.iterdir()) == []
 
 

@@ -128,11 +128,13 @@ def test_a_cancelled_prefill_stops_between_chunks(loaded, tmp_path, monkeypatch,
     assert sum(fed) < 3000, sum(fed)  # far from the 6,000 tokens of the whole prompt
 
 
-def test_prompts_over_the_limit_are_413_with_the_numbers_and_max_tokens_is_capped(
+def test_prompts_over_the_limit_are_413_and_max_tokens_is_the_clients_under_a_ceiling(
     loaded, tmp_path, monkeypatch
 ):
     model = loaded[0]
-    e = make_engine(loaded, tmp_path, max_prompt_tokens=100, settings={"max_tokens": 5})
+    e = make_engine(
+        loaded, tmp_path, max_prompt_tokens=100, settings={"max_tokens": 5}, max_tokens_ceiling=9
+    )
     fed: list[int] = []
     call = type(model).__call__
     monkeypatch.setattr(
@@ -152,7 +154,13 @@ def test_prompts_over_the_limit_are_413_with_the_numbers_and_max_tokens_is_cappe
             pass
         assert event[0] == "error" and event[1] == 413 and "120" in event[2], event
         text, usage, error = ask(e, [{"role": "user", "content": "hello sea"}], max_tokens=500)
-        assert error is None and usage["completion_tokens"] <= 5, usage
+        assert error is None and usage["completion_tokens"] <= 9, usage  # the ceiling
+        asked = []
+        for max_tokens in (None, 7, 2):
+            _, usage, error = ask(e, [{"role": "user", "content": "the sea"}], max_tokens=max_tokens)
+            assert error is None, error
+            asked.append(usage["completion_tokens"])
+        assert asked[0] <= 5 and asked[1] <= 7 and asked[2] <= 2, asked  # default; its own
     finally:
         e.stop()
 

@@ -62,10 +62,14 @@ class Server:
                str(model_dir), "--port", str(self.port), *args]  # fmt: skip
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []  # its stderr (the access log), read as it comes
+        self.reader = reader = threading.Thread(target=self._read, daemon=True)
+        reader.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited: {self.proc.stderr.read()}")
+                reader.join(timeout=5)
+                raise RuntimeError(f"serve exited: {self.log()}")
             try:
                 if http("GET", self.url + "/health", timeout=1).status_code == 200:
                     break
@@ -76,6 +80,14 @@ class Server:
             self.stop()
             raise RuntimeError("serve did not start within 60 s")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:  # a full pipe would block the server's writes
+            self.lines.append(line)
+
+    def log(self) -> str:
+        """What the server wrote to stderr so far."""
+        return "".join(self.lines)
 
     def get(self, path: str) -> dict:
         return http("GET", self.url + path, timeout=10).json()
@@ -90,6 +102,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.reader.join(timeout=5)  # the last lines it wrote
 
 
 @pytest.fixture(scope="module")

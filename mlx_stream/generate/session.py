@@ -36,6 +36,7 @@ class Settings:
 
     cache: CacheSpec
     keep_system: bool = False
+    pin_limit: int | None = None  # most sinks ``keep_system`` pins; the rest flows
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
@@ -67,6 +68,13 @@ def _new_messages(user_text: str | list[dict]) -> list[dict]:
     if isinstance(user_text, str):
         return [{"role": "user", "content": user_text}]
     return [dict(m) for m in user_text]
+
+
+def _as_user(message: dict) -> dict:
+    """A system message after the first, for a template that refuses one there."""
+    if message["role"] != "system":
+        return message
+    return {"role": "user", "content": f"[system] {message['content']}"}
 
 
 def clean_text(text: str) -> str:
@@ -177,11 +185,19 @@ class ChatSession:
         extra: dict[str, Any] = {}
         if self.tools is not None:
             messages, extra = self.tools.for_template(messages)
-        if getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None):
+            return "".join(m["content"] + "\n" for m in messages)
+        try:
             return tok.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
-        return "".join(m["content"] + "\n" for m in messages)
+        except Exception:  # noqa: BLE001 - a template that takes a system message first only
+            if not any(m["role"] == "system" for m in messages[1:]):
+                raise
+            messages = messages[:1] + [_as_user(m) for m in messages[1:]]
+            return tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            )
 
     def encode(self, text: str) -> list[int]:
         """Tokens of rendered text (the template writes any BOS itself)."""
@@ -286,6 +302,8 @@ class ChatSession:
             self.sinks = self.system_tokens()
             if self.sinks == 0:
                 raise UserError("--keep-system needs a system prompt: pass --system TEXT")
+            if self.settings.pin_limit is not None:
+                self.sinks = min(self.sinks, self.settings.pin_limit)
         self.caches = self.make_caches()
 
     def set_system(self, text: str | None) -> None:
@@ -314,7 +332,7 @@ class ChatSession:
         return self.last
 
     def stream(
-        self, user_text: str | list[dict], tail: int | None = None, **overrides: Any
+        self, user_text: str | list[dict], turn: tuple | None = None, **overrides: Any
     ) -> Iterator[Any]:
         """Generate a reply to ``user_text``, yielding ``stream_generate``'s responses.
 
@@ -327,13 +345,11 @@ class ChatSession:
 
         Args:
             user_text (str | list[dict]): The new user message, or the new messages.
-            tail (int, optional): Feed at most the last ``tail`` new tokens (a rebuilt
-                conversation keeps only what fits the window).
+            turn (tuple, optional): :meth:`turn_tokens` of ``user_text``, when the
+                caller already has it (to check its size first).
             **overrides: Per-call settings, see :meth:`generate`.
         """
-        tokens, full = self.turn_tokens(user_text)
-        if tail is not None and len(tokens) > tail:
-            tokens = tokens[-tail:]
+        tokens, full = turn if turn is not None else self.turn_tokens(user_text)
         before = [cache_count(self.caches)]
         if self.draft_model is not None:
             before.append(cache_count(self.caches[self.n_target :]))

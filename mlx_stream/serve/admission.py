@@ -174,3 +174,41 @@ class Admission:
     def _forget_snapshot(self, head: str) -> None:
         self.snapshots.pop(head, None)
         self._snapshot_used.pop(head, None)
+
+
+MIN_SESSIONS = 4  # sessions the default window leaves room for, each with its checkpoint
+MIN_WINDOW = 256
+
+
+def default_window(
+    context: int | None, token_bytes: int, free: int, pin: int, stride: int = 64
+) -> int:
+    """``serve``'s window when none is given: the model's trained ``context`` less the
+    pinned system prompt (positions never reach past what it was trained on), cut to
+    what ``free`` bytes (the budget less the weights) hold for :data:`MIN_SESSIONS`
+    sessions of ``pin + window`` tokens at ``token_bytes`` each, twice (a checkpoint);
+    a multiple of ``stride``, at least :data:`MIN_WINDOW`."""
+    window = (context or 4096) - pin
+    if token_bytes > 0:
+        window = min(window, free // (2 * MIN_SESSIONS * token_bytes) - pin)
+    return max(MIN_WINDOW, window // stride * stride)
+
+
+def window_for(model: Any, context: int | None, cache: Any, budget: int | None) -> int:
+    """:func:`default_window` of a loaded ``model`` under the ``cache`` policy (its KV
+    quantization) and ``budget`` (default: 75% of the machine, as :class:`Admission`);
+    ``context`` defaults to the model's ``max_position_embeddings``."""
+    from mlx_stream.cache.estimate import cache_bytes, model_layout
+    from mlx_stream.defaults import DEFAULT_PIN_TOKENS
+
+    args = getattr(model, "args", None)
+    context = context or getattr(args, "max_position_embeddings", None)
+    layout, probe = model_layout(model), 1024
+    token_bytes = 0
+    if layout is not None:
+        quant = {"kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group_size,
+                 "key_bits": cache.key_bits}  # fmt: skip
+        token_bytes = cache_bytes(layout, 0, probe, **quant) // probe
+    budget = budget or int(physical_memory() * 0.75) or 1 << 62
+    free = max(0, budget - weights_bytes(model))
+    return default_window(context, token_bytes, free, DEFAULT_PIN_TOKENS, cache.stride)

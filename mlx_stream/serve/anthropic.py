@@ -4,12 +4,18 @@ and ``POST /v1/messages/count_tokens``, what Claude Code speaks.
 Contract: a request is translated into the engine's one request type (the same
 sessions, batching, admission by bytes and cancellation as chat completions) and its
 events back into Anthropic's shapes:
-- ``system`` (text or text blocks) -> a system message; ``text`` blocks -> content;
+- ``system`` (text or text blocks) -> a system message; ``{"role": "system"}``
+  messages inside ``messages`` stay at their place; ``text`` blocks -> content;
   an assistant's ``tool_use`` blocks -> its tool calls (same ids); a user's
-  ``tool_result`` blocks -> tool messages, each answering a ``tool_use`` of the
-  assistant message before it (else 400 naming ``messages.I.content.J.tool_use_id``).
+  ``tool_result`` blocks (text or nested text blocks) -> tool messages, each answering
+  a ``tool_use`` of the assistant message before it (else 400 naming
+  ``messages.I.content.J.tool_use_id``). ``thinking`` / ``redacted_thinking`` and
+  hosted tools' blocks are left out of the prompt; an image or a document is a
+  one-line 400 (the model reads text only). ``cache_control``, ``metadata``,
+  ``thinking`` and other fields this server has no use for are ignored.
 - ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice``
-  (``auto``, ``any``, ``tool`` + ``name``, ``none``) -> function tools.
+  (``auto``, ``any``, ``tool`` + ``name``, ``none``) -> function tools; hosted tools
+  (a ``type`` such as ``web_search_20250305``) cannot run here: left out, logged.
 - ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``max_tokens`` are read
   from the body (recent SDKs send sampling fields as extra body fields).
 - Replies: ``content`` blocks (``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
@@ -68,16 +74,23 @@ class Block(BaseModel):
 
 
 class Message(BaseModel):
-    role: Literal["user", "assistant"]
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
 class Tool(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    type: str | None = None  # None or "custom": a client tool; else a hosted one
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
+
+    @property
+    def hosted(self) -> bool:
+        return self.type not in (None, "custom") or self.input_schema is None
 
 
 class ToolChoice(BaseModel):
@@ -112,16 +125,26 @@ class CountRequest(BaseModel):
     tools: list[Tool] | None = None
 
 
+SKIPPED = ("thinking", "redacted_thinking")  # the model's own reasoning: not replayed
+MEDIA = ("image", "document")
+
+
+def _refuse_media(kind: str, where: str) -> None:
+    if kind in MEDIA:
+        raise UserError(f"{where}.type: {kind} blocks are not supported: this model reads text")
+
+
 def _text(content: Any, where: str) -> str:
+    """The text of a ``system`` or ``tool_result`` content (text blocks joined)."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else block.type
         text = block.get("text") if isinstance(block, dict) else block.text
-        if kind != "text":
-            raise UserError(f"{where}.{j}.type: only text blocks are supported here, not {kind!r}")
-        parts.append(text or "")
+        _refuse_media(kind, f"{where}.{j}")
+        if kind == "text":
+            parts.append(text or "")
     return "".join(parts)
 
 
@@ -134,6 +157,9 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
     open_ids: set[str] = set()
     for i, m in enumerate(body.messages):
         where = f"messages.{i}.content"
+        if m.role == "system":  # a mid-conversation note: kept at its place
+            messages.append({"role": "system", "content": _text(m.content, where)})
+            continue
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
             open_ids = set()
@@ -156,10 +182,12 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
                     )
                 content = _text(b.content, f"{where}.{j}.content")
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
-            else:
+            elif b.type in ("tool_use", "tool_result"):
                 raise UserError(
-                    f"{where}.{j}.type: {b.type!r} is not supported in a {m.role} message"
+                    f"{where}.{j}.type: {b.type!r} is not allowed in a {m.role} message"
                 )
+            else:  # thinking, hosted tools' blocks: not part of the prompt
+                _refuse_media(b.type, f"{where}.{j}")
         if m.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if calls:
@@ -173,7 +201,7 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
     tools = [
         {"type": "function", "function": {"name": t.name, "description": t.description or "",
                                           "parameters": t.input_schema}}
-        for t in body.tools or []
+        for t in body.tools or [] if not t.hosted
     ]  # fmt: skip
     choice = getattr(body, "tool_choice", None)
     tool_choice = None
@@ -183,6 +211,11 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
         tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
         tool_choice = tool_choice or {"type": "function", "function": {"name": choice.name}}
     return {"messages": messages, "tools": tools or None, "tool_choice": tool_choice}
+
+
+def hosted_tools(body: MessagesRequest | CountRequest) -> list[str]:
+    """Names of the hosted tools a request offers (left out: nothing runs them here)."""
+    return [t.name for t in body.tools or [] if t.hosted]
 
 
 def _usage(usage: dict) -> dict[str, int]:
@@ -230,9 +263,14 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             fields = to_engine(body)
         except UserError as exc:
             return error(400, str(exc))
+        hosted = hosted_tools(body)
+        if hosted:
+            events.note(
+                http, f"hosted tools left out (nothing runs them here): {', '.join(hosted)}"
+            )
         job, request, first = await events.start(
-            engine, session_id=x_session_id, max_tokens=body.max_tokens, top_k=body.top_k,
-            stop=body.stop_sequences or None, owner=owner_of(http),
+            engine, http=http, session_id=x_session_id, max_tokens=body.max_tokens,
+            top_k=body.top_k, stop=body.stop_sequences or None, owner=owner_of(http),
             **sampling_args(body.temperature, body.top_p), **fields,
         )  # fmt: skip
         if first[0] == "error":
@@ -244,7 +282,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         if body.stream:
             stream = _stream(job, request, ident, engine.model_id)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        reply = await events.drain(job, request)
+        reply = await events.drain(job, request, http)
         if reply.error is not None:
             return error(*reply.error)
         content = ([{"type": "text", "text": reply.text}] if reply.text else []) + [
@@ -318,6 +356,8 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
                 yield _sse("content_block_stop", {"index": index})
                 index += 1
+            elif event[0] == "ping":  # a long prompt going in: the client waits on
+                yield _sse("ping", {})
             elif event[0] == "end":
                 if text_open:
                     yield _sse("content_block_stop", {"index": index})

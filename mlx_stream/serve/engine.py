@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
+from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PIN_TOKENS
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.session import (
     ChatSession,
@@ -153,6 +153,7 @@ class Request:
     tool_choice: Any = None
     top_k: int | None = None
     matched_stop: str | None = None  # set by the engine: the stop string that ended it
+    progress: bool = False  # also emit ("prefill", done, total) while its prompt goes in
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -173,6 +174,8 @@ class _Job:
     row: Any = None  # its mlx_stream.generate.batch.Row, once its first token was asked for
     running: bool = False  # inside next(tokens): never re-entered
     sent: int = 0  # tokens its consumer got
+    prompt: int = 0  # tokens its turn feeds
+    fed: int = 0  # of those, about how many went in (a prefill chunk per poll)
 
 
 class Engine:
@@ -192,6 +195,11 @@ class Engine:
             ``index.json`` (a restart with the same folder finds them again).
             Default: a temp folder.
         max_prompt_tokens (int): Most tokens one request may feed (HTTP 413 over it).
+        pin (int, optional): Most tokens of a rendered system prompt kept as sinks
+            (``keep_system``); the rest of it flows through the window. Default:
+            ``DEFAULT_PIN_TOKENS`` or the window if smaller.
+        max_tokens_ceiling (int, optional): The operator's cap on any request's
+            ``max_tokens``. Default: none (a request's own value is served).
         chunk (int): Tokens a request advances per scheduler round when not batched.
         batching (bool): Decode sessions together in one batched call per round.
             Default: True (refused, with the reason in the stats, where inexact).
@@ -218,9 +226,12 @@ class Engine:
         cluster: Any = None,
         isolate: bool = False,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+        pin: int | None = None,
+        max_tokens_ceiling: int | None = None,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.max_tokens_ceiling = max_prompt_tokens, max_tokens_ceiling
+        self.pin = min(DEFAULT_PIN_TOKENS, settings.cache.window) if pin is None else pin
         self._closing = False  # draining: requests are refused (503)
         self._logprobs = TokenLogprobs(tokenizer)
         self._grammars, self._vocab = None, None
@@ -467,12 +478,15 @@ class Engine:
         self._publish()
 
     def _bound(self, request: Request) -> None:
-        """Cap the request's ``max_tokens`` at the server's; :class:`TooLarge` for a
-        prompt over ``max_prompt_tokens``, counted before any prefill (the new message
-        of a chat: its history is matched, or fed no further back than the window)."""
-        cap = self.settings.max_tokens
-        if request.max_tokens is not None and not 0 < request.max_tokens <= cap:
-            request.max_tokens = cap
+        """The request's ``max_tokens``: its own, else the server's default, never over
+        the operator's ``max_tokens_ceiling``; :class:`TooLarge` for a new message
+        over ``max_prompt_tokens``, counted before any matching or prefill (what a
+        turn feeds in all, its history included, is checked once it is matched)."""
+        if request.max_tokens is None or request.max_tokens <= 0:
+            request.max_tokens = self.settings.max_tokens
+        ceiling = self.max_tokens_ceiling
+        if ceiling is not None and request.max_tokens > ceiling:
+            request.max_tokens = ceiling
         if request.messages is not None:
             text = request.messages[-1].get("content", "") if request.messages else ""
         else:
@@ -546,8 +560,13 @@ class Engine:
                 job.running = False
                 self._finish(job)
                 return
-            if response is None:
-                break  # a prefill chunk went in: the others' turn
+            if response is None:  # a prefill chunk went in: the others' turn
+                from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
+
+                job.fed = min(job.prompt, job.fed + DEFAULT_PREFILL_CHUNK)
+                if job.request.progress:
+                    job.request.emit(("prefill", job.fed, job.prompt))
+                break
             job.sent += 1
             ending = response.finish_reason is not None
             if ending and getattr(response, "stop_string", None):
@@ -739,19 +758,13 @@ class Engine:
 
     def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
         """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
-        settings = self._settings(keep_system=self.keep_system)
+        settings = self._settings(keep_system=self.keep_system, pin_limit=self.pin)
         kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
         try:
             session = ChatSession(self.model, self.tokenizer, settings, **kw)
         except UserError:  # keep_system without any system prompt: plain sinks
             settings.keep_system = False
             session = ChatSession(self.model, self.tokenizer, settings, **kw)
-        if session.sinks > settings.cache.window:
-            recalled.release(session)
-            raise BadRequest(
-                f"the system prompt has {session.sinks} tokens; the server pins at most "
-                f"--window ({settings.cache.window}) tokens of it"
-            )
         return session
 
     def _from_snapshot(self, session: ChatSession, keep: Entry, extra: int = 0) -> None:
@@ -761,6 +774,10 @@ class Engine:
         (or none is busy to free it), the session prefills its own."""
         admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
+        if head and len(session.encode(head)) > session.sinks:
+            # Longer than the pin: the turn's stream feeds it, a chunk per round.
+            admission.make_room(extra, keep)
+            return
         if head and self.recall is not None:  # a snapshot's copy would share its tier
             admission.make_room(extra, keep)
             session.prefill(head)
@@ -850,25 +867,34 @@ class Engine:
             if entry.session is None and entry.path is None:  # refused before it began
                 self._drop(entry)
             raise
-        session, tail = entry.session, None
+        session = entry.session
         if mode == "restore":  # the checkpoint encodes exactly ``history``
             self._restore(session, checkpoint)
             entry.checkpoint = checkpoint
-        elif mode == "rebuild":
+        elif mode == "rebuild":  # the whole history goes in with the new turn
             self._rebuild(entry, system, history, toolset)
             session = entry.session
-            tail = self.settings.cache.window if history else None
         else:
             entry.checkpoint = self._checkpoint(session)
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
+        turn = session.turn_tokens(user)
+        if len(turn[0]) > self.max_prompt_tokens:
+            if mode in ("rebuild", "new"):  # its caches would not encode its transcript
+                self._drop(entry)
+            raise TooLarge(
+                f"the prompt has {len(turn[0]):,} tokens to feed; this server takes at most "
+                f"{self.max_prompt_tokens:,} per request (--max-prompt-tokens)"
+            )
         cached = cache_count(session.caches)
         box: list = []
         tokens = session.stream(
-            user, tail=tail, max_tokens=request.max_tokens, temp=request.temp,
+            user, turn=turn, max_tokens=request.max_tokens, temp=request.temp,
             top_p=request.top_p, stop=request.stop, seed=request.seed,
             steps=self._steps(request, box), **extra,
         )  # fmt: skip
-        box.append(self._start(request, entry, tokens, cached, batched=self._batch is not None))
+        job = self._start(request, entry, tokens, cached, batched=self._batch is not None)
+        job.prompt = len(turn[0])
+        box.append(job)
 
     def _agents(self, request: Request) -> tuple[Any, dict]:
         """A request's tool plan and sampling arguments (mlx_stream.serve), checked
@@ -956,7 +982,9 @@ class Engine:
             self._drop(entry)
             raise
         generator = self._completion(session, tokens, request, self._steps(request, box), extra)
-        box.append(self._start(request, entry, generator, 0, batched=self._batch is not None))
+        job = self._start(request, entry, generator, 0, batched=self._batch is not None)
+        job.prompt = len(tokens)
+        box.append(job)
 
     @staticmethod
     def _completion(

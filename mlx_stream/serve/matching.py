@@ -54,7 +54,8 @@ class Entry:
 def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dict], str]:
     """``(system, history, user)`` of a chat request: a leading system message, the
     turns before the last, and the last (a user message's text; after tool results,
-    the new messages as a list). Text is decoded leniently."""
+    or with system messages around it, the new messages as a list). System messages
+    elsewhere stay in the transcript at their place. Text is decoded leniently."""
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if not messages:
         raise BadRequest("messages: must hold at least one message")
@@ -62,14 +63,17 @@ def split_messages(messages: list[dict[str, str]]) -> tuple[str | None, list[dic
     if messages[0]["role"] in ("system", "developer"):
         system = messages[0]["content"]
         messages = messages[1:]
-    if not messages or messages[-1]["role"] not in ("user", "tool"):
+    n = len(messages)
+    while n > 0 and messages[n - 1]["role"] in ("system", "developer"):
+        n -= 1  # system messages after the last turn (agents' reminders) join it
+    if n == 0 or messages[n - 1]["role"] not in ("user", "tool"):
         raise BadRequest("messages: the last message must be from the user or a tool result")
-    if messages[-1]["role"] == "user" and (len(messages) < 2 or messages[-2]["role"] != "tool"):
+    last_user = messages[n - 1]["role"] == "user"
+    if n == len(messages) and last_user and (n < 2 or messages[-2]["role"] != "tool"):
         return system, messages[:-1], messages[-1]["content"]
-    from mlx_stream.serve.tools import split_new
-
-    history, new = split_new(messages)  # tool results: a turn of several messages
-    return system, history, new
+    # Several new messages (tool results, system notes): all after the last reply.
+    cut = max((i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
+    return system, messages[:cut], messages[cut:]
 
 
 def restorable(entry: Entry, system: str | None, history: list) -> bool:

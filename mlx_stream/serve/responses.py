@@ -64,15 +64,21 @@ class ResponsesRequest(BaseModel):
     store: bool = True
 
 
+TEXT_PARTS = ("input_text", "output_text", "text")
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
 def _parts_text(content: Any, where: str) -> str:
+    """The text of a message's parts; a refusal part is left out, media are refused."""
     if isinstance(content, str):
         return content
     out = []
     for j, part in enumerate(content or []):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise UserError(f"{where}.{j}.type: only text parts are supported, not {kind!r}")
-        out.append(part.get("text") or "")
+        if kind in MEDIA_PARTS:
+            raise UserError(f"{where}.{j}.type: {kind} is not supported: this model reads text")
+        if kind in TEXT_PARTS:
+            out.append(part.get("text") or "")
     return "".join(out)
 
 
@@ -109,22 +115,41 @@ def input_messages(items: str | list[dict], open_ids: set[str]) -> list[dict[str
                     f"{where}.call_id: {item.get('call_id')!r} answers no function_call"
                 )
             output = item.get("output")
-            output = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+            if isinstance(output, list):
+                output = _parts_text(output, f"{where}.output")
+            elif not isinstance(output, str):
+                output = json.dumps(output, ensure_ascii=False)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-        else:
-            raise UserError(f"{where}.type: {kind!r} is not supported")
+        # Other items (reasoning, hosted tools' calls) are not part of the prompt.
     return out
 
 
-def function_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses' flat function tools as chat completions' nested ones."""
-    out = []
-    for i, tool in enumerate(tools or []):
-        if tool.get("type") != "function":
-            raise UserError(f"tools.{i}.type: only function tools are supported")
+def function_tools(tools: list[dict] | None) -> tuple[list[dict] | None, dict, list[str]]:
+    """Responses' function tools as chat completions' nested ones: ``namespace``
+    groups flattened (each function keeps its name, the one the client knows), the
+    namespace of each such name, and the hosted tools left out (nothing runs them)."""
+    out, namespaces, hosted = [], {}, []
+
+    def add(tool: dict, where: str) -> None:
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise UserError(f"{where}.name: required")
         spec = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": spec})
-    return out or None
+
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type")
+        if kind == "function":
+            add(tool, f"tools.{i}")
+        elif kind == "namespace":
+            for j, inner in enumerate(tool.get("tools") or []):
+                if inner.get("type", "function") == "function":
+                    add(inner, f"tools.{i}.tools.{j}")
+                    namespaces[inner["name"]] = tool.get("name")
+                else:
+                    hosted.append(str(inner.get("name") or inner.get("type")))
+        else:
+            hosted.append(str(tool.get("name") or kind))
+    return out or None, namespaces, hosted
 
 
 def _choice(choice: Any) -> Any:
@@ -164,7 +189,8 @@ def _usage(usage: dict) -> dict[str, Any]:
 class _Shape:
     """The response object of one request, built up as its events arrive."""
 
-    def __init__(self, body: ResponsesRequest, model: str):
+    def __init__(self, body: ResponsesRequest, model: str, namespaces: dict | None = None):
+        self.namespaces = namespaces or {}  # function name -> its namespace group
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.message_id = "msg_" + uuid.uuid4().hex[:24]
         self.body, self.model, self.created = body, model, int(time.time())
@@ -175,12 +201,14 @@ class _Shape:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                 "content": [part]}  # fmt: skip
 
-    @staticmethod
-    def call_item(call: dict, status: str = "completed") -> dict[str, Any]:
+    def call_item(self, call: dict, status: str = "completed") -> dict[str, Any]:
         fn = call["function"]
-        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+        item = {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
                 "call_id": call["id"], "name": fn["name"], "arguments": fn["arguments"],
                 "status": status}  # fmt: skip
+        if fn["name"] in self.namespaces:
+            item["namespace"] = self.namespaces[fn["name"]]
+        return item
 
     def output(self) -> list[dict[str, Any]]:
         items = [self.message_item()] if self.text or not self.calls else []
@@ -247,13 +275,18 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             new = input_messages(body.input, open_ids)
             fmt = (body.text or {}).get("format")
             grammar = _grammar(fmt)
-            tools = function_tools(body.tools)
+            tools, namespaces, hosted = function_tools(body.tools)
         except UserError as exc:
             return error(400, str(exc))
+        if hosted:
+            events.note(
+                http, f"hosted tools left out (nothing runs them here): {', '.join(hosted)}"
+            )
         head = [{"role": "system", "content": body.instructions}] if body.instructions else []
         messages = head + history + new
         job, request, first = await events.start(
-            engine, messages=messages, session_id=session_id, max_tokens=body.max_output_tokens,
+            engine, http=http, messages=messages, session_id=session_id,
+            max_tokens=body.max_output_tokens,
             grammar=grammar, tools=tools, tool_choice=_choice(body.tool_choice), owner=owner,
             **sampling_args(body.temperature, body.top_p),
         )  # fmt: skip
@@ -262,7 +295,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             return error(status, message, {"Retry-After": str(retry)} if retry else None)
         session_id = first[1].get("session_id")
         headers = {"X-Session-ID": session_id} if session_id else None
-        shape = _Shape(body, engine.model_id)
+        shape = _Shape(body, engine.model_id, namespaces)
 
         def keep() -> dict[str, Any]:
             status = "incomplete" if shape.finish == "length" else "completed"
@@ -275,7 +308,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         if body.stream:
             stream = _stream(job, request, shape, keep)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        reply = await events.drain(job, request)
+        reply = await events.drain(job, request, http)
         if reply.error is not None:
             return error(*reply.error)
         shape.text, shape.calls, shape.usage, shape.finish = (
@@ -317,6 +350,8 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
         index, text_open = 0, False
         while True:
             event = await job.events.get()
+            if event[0] == "ping":  # a long prompt going in: a real event keeps it alive
+                yield sse("response.in_progress", response=shape.response("in_progress"))
             if event[0] == "text" and event[1]:
                 if not text_open:
                     item = {**shape.message_item("in_progress"), "content": []}

@@ -1,0 +1,108 @@
+"""A prompt longer than the window is a stream like any other on ``serve``: the head of
+a long system prompt is pinned (at most ``pin`` tokens), the rest flows through the
+window, a new session's whole history goes in, and only ``--max-prompt-tokens`` (counted
+over all that is fed) refuses a request, leaving no session behind."""
+
+from __future__ import annotations
+
+import queue
+
+from tests.test_serve_robust import ask, loaded, make_engine, on_worker  # noqa: F401
+
+SYSTEM = "you are a captain of the sea " * 60  # ~360 tokens: far over a 64-token window
+
+
+def sessions(engine) -> dict[str, dict]:
+    on_worker(engine, engine._publish)
+    return {s["id"]: s for s in engine.stats["sessions"]}
+
+
+def rendered_tokens(engine, messages) -> int:
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def test_a_system_prompt_longer_than_the_window_is_served_with_its_head_pinned(loaded, tmp_path):
+    e = make_engine(loaded, tmp_path, pin=16)
+    try:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+        text, usage, error = ask(e, messages, session_id="long", max_tokens=4)
+        assert error is None, error
+        assert usage["prompt_tokens"] == rendered_tokens(e, messages)  # fed whole
+        info = sessions(e)["long"]
+        assert info["sinks"] == 16 and info["tokens_evicted"] > 0, info
+        follow = [*messages, {"role": "assistant", "content": text},
+                  {"role": "user", "content": "and then"}]  # fmt: skip
+        _, usage, error = ask(e, follow, session_id="long", max_tokens=4)
+        assert error is None and usage["prompt_tokens_details"]["cached_tokens"] > 300, usage
+    finally:
+        e.stop()
+
+
+def test_the_pin_defaults_to_the_window_when_that_is_smaller(loaded, tmp_path):
+    e = make_engine(loaded, tmp_path)  # window 64 < DEFAULT_PIN_TOKENS
+    try:
+        assert e.pin == 64
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+        _, _, error = ask(e, messages, session_id="pinned", max_tokens=2)
+        assert error is None and sessions(e)["pinned"]["sinks"] == 64
+    finally:
+        e.stop()
+
+
+def test_a_first_request_with_a_history_is_fed_whole(loaded, tmp_path):
+    e = make_engine(loaded, tmp_path)
+    try:
+        history = []
+        for i in range(6):
+            history += [{"role": "user", "content": f"tell me of the sea {i} " * 20},
+                        {"role": "assistant", "content": "the whale and the ship " * 10}]  # fmt: skip
+        messages = [*history, {"role": "user", "content": "and now"}]
+        events: queue.Queue = queue.Queue()
+        from mlx_stream.serve.engine import Request
+
+        e.submit(Request(emit=events.put, messages=messages, max_tokens=2, progress=True))
+        seen = []
+        while (event := events.get(timeout=120))[0] not in ("end", "error"):
+            seen.append(event)
+        assert event[0] == "end", event
+        whole = rendered_tokens(e, messages)
+        assert event[1]["prompt_tokens"] == whole > 10 * 64
+        progress = [ev[1:] for ev in seen if ev[0] == "prefill"]
+        assert progress and all(total == whole for _, total in progress)
+        done = [d for d, _ in progress]
+        assert done == sorted(done) and 0 < done[-1] <= whole
+    finally:
+        e.stop()
+
+
+def test_over_max_prompt_tokens_in_all_is_413_and_leaves_no_session(loaded, tmp_path):
+    """The new message is short; its history is not: counted once matched."""
+    e = make_engine(loaded, tmp_path, max_prompt_tokens=200)
+    try:
+        history = [{"role": "user", "content": "the sea " * 80},
+                   {"role": "assistant", "content": "the whale " * 80}]  # fmt: skip
+        messages = [*history, {"role": "user", "content": "hi"}]
+        _, _, error = ask(e, messages, session_id="big", max_tokens=2)
+        assert error is not None and error[1] == 413, error
+        assert "--max-prompt-tokens" in error[2] and "\n" not in error[2]
+        assert "big" not in sessions(e)
+        _, _, error = ask(e, [{"role": "user", "content": "hi"}], session_id="big", max_tokens=2)
+        assert error is None  # the name is free, the engine serves on
+    finally:
+        e.stop()
+
+
+def test_system_messages_anywhere_stay_in_the_transcript(loaded, tmp_path):
+    e = make_engine(loaded, tmp_path)
+    try:
+        turn = [{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}]
+        text, usage, error = ask(e, turn, session_id="notes", max_tokens=3)
+        assert error is None, error
+        assert usage["prompt_tokens"] == rendered_tokens(e, turn)
+        follow = [*turn, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+        _, usage, error = ask(e, follow, session_id="notes", max_tokens=3)
+        assert error is None and usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
+    finally:
+        e.stop()
