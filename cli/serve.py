@@ -21,7 +21,7 @@ from cli.common import (
     recall_spec,
     stderr_console,
 )
-from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS
+from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_SERVE_MAX_TOKENS
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
@@ -88,12 +88,39 @@ StateDir = Annotated[
         "a restart with the same folder continues them. Default: a temp folder.",
     ),
 ]
+Quiet = Annotated[
+    bool,
+    typer.Option("--quiet", help="No access log: one line per request on stderr otherwise."),
+]
+ServeWindow = Annotated[
+    int | None,
+    typer.Option(
+        help="Recent tokens kept in the rolling window. Default: the model's trained context "
+        "less the pinned system prompt, cut to what the memory budget holds for 4 sessions.",
+    ),
+]
+ServeMaxTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens",
+        help="Most tokens generated per reply when a request sets no max_tokens of its own.",
+    ),
+]
+MaxTokensCeiling = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens-ceiling",
+        help="Cap every request's max_tokens at this (said in the X-Max-Tokens-Ceiling "
+        "response header and the log). Default: a request's own value is served.",
+    ),
+]
 MaxPromptTokens = Annotated[
     int,
     typer.Option(
         "--max-prompt-tokens",
-        help="Most tokens one request may feed (its new message); more is refused "
-        "with 413. A long prompt goes in a chunk at a time between other requests.",
+        help="Most tokens one request may feed (a new session's whole history, else its new "
+        "messages); more is refused with 413. A long prompt goes in a chunk at a time "
+        "between other requests' tokens, through the window like any other stream.",
     ),
 ]
 
@@ -136,9 +163,10 @@ def serve(
     host: Host = "127.0.0.1",
     port: Port = 8080,
     sinks: opt.Sinks = None,
-    window: opt.Window = None,
+    window: ServeWindow = None,
     keep_system: KeepSystem = True,
-    max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
+    max_tokens: ServeMaxTokens = DEFAULT_SERVE_MAX_TOKENS,
+    max_tokens_ceiling: MaxTokensCeiling = None,
     max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
     memory_budget: MemoryBudget = "auto",
     max_sessions: MaxSessions = None,
@@ -159,6 +187,7 @@ def serve(
     recall_bits: opt.RecallBits = None,
     recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
     recall_dir: opt.RecallDir = None,
+    quiet: Quiet = False,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
 
@@ -177,6 +206,7 @@ def serve(
     its own subfolder of --recall-dir) and sessions decode alone, not batched.
     """
     check_positive(max_tokens, "--max-tokens")
+    check_positive(max_tokens_ceiling, "--max-tokens-ceiling")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_positive(max_sessions, "--max-sessions")
@@ -222,12 +252,18 @@ def serve(
     from mlx_stream.serve.app import create_app
     from mlx_stream.serve.engine import Engine
 
+    if window is None:  # from the model's context and the budget, not the registry's
+        from mlx_stream.serve.admission import window_for
+
+        context = getattr(spec, "context", None)
+        cache = cache.replace(window=window_for(target, context, cache, budget))
     cache = cache.replace(recall=recall_policy)
     settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
         cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
+        max_tokens_ceiling=max_tokens_ceiling,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:
@@ -237,7 +273,9 @@ def serve(
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
-            f"mlx-stream serve · {model_id} · sinks {cache.sinks} + window {cache.window} · "
+            f"mlx-stream serve · {model_id} · window {cache.window} · system prompts pinned "
+            f"up to {engine.pin} tokens · "
+            + (f"max_tokens ceiling {max_tokens_ceiling} · " if max_tokens_ceiling else "")
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
             + (recall_note(recall_policy) if recall_policy is not None else "")
             + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
@@ -249,11 +287,11 @@ def serve(
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine, api_keys=keys, aliases=aliases),
+            create_app(engine, api_keys=keys, aliases=aliases, quiet=quiet),
             host=host,
             port=port,
             log_level="warning",
-            access_log=False,
+            access_log=False,  # ours (mlx_stream.serve.accesslog) replaces uvicorn's
             timeout_graceful_shutdown=5,  # seconds, then open connections are cut
         )
         import signal

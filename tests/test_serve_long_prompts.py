@@ -106,3 +106,26 @@ def test_system_messages_anywhere_stay_in_the_transcript(loaded, tmp_path):
         assert error is None and usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
     finally:
         e.stop()
+
+
+def test_an_operators_ceiling_is_said_in_a_header_and_the_log(tiny_model_dir):
+    import json
+
+    from tests.test_server import Server
+
+    s = Server(tiny_model_dir, "--window", "64", "--max-tokens-ceiling", "3")
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
+                "logit_bias": {"1": -100, "3": -100}}  # fmt: skip (no end of text)
+        import urllib.request
+
+        req = urllib.request.Request(s.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            headers, done = dict(r.headers), json.loads(r.read())
+        assert headers["x-max-tokens-ceiling"] == "3"
+        assert done["usage"]["completion_tokens"] <= 3
+        assert done["choices"][0]["finish_reason"] == "length"
+    finally:
+        s.stop()
+    assert "max_tokens 500 capped at --max-tokens-ceiling 3" in s.log()

@@ -9,7 +9,6 @@ server-sent events. A streaming client that disconnects cancels its request.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
@@ -25,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_stream.errors import UserError
-from mlx_stream.serve.engine import Engine, TooLarge
-from mlx_stream.serve.engine import Request as EngineRequest
+from mlx_stream.serve import events
+from mlx_stream.serve.accesslog import AccessLog
+from mlx_stream.serve.engine import Engine
 from mlx_stream.serve.fields import field_of, openai_fields, sampling_args, session_header
 from mlx_stream.serve.logprobs import MAX_TOP
 
@@ -267,6 +267,27 @@ class ApiKeys:
         return await self.app(scope, receive, send)
 
 
+CEILING_HEADER = "X-Max-Tokens-Ceiling"  # the operator's cap on max_tokens, when set
+
+
+class AddHeader:
+    """Add one header to every response (the operator's max_tokens ceiling)."""
+
+    def __init__(self, app, name: str, value: str):
+        self.app, self.header = app, (name.lower().encode(), value.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return await self.app(scope, receive, with_header)
+
+
 class JsonBody:
     """Read every POST body as JSON, whatever its Content-Type says: ``curl -d`` sends
     form-encoded by default, and a JSON body read as a form is a confusing 400 (the
@@ -285,35 +306,29 @@ class JsonBody:
 # -------------------------------------------------------------------------- app
 
 
-class _Job:
-    """The HTTP side of one engine request: its events as an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.events = loop, asyncio.Queue()
-
-    def emit(self, event: tuple) -> None:  # called on the worker thread
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutting down)
-            pass
-
-
 def create_app(
     engine: Engine,
     max_body: int = DEFAULT_MAX_BODY,
     api_keys: list[str] | None = None,
     aliases: tuple[str, ...] = (),
+    quiet: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_keys``, every
     route but ``/health`` answers only requests that carry ``Authorization: Bearer KEY``
     for one of them, and each key sees only its own sessions. A request's ``model`` may
     be the served id, ``default`` or one of ``aliases`` (the model's registry name and
-    Hugging Face id)."""
+    Hugging Face id). Unless ``quiet``, each request writes a line to stderr
+    (:mod:`mlx_stream.serve.accesslog`)."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
     if api_keys:
         app.add_middleware(ApiKeys, keys=list(api_keys))
+    ceiling = getattr(engine, "max_tokens_ceiling", None)
+    if ceiling is not None:
+        app.add_middleware(AddHeader, name=CEILING_HEADER, value=str(ceiling))
+    if not quiet:  # last: outermost, so the refusals above are logged too
+        app.add_middleware(AccessLog)
     names = {engine.model_id, "default", *aliases}
 
     @app.exception_handler(RequestValidationError)
@@ -372,18 +387,11 @@ def create_app(
             agents = openai_fields(body)
         except UserError as exc:
             return error(400, str(exc), field_of(str(exc)))
-        job = _Job(asyncio.get_running_loop())
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
-        request = EngineRequest(
-            emit=job.emit, stop=stop or None, seed=body.seed, logprobs=body.alternatives(),
-            owner=owner_of(http), **body.sampling(), **agents, **make,
+        job, request, first = await events.start(
+            engine, http=http, stop=stop or None, seed=body.seed, logprobs=body.alternatives(),
+            **body.sampling(), **agents, **make,
         )  # fmt: skip
-        try:
-            await asyncio.to_thread(engine.precheck, request)
-        except TooLarge as exc:
-            return error(413, str(exc))
-        engine.submit(request)
-        first = await job.events.get()
         if first[0] == "error":
             _, status, message, retry = first
             headers = {"Retry-After": str(retry)} if retry else None
@@ -401,27 +409,10 @@ def create_app(
                 media_type="text/event-stream",
                 headers=headers,
             )
-        try:
-            texts, logprobs, end, calls = [], [], None, []
-            while end is None:
-                event = await _next_event(job, http)
-                if event is None:  # the client left: its request stops (mid-prefill too)
-                    request.cancelled.set()
-                    return error(499, "the client closed the connection")
-                if event[0] == "text":
-                    texts.append(event[1])
-                    if event[2] is not None:
-                        logprobs.append(event[1:])
-                elif event[0] == "tool_call":
-                    calls.append(event[2])
-                elif event[0] == "end":
-                    end = event
-                else:
-                    return error(event[1], event[2])
-        except asyncio.CancelledError:
-            request.cancelled.set()
-            raise
-        whole = shape.whole("".join(texts), end[2], end[1], logprobs, calls)
+        reply = await events.drain(job, request, http)
+        if reply.error is not None:
+            return error(*reply.error)
+        whole = shape.whole(reply.text, reply.finish, reply.usage, reply.logprobs, reply.calls)
         return JSONResponse(whole, headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -533,27 +524,13 @@ class _Shape:
         return {**self._head(True), "choices": [], "usage": usage}
 
 
-async def _next_event(job: _Job, http: Request) -> tuple | None:
-    """The job's next event, or ``None`` once the client has gone away (a plain
-    response's handler is not cancelled when its client leaves: ask every 0.25 s)."""
-    get = asyncio.ensure_future(job.events.get())
-    try:
-        while True:
-            done, _ = await asyncio.wait({get}, timeout=0.25)
-            if done:
-                return get.result()
-            if await http.is_disconnected():
-                return None
-    finally:
-        get.cancel()  # a no-op once it is done
-
-
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _sse(job: _Job, cancelled: threading.Event, shape: _Shape, include_usage: bool):
-    """Server-sent events of one request; a client that goes away cancels it."""
+async def _sse(job: events.Job, cancelled: threading.Event, shape: _Shape, include_usage: bool):
+    """Server-sent events of one request (a ``: ping`` comment line while its prompt
+    goes in); a client that goes away cancels it."""
     try:
         yield _event(shape.chunk("", None, first=True))
         while True:
@@ -568,7 +545,9 @@ async def _sse(job: _Job, cancelled: threading.Event, shape: _Shape, include_usa
                 if include_usage:
                     yield _event(shape.usage_chunk(usage))
                 break
-            else:
+            elif event[0] == "ping":  # a long prompt goes in: a comment keeps the line up
+                yield ": ping\n\n"
+            elif event[0] == "error":
                 _, status, message, _retry = event
                 yield _event(
                     {"error": {"message": message, "type": "server_error", "code": status}}

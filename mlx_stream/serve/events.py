@@ -3,59 +3,146 @@
 Contract: :func:`start` builds an engine :class:`~mlx_stream.serve.engine.Request` whose
 events (emitted on the engine's worker thread) arrive on an asyncio queue, submits it
 and waits for the first event: ``("start", info)`` or ``("error", status, message,
-retry_after)``. :func:`drain` collects a whole reply; a caller streaming the events
-itself sets ``request.cancelled`` when its client goes away.
+retry_after)``. Given the starlette request (``http``), it takes the caller's owner
+from it and feeds its access-log record (:mod:`mlx_stream.serve.accesslog`).
+The engine's ``("prefill", done, total)`` events never reach the queue: they become
+at most one ``("ping", done, total)`` per :data:`PING_EVERY` seconds (a streaming
+reply's keepalive). Consumers ignore event kinds they do not know.
+:func:`drain` collects a whole reply (and stops it when its client leaves); a caller
+streaming the events itself sets ``request.cancelled`` when its client goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_stream.serve import accesslog
+
+PING_EVERY = 5.0  # seconds between keepalive pings while a prompt goes in
+POLL_EVERY = 0.25  # seconds between checks that a whole reply's client is still there
+CORE = ("start", "text", "tool_call", "end", "error")  # what the engine's contract names
+GONE = (499, "the client closed the connection")
+
 
 class Job:
-    """A request's events as an asyncio queue (filled from the worker thread)."""
+    """A request's events as an asyncio queue (filled from the worker thread); with a
+    ``record``, the events also fill its access-log line."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.events = loop, asyncio.Queue()
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, record: accesslog.Record | None = None,
+        clock=time.monotonic,
+    ):  # fmt: skip
+        self.loop, self.events, self.record, self.clock = loop, asyncio.Queue(), record, clock
+        self.pinged: float | None = None
+        self.checked = clock()  # when its client was last seen connected (drain)
 
     def emit(self, event: tuple) -> None:
+        """Hand ``event`` to the event loop (any thread)."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.take, event)
         except RuntimeError:  # the event loop is gone (shutting down)
             pass
 
+    def take(self, event: tuple) -> None:
+        """Queue ``event`` (on the loop's thread); prefill progress becomes pings."""
+        now = self.clock()
+        if self.record is not None:
+            self.record.event(event, now)
+        if event[0] == "prefill":
+            if self.pinged is None or now - self.pinged >= PING_EVERY:
+                self.pinged = now
+                self.events.put_nowait(("ping", event[1], event[2]))
+            return
+        self.events.put_nowait(event)
 
-async def start(engine: Any, **fields: Any) -> tuple[Job, Any, tuple]:
-    """Submit an engine request with ``fields``; returns (job, request, first event)."""
-    from mlx_stream.serve.engine import Request
 
-    job = Job(asyncio.get_running_loop())
-    request = Request(emit=job.emit, **fields)
+async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any, tuple]:
+    """Submit an engine request with ``fields``; returns (job, request, first event).
+
+    ``http``: the starlette request; its owner is the default ``owner`` and its
+    access-log record follows the events. A prompt over the engine's limit is refused
+    here (``("error", 413, ...)``), counted off the event loop and the worker."""
+    from mlx_stream.serve.engine import Request, TooLarge
+
+    if http is not None:
+        fields.setdefault("owner", (http.scope.get("state") or {}).get("owner", ""))
+    ceiling, asked = getattr(engine, "max_tokens_ceiling", None), fields.get("max_tokens")
+    if ceiling is not None and asked is not None and asked > ceiling:
+        note(http, f"max_tokens {asked} capped at --max-tokens-ceiling {ceiling}")
+    job = Job(asyncio.get_running_loop(), accesslog.record_of(http))
+    request = Request(emit=job.emit, progress=True, **fields)
+    precheck = getattr(engine, "precheck", None)
+    if precheck is not None:
+        try:
+            await asyncio.to_thread(precheck, request)
+        except TooLarge as exc:
+            first = ("error", 413, str(exc), None)
+            if job.record is not None:
+                job.record.event(first, job.clock())
+            return job, request, first
     engine.submit(request)
-    return job, request, await job.events.get()
+    while (first := await job.events.get())[0] not in CORE:
+        pass  # a ping before the start says nothing yet
+    return job, request, first
+
+
+def note(http: Any, text: str) -> None:
+    """Add ``text`` to the request's access-log line."""
+    accesslog.note(http, text)
+
+
+async def next_event(job: Job, http: Any = None) -> tuple | None:
+    """The job's next event, or ``None`` once ``http``'s client has gone away (a plain
+    response's handler is not cancelled when its client leaves: ask every
+    :data:`POLL_EVERY` seconds, however fast the events come)."""
+    if http is None:
+        return await job.events.get()
+    get = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            wait = max(0.0, job.checked + POLL_EVERY - job.clock())
+            done, _ = await asyncio.wait({get}, timeout=wait)
+            if done:
+                return get.result()
+            job.checked = job.clock()
+            if await http.is_disconnected():
+                return None
+    finally:
+        get.cancel()  # a no-op once it is done
 
 
 @dataclass
 class Reply:
-    """A whole reply: its text, tool calls, usage and finish reason (or an error)."""
+    """A whole reply: its text, tool calls, usage and finish reason (or an error);
+    ``logprobs``: (text, entry) per token where the request asked for them."""
 
     text: str = ""
     calls: list[dict] = field(default_factory=list)
     usage: dict = field(default_factory=dict)
     finish: str = "stop"
     error: tuple | None = None  # (status, message)
+    logprobs: list[tuple[str, Any]] = field(default_factory=list)
 
 
-async def drain(job: Job, request: Any) -> Reply:
-    """Collect the rest of a request's events into a :class:`Reply`."""
+async def drain(job: Job, request: Any, http: Any = None) -> Reply:
+    """Collect the rest of a request's events into a :class:`Reply`. With ``http``
+    (the starlette request), a client that leaves stops the request: the reply's
+    ``error`` is then (499, ...)."""
     reply, texts = Reply(), []
     try:
         while True:
-            event = await job.events.get()
+            event = await next_event(job, http)
+            if event is None:  # the client left: its request stops (mid-prefill too)
+                request.cancelled.set()
+                reply.error = GONE
+                break
             if event[0] == "text":
                 texts.append(event[1])
+                if event[2] is not None:
+                    reply.logprobs.append((event[1], event[2]))
             elif event[0] == "tool_call":
                 reply.calls.append(event[2])
             elif event[0] == "end":

@@ -1,0 +1,143 @@
+"""The access log of ``serve``: one line per HTTP request on stderr.
+
+Contract: :class:`AccessLog` (ASGI middleware, outermost) puts a :class:`Record` into
+``scope["state"]`` (``request.state`` in starlette) under :data:`KEY` and writes its
+line once the response's body ended (or the app returned without ending it: the client
+left, logged as 499). The engine side fills the record through
+:class:`~mlx_stream.serve.events.Job`: the session on ``start``, time to first token,
+usage on ``end``, prefill progress (a line of its own at most every
+:data:`PROGRESS_EVERY` seconds while a prompt goes in). Route code adds notes with
+:func:`note`. Lines look like::
+
+    16:42:07 POST /v1/messages 200 session=ab12cd fed=18,718 cached=0 gen=42 ttft=71.3s total=75.0s
+    16:42:08 GET /health 200 total=0.00s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+
+KEY = "access"  # the record's name in scope["state"]
+PROGRESS_EVERY = 10.0  # seconds between prefill progress lines of one request
+
+
+def write(line: str) -> None:
+    """One line to stderr (looked up at each call: tests capture it)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _clock() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f}s" if s < 10 else f"{s:.1f}s"
+
+
+class Record:
+    """What one request's log line says; ``now`` values are ``time.monotonic()``."""
+
+    def __init__(self, method: str, path: str, started: float | None = None, out=None):
+        self.method, self.path = method, path
+        self.started = time.monotonic() if started is None else started
+        self.out = out or write
+        self.status: int | None = None
+        self.engine = False  # an engine request started (its fields below are known)
+        self.session: str | None = None
+        self.first: float | None = None  # when the first token came
+        self.usage: dict | None = None
+        self.notes: list[str] = []
+        self.progressed = self.started  # when the last progress line was written
+        self.done = False
+
+    def event(self, event: tuple, now: float) -> None:
+        """Take one engine event (on the event loop's thread)."""
+        kind = event[0]
+        if kind == "start":
+            self.engine, self.session = True, event[1].get("session_id")
+        elif kind in ("text", "tool_call") and self.first is None:
+            self.first = now
+        elif kind == "end":
+            self.usage = event[1]
+        elif kind == "error":
+            self.notes.append(f"error {event[1]}: {event[2]}")
+        elif kind == "prefill" and now - self.progressed >= PROGRESS_EVERY and not self.done:
+            self.progressed = now
+            self.out(
+                f"{_clock()} {self.method} {self.path} prefill session={self.session or '-'} "
+                f"{event[1]:,}/{event[2]:,} tokens"
+            )
+
+    def line(self, now: float) -> str:
+        parts = [_clock(), self.method, self.path, str(self.status or "-")]
+        if self.engine:
+            parts.append(f"session={self.session or '-'}")
+        if self.usage is not None:
+            prompt = int(self.usage.get("prompt_tokens", 0))
+            cached = int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+            gen = int(self.usage.get("completion_tokens", 0))
+            parts += [f"fed={prompt - cached:,}", f"cached={cached:,}", f"gen={gen:,}"]
+        if self.first is not None:
+            parts.append(f"ttft={_seconds(self.first - self.started)}")
+        parts.append(f"total={_seconds(now - self.started)}")
+        return " ".join(parts) + "".join(f" · {n}" for n in self.notes)
+
+    def finish(self, now: float | None = None) -> None:
+        """Write the line (once)."""
+        if not self.done:
+            self.done = True
+            self.out(self.line(time.monotonic() if now is None else now))
+
+
+def record_of(http: Any) -> Record | None:
+    """The record of a starlette request (``None`` without one: ``quiet``)."""
+    if http is None:
+        return None
+    return (http.scope.get("state") or {}).get(KEY)
+
+
+def note(http: Any, text: str) -> None:
+    """Add ``text`` to the request's log line (nothing when the log is off)."""
+    record = record_of(http)
+    if record is not None:
+        record.notes.append(text)
+
+
+class AccessLog:
+    """ASGI middleware writing each HTTP request's :class:`Record` line. Add it last
+    (outermost): refusals by the other middleware are logged too, and their copies of
+    ``scope["state"]`` carry the record on."""
+
+    def __init__(self, app, out=None):
+        self.app, self.out = app, out
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record = Record(scope.get("method", ""), scope.get("path", ""), out=self.out)
+        scope = {**scope, "state": {**(scope.get("state") or {}), KEY: record}}
+
+        async def logged(message):
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                record.finish()
+
+        try:
+            await self.app(scope, receive, logged)
+        except BaseException as exc:
+            if not isinstance(exc, OSError | ClientDisconnect | asyncio.CancelledError):
+                record.status = 500  # a failure, not a client that left
+                record.notes.append(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if not record.done and record.status != 500:
+                record.status = 499  # no whole response: its client went away
+            record.finish()
