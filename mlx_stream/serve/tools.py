@@ -14,9 +14,11 @@ Contract:
   appended to the system prompt, calls as ``<tool_call>`` JSON in the assistant's
   text and results as ``<tool_response>`` user turns (Qwen2.5's and Hermes' format).
 - :class:`ToolPlan` (one request) adds ``tool_choice``: ``auto`` (parse calls the
-  model writes; without template support the reply is constrained to free text or
-  text then valid calls), ``none`` (no parsing), ``required`` or a named function (the
-  reply is constrained by llguidance to one call's JSON between the markers).
+  model writes; where calls are JSON between markers, ours or a ``json_tools``
+  template's, the reply is constrained to free text or text then valid calls),
+  ``none`` (no parsing), ``required`` or a named function (the reply is constrained
+  by llguidance to one call's JSON between the markers). A call's arguments are held
+  to its tool's schema, closed to the keys it lists (:func:`arguments_schema`).
 - :class:`CallStream` wraps a request's event callback: text inside the markers is
   held back and becomes ``("tool_call", index, call)`` events, parsed with mlx-lm's
   parser for the template (``json_tools`` for ours and for a forced call, whose JSON
@@ -101,17 +103,6 @@ def check_results(messages: list[dict]) -> None:
             open_ids = set()
 
 
-def split_new(messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """``(history, new)``: ``new`` is the last user message, or the trailing tool
-    results (and a user message after them): what a turn feeds."""
-    n = len(messages) - 1
-    if messages[n]["role"] == "user":
-        n -= 1
-    while n >= 0 and messages[n]["role"] == "tool":
-        n -= 1
-    return messages[: n + 1], messages[n + 1 :]
-
-
 def function_tools(tools: list[dict] | None) -> list[dict]:
     """OpenAI function tools (``{"type": "function", "function": {...}}``), checked."""
     out = []
@@ -122,7 +113,7 @@ def function_tools(tools: list[dict] | None) -> list[dict]:
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise UserError(f"tools.{i}.function.name: required")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        _check_schema(json.dumps(params, sort_keys=True), f"tools.{i}.function.parameters")
+        arguments_schema(json.dumps(params, ensure_ascii=False), f"tools.{i}.function.parameters")
         spec = {
             "name": fn["name"],
             "description": fn.get("description") or "",
@@ -132,13 +123,16 @@ def function_tools(tools: list[dict] | None) -> list[dict]:
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _check_schema(schema: str, field: str) -> None:
-    """A tool's parameters must be a schema llguidance can enforce (a forced call is
-    constrained by it); agents send the same tools every turn, hence the cache."""
-    from mlx_stream.serve.structured import json_schema_grammar
+@functools.lru_cache(maxsize=512)
+def arguments_schema(schema: str, field: str = "parameters") -> str:
+    """The schema (JSON text) a call's arguments are held to, for a tool's
+    ``parameters`` (JSON text): closed to the keys it lists, or looser where
+    llguidance cannot enforce a feature (:func:`~mlx_stream.serve.structured.
+    tool_arguments_schema`); agents send the same tools every turn, hence the cache.
+    The definitions the model reads stay as the client sent them."""
+    from mlx_stream.serve.structured import tool_arguments_schema
 
-    json_schema_grammar(json.loads(schema), field, lenient=True)
+    return json.dumps(tool_arguments_schema(json.loads(schema), field), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -206,7 +200,7 @@ def call_text(name: str, arguments: str) -> str:
 @dataclass
 class ToolPlan:
     """One request's tools: its :class:`ToolSet`, ``tool_choice`` and the grammar
-    that forces a call (``required`` / a named function)."""
+    its reply is held to (a forced call, or ``auto``'s text or valid calls)."""
 
     toolset: ToolSet
     choice: str  # auto | none | required | a function name
@@ -227,25 +221,39 @@ class ToolPlan:
         names = [t["function"]["name"] for t in defs]
         if name not in ("auto", "none", "required") and name not in names:
             raise UserError(f"tool_choice: no tool named {name!r} (tools: {', '.join(names)})")
+        from mlx_lm.tool_parsers import json_tools
+
         toolset = ToolSet.make(defs, tokenizer)
         plan = cls(toolset, name)
         if toolset.native:
             plan.start, plan.end = tokenizer.tool_call_start, tokenizer.tool_call_end
             plan.parser = tokenizer.tool_parser
         else:
-            from mlx_lm.tool_parsers import json_tools
-
             plan.parser = json_tools.parse_tool_call
+        special = _special_tokens(tokenizer, plan.start, plan.end)
         if name not in ("auto", "none"):
             chosen = [t for t in defs if name == "required" or t["function"]["name"] == name]
-            plan.grammar = call_grammar(chosen, plan.start, plan.end)
-            from mlx_lm.tool_parsers import json_tools
-
+            plan.grammar = call_grammar(chosen, plan.start, plan.end, special=special)
             # The grammar wrote JSON, whatever the template's own call format.
             plan.parser = json_tools.parse_tool_call
-        elif name == "auto" and not toolset.native:
-            plan.grammar = call_grammar(defs, plan.start, plan.end, optional=True)
+        elif name == "auto" and plan.parser is json_tools.parse_tool_call:
+            # Calls are JSON between markers (ours, or a json_tools template's): a call
+            # the model opens is held to its tool's schema. Other call formats
+            # (qwen3_coder's XML, pythonic, ...) are parsed from free text as written.
+            plan.grammar = call_grammar(defs, plan.start, plan.end, True, special)
         return plan
+
+
+def _special_tokens(tokenizer: Any, *markers: str) -> dict[str, int]:
+    """The ``markers`` that are one special token of ``tokenizer``, with its id."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    encode, added = getattr(hf, "encode", None), getattr(hf, "added_tokens_decoder", None)
+    out = {}
+    for marker in markers:
+        ids = encode(marker, add_special_tokens=False) if encode and marker else []
+        if len(ids) == 1 and getattr((added or {}).get(ids[0]), "special", False):
+            out[marker] = ids[0]
+    return out
 
 
 def _choice(choice: Any) -> str:
@@ -264,32 +272,52 @@ def _choice(choice: Any) -> str:
     raise UserError("tool_choice: must be auto, none, required or {'type': 'function', ...}")
 
 
-def call_grammar(defs: list[dict], start: str, end: str, optional: bool = False) -> str:
+def call_grammar(
+    defs: list[dict], start: str, end: str, optional: bool = False, special: dict | None = None
+) -> str:
     """The llguidance grammar of exactly one call of one of ``defs``; ``optional``:
-    of free text without ``start``, or text then one or more calls (``auto`` for a
-    template without tool support: whatever the model writes, a call it begins is a
-    valid one)."""
+    of free text without ``start``, or text then one or more calls (``auto``:
+    whatever the model writes, a call it begins is a valid one). A call's arguments
+    are held to :func:`arguments_schema` of its tool. ``special``: the markers that
+    are one special token, with its id (the grammar names the token: its text would
+    spell other tokens)."""
+    key = json.dumps([[t["function"]["name"], t["function"]["parameters"]] for t in defs],
+                     ensure_ascii=False)  # fmt: skip
+    return _call_grammar(key, start, end, optional, tuple(sorted((special or {}).items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _call_grammar(key: str, start: str, end: str, optional: bool, special: tuple) -> str:
+    # Cached: agents send the same tools every turn and compiling them takes a while.
     from mlx_stream.serve.structured import JSON_OPTIONS, lark_grammar
 
-    options = [
-        {"type": "object",
-         "properties": {"name": {"const": t["function"]["name"]},
-                        "arguments": t["function"]["parameters"]},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for t in defs
-    ]  # fmt: skip
+    options = []
+    for i, (name, params) in enumerate(json.loads(key)):
+        text = json.dumps(params, ensure_ascii=False)
+        args = json.loads(arguments_schema(text, f"tools.{i}.function.parameters"))
+        # Its own resource: a "#/$defs/..." reference inside resolves against it.
+        args.setdefault("$id", f"urn:mlx-stream:tool:{i}")
+        options.append(
+            {"type": "object", "properties": {"name": {"const": name}, "arguments": args},
+             "required": ["name", "arguments"], "additionalProperties": False}
+        )  # fmt: skip
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
-    head, tail = json.dumps(start + "\n"), json.dumps("\n" + end)
+    ids = dict(special)
+    head = f'<[{ids[start]}]> "\\n"' if start in ids else json.dumps(start + "\n")
+    tail = f'"\\n" <[{ids[end]}]>' if end in ids else json.dumps("\n" + end)
     if not optional:
         lark = f"start: {head} call {tail}\n"
     else:
         text, marker = json.dumps(start)[1:-1], json.dumps(start + "\n")[1:-1]
         lark = (
-            f"start: TEXT | prefix call {tail} ({json.dumps(chr(10) + start + chr(10))} call {tail})*\n"
-            f"prefix[lazy]: /(?s:.*){_regex(marker)}/\n"  # text up to the first call
+            f'start: TEXT | prefix call {tail} ("\\n" {head} call {tail})*\n'
             f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex(text)}.*)/\n"  # text that begins none
         )
+        if start in ids:  # a special token is never text: text ends where it comes
+            lark += f"prefix: TEXT? {head}\n"
+        else:
+            lark += f"prefix[lazy]: /(?s:.*){_regex(marker)}/\n"  # text up to the first call
     lark += f"call: %json {json.dumps(schema)}\n"
     return lark_grammar(lark, "tools")
 
