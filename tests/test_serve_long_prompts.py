@@ -40,6 +40,28 @@ def test_a_system_prompt_longer_than_the_window_is_served_with_its_head_pinned(l
         e.stop()
 
 
+def test_a_long_system_prompt_is_fed_once_then_shared_by_the_next_sessions(loaded, tmp_path):
+    e = make_engine(loaded, tmp_path, pin=16)
+    try:
+        system = {"role": "system", "content": SYSTEM}
+        first = [system, {"role": "user", "content": "hi"}]
+        _, one, error = ask(e, first, session_id="one", max_tokens=2)
+        assert error is None and one["prompt_tokens_details"]["cached_tokens"] == 0
+        assert len(e.snapshots) == 1
+        second = [system, {"role": "user", "content": "hello the ship"}]
+        text, two, error = ask(e, second, session_id="two", max_tokens=2)
+        assert error is None
+        head = one["prompt_tokens"] - 12  # all but the first turn's few tokens
+        assert two["prompt_tokens_details"]["cached_tokens"] > head, (one, two)
+        alone = make_engine(loaded, tmp_path / "alone", pin=16)
+        try:  # the shared copy answers as a session that fed its own
+            assert ask(alone, second, session_id="two", max_tokens=2)[0] == text
+        finally:
+            alone.stop()
+    finally:
+        e.stop()
+
+
 def test_the_pin_defaults_to_the_window_when_that_is_smaller(loaded, tmp_path):
     e = make_engine(loaded, tmp_path)  # window 64 < DEFAULT_PIN_TOKENS
     try:

@@ -275,6 +275,12 @@ class ChatSession:
 
     def prefill(self, text: str) -> None:
         """Feed ``text`` (rendered, the start of the conversation) into empty caches."""
+        for _ in self.prefill_steps(text):
+            pass
+
+    def prefill_steps(self, text: str) -> Iterator[int]:
+        """:meth:`prefill`, a model call at a time: yields the tokens fed so far after
+        each call (a caller may serve others between them)."""
         import mlx.core as mx
 
         from mlx_stream.cache.sink import max_call_tokens
@@ -283,13 +289,15 @@ class ChatSession:
         groups = [(self.model, self.caches[: self.n_target])]
         if self.draft_model is not None:
             groups.append((self.draft_model, self.caches[self.n_target :]))
+        fed = 0
         for model, caches in groups:
             rest = tokens
             while rest:
                 n = min(len(rest), PREFILL_STEP, max_call_tokens(caches) or PREFILL_STEP)
                 model(mx.array(rest[:n])[None], cache=caches)
                 mx.eval([c.state for c in caches])
-                rest = rest[n:]
+                rest, fed = rest[n:], fed + n
+                yield fed
         self.fed_text, self.pending = text, []
 
     # ----- conversation -------------------------------------------------------------

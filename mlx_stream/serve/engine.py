@@ -175,6 +175,7 @@ class _Job:
     running: bool = False  # inside next(tokens): never re-entered
     sent: int = 0  # tokens its consumer got
     prompt: int = 0  # tokens its turn feeds
+    head: int = 0  # of those, the system prompt's, fed before the turn (_head_first)
     fed: int = 0  # of those, about how many went in (a prefill chunk per poll)
 
 
@@ -602,7 +603,7 @@ class Engine:
         self._end(job, rollback=False)
         sinks, window = session.sinks, session.settings.cache.window
         seen = cache_count(session.caches)
-        prompt = reply.prompt_tokens if reply is not None else 0
+        prompt = (reply.prompt_tokens if reply is not None else 0) + job.head
         usage = {
             "prompt_tokens": job.cached + prompt,
             "completion_tokens": reply.tokens if reply is not None else 0,
@@ -771,21 +772,22 @@ class Engine:
         """Start ``session`` from its system prompt's shared prefilled snapshot (made,
         and admitted by bytes, on first use), making room for ``extra`` more bytes
         too (the session itself, not counted yet). Without room for a shared copy
-        (or none is busy to free it), the session prefills its own."""
+        (or none is busy to free it), the session prefills its own. A system prompt
+        longer than the pin is left unfed: the turn feeds it a chunk per round
+        (:meth:`_head_first`), then shares it."""
         admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
-        if head and len(session.encode(head)) > session.sinks:
-            # Longer than the pin: the turn's stream feeds it, a chunk per round.
-            admission.make_room(extra, keep)
-            return
-        if head and self.recall is not None:  # a snapshot's copy would share its tier
-            admission.make_room(extra, keep)
-            session.prefill(head)
-            return
         if not head:
             admission.make_room(extra, keep)
             return
-        snap = admission.snapshots.get(head)
+        snap = admission.snapshots.get(head) if self.recall is None else None
+        if snap is None and self._unfed_head(session):
+            admission.make_room(extra, keep)
+            return
+        if self.recall is not None:  # a snapshot's copy would share its tier
+            admission.make_room(extra, keep)
+            session.prefill(head)
+            return
         if snap is not None:
             admission.make_room(extra, keep, head)
             session.restore(snap[0])
@@ -797,6 +799,29 @@ class Engine:
             session.prefill(head)
             if shared:
                 admission.add_snapshot(head, session.checkpoint(), size)
+
+    def _unfed_head(self, session: ChatSession) -> str:
+        """The rendered system prompt of a session whose caches do not hold it yet,
+        when it is longer than the pin (fed a chunk per round); else ``""``."""
+        if session.fed_text or not session.settings.keep_system:
+            return ""
+        head = session.system_text()
+        return head if head and len(session.encode(head)) > session.sinks else ""
+
+    def _head_first(
+        self, job: _Job, session: ChatSession, head: str, turn: Iterator[Any]
+    ) -> Iterator[Any]:
+        """``turn``'s token source, after ``head`` goes into ``session``'s empty caches a
+        chunk per poll (``None``); the head is then shared as its system prompt's
+        snapshot where the budget has room without evicting anything."""
+        for _ in session.prefill_steps(head):
+            yield None
+        job.head = len(session.encode(head))
+        admission, size = self.admission, self.admission.cache_bytes(session.sinks)
+        room = admission.used_bytes() + size <= admission.budget
+        if self.recall is None and head not in admission.snapshots and room:
+            admission.add_snapshot(head, session.checkpoint(), size)
+        yield from turn
 
     def _resident(self, entry: Entry) -> bool:
         """Make ``entry`` resident: admitted by bytes, then loaded from disk or new.
@@ -877,7 +902,8 @@ class Engine:
         else:
             entry.checkpoint = self._checkpoint(session)
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
-        turn = session.turn_tokens(user)
+        head = self._unfed_head(session)
+        turn = session.turn_tokens(user)  # with an unfed head: the head too
         if len(turn[0]) > self.max_prompt_tokens:
             if mode in ("rebuild", "new"):  # its caches would not encode its transcript
                 self._drop(entry)
@@ -888,12 +914,14 @@ class Engine:
         cached = cache_count(session.caches)
         box: list = []
         tokens = session.stream(
-            user, turn=turn, max_tokens=request.max_tokens, temp=request.temp,
-            top_p=request.top_p, stop=request.stop, seed=request.seed,
+            user, turn=None if head else turn, max_tokens=request.max_tokens,
+            temp=request.temp, top_p=request.top_p, stop=request.stop, seed=request.seed,
             steps=self._steps(request, box), **extra,
         )  # fmt: skip
         job = self._start(request, entry, tokens, cached, batched=self._batch is not None)
         job.prompt = len(turn[0])
+        if head:
+            job.tokens = self._head_first(job, session, head, tokens)
         box.append(job)
 
     def _agents(self, request: Request) -> tuple[Any, dict]:
