@@ -53,11 +53,40 @@ def test_a_long_system_prompt_is_fed_once_then_shared_by_the_next_sessions(loade
         assert error is None
         head = one["prompt_tokens"] - 12  # all but the first turn's few tokens
         assert two["prompt_tokens_details"]["cached_tokens"] > head, (one, two)
+        history = [
+            {"role": "user", "content": "of the sea"},
+            {"role": "assistant", "content": "ok"},
+        ]
+        third = [system, *history, {"role": "user", "content": "the ship"}]  # a rebuild
+        _, three, error = ask(e, third, session_id="three", max_tokens=2)
+        assert error is None and three["prompt_tokens_details"]["cached_tokens"] > head, three
         alone = make_engine(loaded, tmp_path / "alone", pin=16)
         try:  # the shared copy answers as a session that fed its own
             assert ask(alone, second, session_id="two", max_tokens=2)[0] == text
         finally:
             alone.stop()
+    finally:
+        e.stop()
+
+
+def test_a_fork_of_the_first_session_with_a_long_prompt_starts_from_its_snapshot(loaded, tmp_path):
+    """The first session had a history: its checkpoint was taken before its head went
+    in. A second question on that history (no id: a fork of it) takes the head from the
+    snapshot the first one left, not from that checkpoint."""
+    e = make_engine(loaded, tmp_path, pin=16)
+    try:
+        system = {"role": "system", "content": SYSTEM}
+        history = [
+            {"role": "user", "content": "of the sea"},
+            {"role": "assistant", "content": "ok"},
+        ]
+        first = [system, *history, {"role": "user", "content": "the ship"}]
+        _, one, error = ask(e, first, max_tokens=2)
+        assert error is None and one["prompt_tokens_details"]["cached_tokens"] == 0
+        fork = [system, *history, {"role": "user", "content": "the whale"}]
+        _, two, error = ask(e, fork, max_tokens=2)
+        assert error is None and len(sessions(e)) == 2
+        assert two["prompt_tokens_details"]["cached_tokens"] > one["prompt_tokens"] - 30, two
     finally:
         e.stop()
 
@@ -137,8 +166,11 @@ def test_an_operators_ceiling_is_said_in_a_header_and_the_log(tiny_model_dir):
 
     s = Server(tiny_model_dir, "--window", "64", "--max-tokens-ceiling", "3")
     try:
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
-                "logit_bias": {"1": -100, "3": -100}}  # fmt: skip (no end of text)
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 500,
+            "logit_bias": {"1": -100, "3": -100},
+        }  # fmt: skip (no end of text)
         import urllib.request
 
         req = urllib.request.Request(s.url + "/v1/chat/completions", json.dumps(body).encode(),

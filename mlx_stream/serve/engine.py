@@ -790,8 +790,7 @@ class Engine:
             return
         if snap is not None:
             admission.make_room(extra, keep, head)
-            session.restore(snap[0])
-            admission.touch_snapshot(head)
+            self._restore_head(session, head)
         else:
             size = admission.cache_bytes(session.sinks)
             shared = admission.fits(extra + size, keep, head)
@@ -807,6 +806,13 @@ class Engine:
             return ""
         head = session.system_text()
         return head if head and len(session.encode(head)) > session.sinks else ""
+
+    def _restore_head(self, session: ChatSession, head: str) -> None:
+        """``session``'s caches from ``head``'s shared snapshot, its transcript kept."""
+        messages = session.messages
+        session.restore(self.admission.snapshots[head][0])
+        session.messages = messages
+        self.admission.touch_snapshot(head)
 
     def _head_first(
         self, job: _Job, session: ChatSession, head: str, turn: Iterator[Any]
@@ -903,6 +909,9 @@ class Engine:
             entry.checkpoint = self._checkpoint(session)
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         head = self._unfed_head(session)
+        if head and self.recall is None and head in self.admission.snapshots:
+            self._restore_head(session, head)  # a fork or rebuild of a shared prompt
+            head = ""
         turn = session.turn_tokens(user)  # with an unfed head: the head too
         if len(turn[0]) > self.max_prompt_tokens:
             if mode in ("rebuild", "new"):  # its caches would not encode its transcript
