@@ -77,6 +77,14 @@ def tiny_model_dir(tmp_path_factory):
     return tiny.save_model_folder(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    """``(model, tokenizer)`` of the tiny llama, through mlx-stream's loader."""
+    from mlx_stream.models.loader import load
+
+    return load(str(tiny_model_dir))
+
+
 # ----------------------------------------------------------- tiny GGUF files (issue 2)
 
 GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

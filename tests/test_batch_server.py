@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import queue
 
-import pytest
-
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    from mlx_stream.models.loader import load
-
-    return load(str(tiny_model_dir))
-
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hello the sea"}],
@@ -89,7 +79,9 @@ def test_batching_is_refused_with_a_reason_for_quantized_kv_and_a_draft_model(lo
     e = Engine(model, tokenizer, quantized, "tiny", state_dir=tmp_path)
     e._make_batch()
     assert e._batch is None and "kv_bits" in e.batch_refusal
-    e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path, draft_model=model)
+    e = Engine(
+        model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path, draft_model=model
+    )
     e._make_batch()
     assert e._batch is None and "draft model" in e.batch_refusal
     e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path)

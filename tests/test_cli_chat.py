@@ -316,13 +316,6 @@ def test_missing_model_folder_is_one_line(tmp_path):
 # ------------------------------------------------------------ the session, directly
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    from mlx_stream.models.loader import load
-
-    return load(str(tiny_model_dir))
-
-
 def make_session(loaded, **kw):
     from mlx_stream.cache.spec import CacheSpec
     from mlx_stream.generate.session import ChatSession, Settings

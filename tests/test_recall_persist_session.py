@@ -20,13 +20,6 @@ from tests import tiny as tiny_mod
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    from mlx_stream.models.loader import load
-
-    return load(str(tiny_model_dir))
-
-
 def words(n: int, seed: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(tiny_mod.VOCAB_WORDS) for _ in range(n))

@@ -24,13 +24,6 @@ LINE = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    from mlx_stream.models.loader import load
-
-    return load(str(tiny_model_dir))
-
-
 @pytest.fixture
 def engine(loaded, tmp_path):
     from mlx_stream.cache import CacheSpec

@@ -24,13 +24,6 @@ SYSTEM = "you are a captain"
 WORDS = "the old captain said sea was very long and ship sail on hello what".split()
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    from mlx_stream.models.loader import load
-
-    return load(str(tiny_model_dir))
-
-
 @pytest.fixture
 def engine(loaded, tmp_path):
     from mlx_stream.serve.engine import Engine

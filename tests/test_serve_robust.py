@@ -19,13 +19,6 @@ from mlx_stream.generate.session import Settings
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    from mlx_stream.models.loader import load
-
-    return load(str(tiny_model_dir))
-
-
 def make_engine(loaded, state_dir, settings=None, **kw):
     from mlx_stream.cache import CacheSpec
     from mlx_stream.serve.engine import Engine
@@ -157,7 +150,9 @@ def test_prompts_over_the_limit_are_413_and_max_tokens_is_the_clients_under_a_ce
         assert error is None and usage["completion_tokens"] <= 9, usage  # the ceiling
         asked = []
         for max_tokens in (None, 7, 2):
-            _, usage, error = ask(e, [{"role": "user", "content": "the sea"}], max_tokens=max_tokens)
+            _, usage, error = ask(
+                e, [{"role": "user", "content": "the sea"}], max_tokens=max_tokens
+            )
             assert error is None, error
             asked.append(usage["completion_tokens"])
         assert asked[0] <= 5 and asked[1] <= 7 and asked[2] <= 2, asked  # default; its own

@@ -249,7 +249,9 @@ def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_pat
     from mlx_stream.serve.engine import Engine, Request
 
     model, tokenizer = load(str(endless_model))
-    e = Engine(model, tokenizer, Settings(CacheSpec(sinks=2, window=48)), "endless", state_dir=tmp_path)
+    e = Engine(
+        model, tokenizer, Settings(CacheSpec(sinks=2, window=48)), "endless", state_dir=tmp_path
+    )
     e.start()
     try:
         events: queue.Queue = queue.Queue()
