@@ -10,7 +10,7 @@ import pytest
 
 from mlx_stream.generate.session import Settings
 from tests.conftest import assert_one_line_error
-from tests.test_serve_robust import ask, loaded, on_worker  # noqa: F401 - the fixture
+from tests.test_serve_robust import ask, on_worker
 
 WORDS = ("the sea ship whale captain ahab sail water wind day night land man men old new "
          "long time way said like just so then now up down out over only very good great "
