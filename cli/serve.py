@@ -189,14 +189,17 @@ def serve(
     recall_dir: opt.RecallDir = None,
     quiet: Quiet = False,
 ) -> None:
-    """Serve the OpenAI API (chat, completions, models) with fixed memory per session.
+    """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
+    Messages API with fixed memory per session: Claude Code and Codex run on it.
 
     Clients resend the whole conversation each turn; the server finds the session by
-    its transcript (or an X-Session-ID header) and feeds only the new message. Memory
-    is weights + sessions x a fixed size: a session that does not fit evicts an idle
-    one to disk, and when none is idle the request gets 429 with Retry-After. A
-    request's max_tokens is capped at --max-tokens. SIGTERM ends running requests,
-    saves the sessions to --state-dir and exits.
+    its transcript (or an X-Session-ID header) and feeds only the new message. A prompt
+    longer than the window is served: the first 1,024 tokens of a system prompt are
+    pinned, the rest streams through the window. Memory is weights + sessions x a
+    fixed size: a session that does not fit evicts an idle one to disk, and when none
+    is idle the request gets 429 with Retry-After. One line per request on stderr
+    (--quiet: none). SIGTERM ends running requests, saves the sessions to --state-dir
+    and exits.
 
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
