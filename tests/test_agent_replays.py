@@ -68,6 +68,7 @@ def test_claude_codes_requests_stream_their_events_in_order(server, name):
     raw = [k for k, _ in sse(text)]
     if name == "claude_code_first":  # the long prompt going in keeps the stream alive
         assert raw.index("ping") == 1, raw[:4]
+        assert http("HEAD", server.url + "/").status_code == 200  # its connectivity check
     kinds = [k for k in raw if k != "ping"]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     blocks = kinds[1:-2]

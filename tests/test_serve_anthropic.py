@@ -181,3 +181,38 @@ def test_a_stop_sequence_is_reported_by_name(server):
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", word)
     assert whole.stop_reason in ("end_turn", "max_tokens") and whole.stop_sequence is None
+
+
+def test_a_long_prefill_keeps_claude_codes_idle_timer_alive():
+    """Claude Code's 300 s idle timer ignores ``ping`` events; from the second ping on
+    (5 s of prefill) each one also carries an empty text delta, which resets it. A short
+    prompt's single ping changes nothing in the reply."""
+    import asyncio
+
+    from mlx_stream.serve import events
+    from mlx_stream.serve.anthropic import _stream
+
+    class Cancel:
+        cancelled = asyncio.Event()
+        matched_stop = None
+
+    def replay(script):
+        async def run():
+            job = events.Job(asyncio.get_running_loop())
+            for event in script:
+                job.events.put_nowait(event)
+            return [chunk async for chunk in _stream(job, Cancel(), "msg_1", "default")]
+
+        chunks = asyncio.run(run())
+        return [(c.split("\n")[0][7:], json.loads(c.split("\n")[1][6:])) for c in chunks]
+
+    end = ("end", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}, "stop")
+    short = replay([("ping", 1, 1), ("text", "hi"), end])
+    assert [k for k, _ in short][:3] == ["message_start", "ping", "content_block_start"]
+    long = replay([("ping", 1, 9), ("ping", 5, 9), ("ping", 9, 9), ("text", "hi"), end])
+    kinds = [k for k, _ in long]
+    assert kinds[:5] == ["message_start", "ping", "ping", "content_block_start",
+                         "content_block_delta"]  # fmt: skip
+    deltas = [d["delta"]["text"] for k, d in long if k == "content_block_delta"]
+    assert deltas == ["", "", "hi"]  # one text block: the keepalives, then the reply
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1

@@ -333,7 +333,7 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
         yield _sse("message_start", {"message": message})
-        index, text_open = 0, False
+        index, text_open, pings = 0, False, 0
         while True:
             event = await job.events.get()
             if event[0] == "text" and event[1]:
@@ -356,8 +356,18 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
                 yield _sse("content_block_stop", {"index": index})
                 index += 1
-            elif event[0] == "ping":  # a long prompt going in: the client waits on
+            elif event[0] == "ping":  # a long prompt going in: keep the client waiting
                 yield _sse("ping", {})
+                pings += 1
+                if pings == 1:
+                    continue  # a short prompt's reply stays as the whole one would be
+                # Claude Code's idle timer skips pings: an empty text delta resets it.
+                if not text_open:
+                    block = {"type": "text", "text": ""}
+                    yield _sse("content_block_start", {"index": index, "content_block": block})
+                    text_open = True
+                delta = {"type": "text_delta", "text": ""}
+                yield _sse("content_block_delta", {"index": index, "delta": delta})
             elif event[0] == "end":
                 if text_open:
                     yield _sse("content_block_stop", {"index": index})

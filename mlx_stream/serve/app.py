@@ -348,6 +348,10 @@ def create_app(
             "model",
         )  # fmt: skip
 
+    @app.head("/")  # Claude Code's connectivity check before its first request
+    async def root():
+        return JSONResponse(None)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": engine.model_id, **engine.stats.get("memory", {})}
