@@ -130,3 +130,18 @@ def test_a_system_message_after_the_last_turn_joins_it(server):
     usage = json.loads(text)["usage"]
     assert status == 200 and usage["cache_read_input_tokens"] > 10 * WINDOW
     assert usage["input_tokens"] < 64  # only the new message went in
+
+
+def test_claude_codes_per_run_billing_line_is_not_part_of_the_prompt():
+    """Each `claude -p` run sends a different `x-anthropic-billing-header` system block;
+    kept, it would make every run's system prompt new and its prefill paid again."""
+    from mlx_stream.serve.anthropic import MessagesRequest, to_engine
+
+    payload = body("claude_code_first")
+    other = json.loads(json.dumps(payload))
+    other["system"][0]["text"] = other["system"][0]["text"].replace("2.1.197.fbe", "2.1.197.3c1")
+    assert other != payload
+    systems = [to_engine(MessagesRequest(**p))["messages"][0] for p in (payload, other)]
+    assert systems[0] == systems[1] and systems[0]["role"] == "system"
+    assert "billing" not in systems[0]["content"]
+    assert systems[0]["content"].startswith("You are a Claude agent")

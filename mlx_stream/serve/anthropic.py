@@ -4,7 +4,8 @@ and ``POST /v1/messages/count_tokens``, what Claude Code speaks.
 Contract: a request is translated into the engine's one request type (the same
 sessions, batching, admission by bytes and cancellation as chat completions) and its
 events back into Anthropic's shapes:
-- ``system`` (text or text blocks) -> a system message; ``{"role": "system"}``
+- ``system`` (text or text blocks; Claude Code's per-run ``x-anthropic-billing-header``
+  block is dropped so its prompt stays one shared snapshot) -> a system message; ``{"role": "system"}``
   messages inside ``messages`` stay at their place; ``text`` blocks -> content;
   an assistant's ``tool_use`` blocks -> its tool calls (same ids); a user's
   ``tool_result`` blocks (text or nested text blocks) -> tool messages, each answering
@@ -134,6 +135,13 @@ def _refuse_media(kind: str, where: str) -> None:
         raise UserError(f"{where}.type: {kind} blocks are not supported: this model reads text")
 
 
+def _billing(block: Any) -> bool:
+    """Whether a system block is Claude Code's ``x-anthropic-billing-header`` line: an
+    attribution for Anthropic's billing with a per-prompt hash, meaningless to a model."""
+    text = block.get("text") if isinstance(block, dict) else getattr(block, "text", None)
+    return isinstance(text, str) and text.startswith("x-anthropic-billing-header:")
+
+
 def _text(content: Any, where: str) -> str:
     """The text of a ``system`` or ``tool_result`` content (text blocks joined)."""
     if content is None or isinstance(content, str):
@@ -153,7 +161,10 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
     ``tool_choice``); a :class:`UserError` naming the field for what cannot be served."""
     messages: list[dict[str, Any]] = []
     if body.system:
-        messages.append({"role": "system", "content": _text(body.system, "system")})
+        system = body.system
+        if isinstance(system, list):  # Claude Code's billing line changes every run and
+            system = [b for b in system if not _billing(b)]  # would defeat the snapshot
+        messages.append({"role": "system", "content": _text(system, "system")})
     open_ids: set[str] = set()
     for i, m in enumerate(body.messages):
         where = f"messages.{i}.content"
