@@ -438,6 +438,8 @@ def stream_generate(
     min_p: float = 0.0,
     repetition_penalty: float | None = None,
     seed: int | None = None,
+    top_k: int = 0,
+    stop_tokens: Iterable[int] | None = None,
     slack: int | None = None,
     state: DecodeState | None = None,
     steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
@@ -467,10 +469,12 @@ def stream_generate(
         prompt_progress_callback (Callable[[int, int], None], optional): Called with
             (prompt tokens processed, prompt tokens).
         stop (list[str], optional): Stop strings, cut from the text.
-        temp, top_p, min_p (float): Sampling (mlx-lm's ``make_sampler``).
-            Default: greedy.
+        temp, top_p, min_p (float), top_k (int): Sampling (mlx-lm's
+            ``make_sampler``). Default: greedy.
         repetition_penalty (float, optional): mlx-lm's repetition penalty.
         seed (int, optional): Seed for ``mx.random``.
+        stop_tokens (list[int], optional): More token ids that end the text like eos
+            (e.g. ``model_config.end_of_turn_tokens``).
         slack (int, optional): Slack of new SinkCaches (rollback only). Default: 0,
             and at least ``num_draft_tokens + 1`` with a draft model.
         state (DecodeState, optional): Filled in by the token generator.
@@ -515,7 +519,7 @@ def stream_generate(
     state = state if state is not None else DecodeState()
     tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
-        sampler or make_sampler(temp, top_p, min_p),
+        sampler or make_sampler(temp, top_p, min_p, top_k=top_k),
         make_logits_processors(repetition_penalty=repetition_penalty) + list(logits_processors or []),
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
@@ -527,7 +531,7 @@ def stream_generate(
     stops = list(stop or [])
     machine = TextStateMachine({"normal": [(s, None) for s in stops]} if stops else None)
     text_state = machine.make_state("normal")
-    eos = tokenizer.eos_token_ids
+    eos = set(tokenizer.eos_token_ids) | set(stop_tokens or ())
 
     def response(token, logprobs, from_draft, text, finish_reason=None):
         gen_time = max(time.perf_counter() - tic - state.prompt_time, 1e-9)

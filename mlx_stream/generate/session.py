@@ -41,6 +41,11 @@ class Settings:
     temp: float = 0.0
     top_p: float = 1.0
     num_draft_tokens: int = 3
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    # Token ids besides eos that end a reply (``model_config.end_of_turn_tokens``).
+    stop_tokens: tuple[int, ...] = ()
 
     def cache_spec(self, sinks: int | None = None, drafting: bool = True) -> CacheSpec:
         """The policy of a session's caches: ``cache`` with ``sinks`` (the rendered
@@ -61,6 +66,7 @@ class Reply:
     prompt_tokens: int
     interrupted: bool = False
     finish_reason: str | None = None
+    prompt_tps: float = 0.0
 
 
 def _new_messages(user_text: str | list[dict]) -> list[dict]:
@@ -255,11 +261,14 @@ class ChatSession:
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
         """The engine's streaming generator over ``tokens`` with the session's caches;
         ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
-        ``top_p``) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
+        ``top_p``, ...) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
         from mlx_stream.generate.decode import stream_generate
 
         s = self.settings
         kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
+        if s.top_k or s.min_p or s.repetition_penalty or s.stop_tokens:
+            kwargs.update(top_k=s.top_k, min_p=s.min_p, stop_tokens=s.stop_tokens,
+                          repetition_penalty=s.repetition_penalty)  # fmt: skip
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return stream_generate(
             self.model,
@@ -380,6 +389,7 @@ class ChatSession:
             gen.close()
             finish = getattr(last, "finish_reason", None)
             eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            eos |= set(overrides.get("stop_tokens") or self.settings.stop_tokens)
             if generated and finish == "stop" and generated[-1] in eos:
                 generated.pop()
             self._settle(before, len(tokens), generated)
@@ -394,6 +404,7 @@ class ChatSession:
                 prompt_tokens=len(tokens),
                 interrupted=not finished,
                 finish_reason=finish,
+                prompt_tps=float(getattr(last, "prompt_tps", 0.0) or 0.0),
             )
 
     # ----- checkpoints in memory ------------------------------------------------------
