@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from cli.common import (
     load_for_cache,
     load_model,
     recall_spec,
+    sampling,
 )
 
 if TYPE_CHECKING:
@@ -33,13 +35,30 @@ if TYPE_CHECKING:
 
 PROMPT = ">>> "
 HELP = """\
-/help          this help
-/reset         forget the conversation (keeps the system prompt)
-/stats         tokens, cache fill and memory
-/system TEXT   set the system prompt and start over (/system alone clears it)
-/save PATH     save the conversation: PATH.safetensors (KV cache) + PATH.json (transcript)
-/load PATH     restore a conversation saved with /save
-/quit          exit (Ctrl-D too); Ctrl-C stops a reply"""
+/help            this help
+/reset           forget the conversation (keeps the system prompt)
+/stats           tokens, cache fill and memory
+/show            the system prompt and the sampling settings
+/set NAME VALUE  change a setting: temperature, top_p, top_k, min_p,
+                 repetition_penalty, max_tokens, or system (the system prompt)
+/system TEXT     set the system prompt and start over (/system alone clears it)
+/save PATH       save the conversation: PATH.safetensors (KV cache) + PATH.json
+/load PATH       restore a conversation saved with /save
+/quit            exit (Ctrl-D too)
+On a terminal: a paste is one message; \"\"\" starts a block of lines that ends with
+\"\"\", and Esc then Enter starts a new line. Ctrl-C stops a reply."""
+
+# /set NAME: (Settings field, parse, check, what the value must be)
+SETTINGS = {
+    "temperature": ("temp", float, lambda v: v >= 0, "at least 0 (0: greedy)"),
+    "top_p": ("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": ("top_k", int, lambda v: v >= 0, "at least 0 (0: off)"),
+    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": ("repetition_penalty", float, lambda v: v > 0, "above 0 (1: off)"),
+    "max_tokens": ("max_tokens", int, lambda v: v >= 1, "at least 1"),
+}
+ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "min-p": "min_p",
+           "repetition-penalty": "repetition_penalty", "max-tokens": "max_tokens"}  # fmt: skip
 
 # ---------------------------------------------------------------------------- UI
 
@@ -50,8 +69,8 @@ def stats_line(session: ChatSession) -> str:
     reply = session.last
     parts = []
     if reply is not None:
-        parts.append(f"{reply.tokens} tokens")
-        parts.append(f"{reply.tps:.1f} tok/s")
+        parts.append(f"prompt {reply.prompt_tokens} tokens at {reply.prompt_tps:.0f} tok/s")
+        parts.append(f"reply {reply.tokens} tokens at {reply.tps:.1f} tok/s")
         if reply.interrupted:
             parts.append("stopped")
     parts.append(
@@ -87,12 +106,56 @@ def stats_text(session: ChatSession) -> str:
         rows.append(("recall store", f"{tier.store.host_bytes / 1e6:.1f} MB RAM + "
                      f"{tier.store.disk_bytes / 1e6:.1f} MB disk ({tier.stored} blocks)"))  # fmt: skip
     if session.last is not None:
-        rows.append(("last reply", f"{session.last.tokens} tokens, {session.last.tps:.1f} tok/s"))
+        last = session.last
+        rows.append(("last prompt", f"{last.prompt_tokens} tokens, {last.prompt_tps:.0f} tok/s"))
+        rows.append(("last reply", f"{last.tokens} tokens, {last.tps:.1f} tok/s"))
     return "\n".join(f"{k:<14} {v}" for k, v in rows)
 
 
-def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) -> bool:
-    """Run a slash command; returns False when the chat should end."""
+def show_text(session: ChatSession, source: str) -> str:
+    """The ``/show`` report: the system prompt and the sampling settings."""
+    s = session.settings
+    penalty = s.repetition_penalty if s.repetition_penalty is not None else 1.0
+    rows = [
+        ("system", session.system if session.system else "(none: the template's own, if any)"),
+        ("temperature", f"{s.temp:g}" + (" (greedy)" if s.temp == 0 else "")),
+        ("top_p", f"{s.top_p:g}"),
+        ("top_k", f"{s.top_k}" + (" (off)" if s.top_k == 0 else "")),
+        ("min_p", f"{s.min_p:g}"),
+        ("repetition_penalty", f"{penalty:g}" + (" (off)" if penalty == 1 else "")),
+        ("max_tokens", s.max_tokens),
+        ("defaults from", source),
+    ]
+    return "\n".join(f"{k:<19} {v}" for k, v in rows)
+
+
+def set_setting(session: ChatSession, arg: str) -> str:
+    """Apply ``/set NAME VALUE``; returns what to say."""
+    name, _, value = arg.partition(" ")
+    name, value = ALIASES.get(name, name), value.strip()
+    if name == "system":
+        session.set_system(value)
+        return f"System prompt {'set' if value else 'cleared'}; conversation reset."
+    if name not in SETTINGS:
+        fail(f"/set {name or 'NAME'}: NAME is one of system, {', '.join(SETTINGS)}")
+    field, parse, ok, kind = SETTINGS[name]
+    try:
+        parsed = parse(value)
+    except ValueError:
+        fail(f"/set {name} needs a number {kind} (got {value!r})")
+    if not ok(parsed):
+        fail(f"/set {name} must be {kind} (got {value})")
+    if name == "repetition_penalty" and parsed == 1:
+        parsed = None
+    setattr(session.settings, field, parsed)
+    return f"Set {name} to {value}."
+
+
+def handle_command(
+    session: ChatSession, line: str, say: Callable[[str], None], source: str = ""
+) -> bool:
+    """Run a slash command; returns False when the chat should end (``source``: where
+    the sampling defaults came from, for ``/show``)."""
     name, _, arg = line[1:].partition(" ")
     arg = arg.strip()
     if name in ("quit", "exit", "q"):
@@ -104,6 +167,10 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
         say("Conversation reset.")
     elif name == "stats":
         say(stats_text(session))
+    elif name == "show":
+        say(show_text(session, source))
+    elif name == "set":
+        say(set_setting(session, arg))
     elif name == "system":
         session.set_system(arg)
         say(f"System prompt {'set' if arg else 'cleared'}; conversation reset.")
@@ -127,7 +194,7 @@ def handle_command(session: ChatSession, line: str, say: Callable[[str], None]) 
 
 def read_line(interactive: bool) -> str:
     """One input line, bytes that are not UTF-8 made U+FFFD (raises EOFError at the end
-    of input / Ctrl-D)."""
+    of input / Ctrl-D). Without a terminal every line is a message."""
     from mlx_stream.generate.session import clean_text
 
     if interactive:
@@ -144,13 +211,91 @@ def read_line(interactive: bool) -> str:
     return raw.decode("utf-8", "replace").rstrip("\r\n")
 
 
-def run(session: ChatSession, interactive: bool, console, per_reply=None) -> None:
+def make_reader(interactive: bool) -> Callable[[], str]:
+    """What reads the next message: the line editor when both ends are a terminal
+    (a paste is one message), else :func:`read_line` (a line is one message)."""
+    if interactive and is_interactive(sys.stdout):
+        from cli.line_editor import LineEditor, history_path
+        from mlx_stream.generate.session import clean_text
+
+        editor = LineEditor(PROMPT, history_path())
+        return lambda: clean_text(editor.read())
+    return lambda: read_line(interactive)
+
+
+class PrefillStatus:
+    """``processing prompt 1024/3400 tokens · 410 tok/s`` on one terminal line while a
+    long prompt goes in, erased before the reply's first token (a
+    ``prompt_progress_callback``). Hand-written: rich's live display would redraw over
+    the reply streamed under it."""
+
+    MIN_TOKENS = 256  # shorter prompts take well under a second
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.shown = False
+        self.tic: float | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if self.tic is None or done == 0:
+            self.tic = now
+        if total < self.MIN_TOKENS or done >= total:
+            self.clear()
+            return
+        line = f"processing prompt {done}/{total} tokens"
+        if done and now > self.tic:
+            line += f" · {done / (now - self.tic):.0f} tok/s"
+        self.out.write(f"\r\x1b[2K\x1b[2m{line}\x1b[0m")
+        self.out.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.out.write("\r\x1b[2K")
+            self.out.flush()
+            self.shown = False
+
+
+def stream_reply(
+    session: ChatSession, text: str, write: Callable[[str], None],
+    status: PrefillStatus | None = None, **overrides,
+) -> bool:  # fmt: skip
+    """Stream the reply to ``text`` through ``write``; returns whether Ctrl-C stopped it.
+
+    Ctrl-C stops it at the next token: what was shown is what the conversation keeps
+    (``ChatSession.stream``), and the caller prints ``^C`` after it (the terminal's
+    echo is off while a reply streams, see ``line_editor.quiet_keys``).
+    """
+    from mlx_stream.generate.decode import StopOnInterrupt
+
+    if status is not None:
+        overrides["prompt_progress_callback"] = status
+    with StopOnInterrupt() as ctrl_c:
+        turn = session.stream(text, **overrides)
+        try:
+            for response in turn:
+                if status is not None:
+                    status.clear()
+                write(response.text)  # each token the conversation keeps is shown
+                if ctrl_c.interrupted:
+                    break
+        finally:
+            turn.close()
+            if status is not None:
+                status.clear()
+    return ctrl_c.interrupted
+
+
+def run(session: ChatSession, interactive: bool, console, per_reply=None, source: str = "") -> None:
     """The read-reply loop until /quit or end of input.
 
     A failing command or reply ends only itself: one line on stderr, then the prompt
     again with the conversation as it was (a reply cut short keeps what it streamed).
-    ``per_reply()`` gives each reply's extra ``stream_generate`` arguments.
+    ``per_reply()`` gives each reply's extra ``stream_generate`` arguments; ``source``
+    says where the sampling defaults came from (``/show``).
     """
+    from cli.line_editor import quiet_keys
 
     def write(text: str) -> None:
         print(text, end="", flush=True)
@@ -158,9 +303,10 @@ def run(session: ChatSession, interactive: bool, console, per_reply=None) -> Non
     def say(text: str) -> None:
         print(text, flush=True)
 
+    read = make_reader(interactive)
     while True:
         try:
-            line = read_line(interactive).strip()
+            line = read().strip()
         except EOFError:
             if interactive:
                 print()
@@ -170,12 +316,17 @@ def run(session: ChatSession, interactive: bool, console, per_reply=None) -> Non
             continue
         if not line:
             continue
+        stopped = False
         try:
             if line.startswith("/"):
-                if not handle_command(session, line, say):
+                if not handle_command(session, line, say, source):
                     return
                 continue
-            session.reply(line, write, **(per_reply() if per_reply else {}))
+            status = PrefillStatus() if interactive else None
+            with quiet_keys() if interactive else contextlib.nullcontext():
+                stopped = stream_reply(
+                    session, line, write, status, **(per_reply() if per_reply else {})
+                )
         except Exception as exc:  # noqa: BLE001 - one operation fails, the chat goes on
             from mlx_stream.distributed import is_peer_lost
 
@@ -184,7 +335,7 @@ def run(session: ChatSession, interactive: bool, console, per_reply=None) -> Non
             print(flush=True)
             error_line(describe(exc))
             continue
-        print(flush=True)
+        print("^C" if stopped and interactive else "", flush=True)
         if interactive:
             console.print(stats_line(session), style="dim", highlight=False, soft_wrap=True)
 
@@ -197,8 +348,10 @@ def chat(
     keep_system: opt.KeepSystem = False,
     system: opt.System = None,
     max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
-    temp: opt.Temp = 0.0,
-    top_p: opt.TopP = 1.0,
+    temp: opt.Temp = None,
+    top_p: opt.TopP = None,
+    top_k: opt.TopK = None,
+    repetition_penalty: opt.RepetitionPenalty = None,
     seed: opt.Seed = None,
     draft_model: opt.DraftModel = None,
     num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
@@ -217,12 +370,15 @@ def chat(
     """Chat in the terminal, forever, in fixed memory.
 
     Each turn feeds only the new message into a sink + window KV cache kept across
-    turns. Type /help for commands; Ctrl-C stops a reply, Ctrl-D exits. With stdin
-    not a terminal, every input line is a turn and only the replies are printed.
+    turns. Type /help for commands; Ctrl-C stops a reply, Ctrl-D exits. On a
+    terminal a paste is one message, and three double quotes start a block of lines. With stdin not
+    a terminal, every input line is a message and only the replies are printed.
+    Sampling follows the model's generation_config.json, else temperature 0.7,
+    top-p 0.9, top-k 40, repetition penalty 1.1; /set changes it.
     """
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
-    check_sampling(temp, top_p)
+    check_sampling(temp, top_p, top_k, repetition_penalty)
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     if json_schema is not None and draft_model is not None:
         fail("--json-schema is not available with --draft-model")
@@ -234,10 +390,11 @@ def chat(
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec, cache = load_for_cache(
+    target, tokenizer, spec, cache, path = load_for_cache(
         model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
-        kv_group_size=kv_group_size, key_bits=kv_key_bits,
+        kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
     )  # fmt: skip
+    sample = sampling(path, temp, top_p, top_k, repetition_penalty)
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(
@@ -249,15 +406,20 @@ def chat(
         import mlx.core as mx
 
         mx.random.seed(seed)
+    from mlx_stream.generate.model_config import end_of_turn_tokens
     from mlx_stream.generate.session import ChatSession, Settings
 
     settings = Settings(
         cache=cache,
         keep_system=keep_system,
         max_tokens=max_tokens,
-        temp=temp,
-        top_p=top_p,
+        temp=sample.temp,
+        top_p=sample.top_p,
+        top_k=sample.top_k,
+        min_p=sample.min_p,
+        repetition_penalty=sample.repetition_penalty,
         num_draft_tokens=num_draft_tokens,
+        stop_tokens=end_of_turn_tokens(tokenizer),
     )
     session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
     if interactive:
@@ -278,4 +440,4 @@ def chat(
             return {"logits_processors": [grammars.constraint(grammar)]}
 
         per_reply()  # a tokenizer llguidance cannot read fails now, not at the first turn
-    run(session, interactive, console, per_reply)
+    run(session, interactive, console, per_reply, sample.source)

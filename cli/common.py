@@ -175,12 +175,39 @@ def check_kv_bits(kv_bits: int | None, kv_group_size: int, key_bits: int | None 
     check_cache(kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=key_bits)
 
 
-def check_sampling(temp: float, top_p: float) -> None:
-    """One-line error for a negative temperature or a top-p outside (0, 1]."""
-    if temp < 0:
+def check_sampling(
+    temp: float | None, top_p: float | None, top_k: int | None = None,
+    repetition_penalty: float | None = None,
+) -> None:  # fmt: skip
+    """One-line error for a negative temperature, a top-p outside (0, 1], a negative
+    top-k or a repetition penalty that is not positive (``None``: not given)."""
+    if temp is not None and temp < 0:
         fail(f"--temp must be at least 0 (got {temp})")
-    if not 0 < top_p <= 1:
+    if top_p is not None and not 0 < top_p <= 1:
         fail(f"--top-p must be in (0, 1] (got {top_p})")
+    if top_k is not None and top_k < 0:
+        fail(f"--top-k must be at least 0 (got {top_k})")
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        fail(f"--repetition-penalty must be above 0 (got {repetition_penalty})")
+
+
+def sampling(
+    model_path: Any, temp: float | None = None, top_p: float | None = None,
+    top_k: int | None = None, repetition_penalty: float | None = None,
+):  # fmt: skip
+    """The run's ``Sampling``: the model's defaults (its ``generation_config.json``,
+    else mlx-stream's) with the options given over them."""
+    from mlx_stream.generate.model_config import sampling_defaults
+
+    base = sampling_defaults(model_path)
+    given = {"temp": temp, "top_p": top_p, "top_k": top_k,
+             "repetition_penalty": repetition_penalty}  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return base
+    if given.get("repetition_penalty") == 1.0:
+        given["repetition_penalty"] = None
+    return base.replace(**given, source=f"{base.source}, options over it")
 
 
 def check_text_file(path: str | Path) -> Path:
@@ -321,7 +348,7 @@ def stderr_console():
 
 def load_model(
     name: str | None, dtype: str = "auto", what: str = "model", prepare=None, sinks=None,
-    window=None, kv=None,
+    window=None, kv=None, with_path: bool = False,
 ):  # fmt: skip
     """Load ``name`` (registry name, Hugging Face id, folder or .gguf; None: the
     default) with a rich progress bar on stderr while a first use pulls or converts
@@ -329,7 +356,8 @@ def load_model(
     ``kv_group_size``, ``key_bits``) size the fit check before loading.
 
     Returns:
-        ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path).
+        ``(model, tokenizer, spec)``; ``spec`` is the registry entry (None for a path);
+        ``with_path``: the mlx-lm folder loaded after them.
     """
     from mlx_stream.models import loader
 
@@ -343,6 +371,8 @@ def load_model(
             name, dtype=dtype, progress=callback, log=log, return_info=True, prepare=prepare,
             sinks=sinks, window=window, kv=kv,
         )  # fmt: skip
+    if with_path:
+        return model, tokenizer, info.spec, info.path
     return model, tokenizer, info.spec
 
 
@@ -399,20 +429,24 @@ def cache_spec(spec, sinks: int | None = None, window: int | None = None, **opti
 
 def load_for_cache(
     model: str | None, dtype: str, sinks: int | None, window: int | None, prepare=None,
-    **options: Any,
+    with_path: bool = False, **options: Any,
 ):  # fmt: skip
     """Load ``model`` fit-checked against the cache it will run with, and that cache's
     ``CacheSpec`` (``options``: as for :func:`cache_spec`).
 
     Returns:
         ``(model, tokenizer, spec, cache)``; ``spec`` is the registry entry (None for a
-        path), ``cache`` the command's ``CacheSpec``.
+        path), ``cache`` the command's ``CacheSpec``; ``with_path``: the mlx-lm folder
+        loaded last.
     """
     kv = {k: options[k] for k in ("kv_bits", "kv_group_size", "key_bits") if k in options}
-    target, tokenizer, spec = load_model(
-        model, dtype, prepare=prepare, sinks=sinks, window=window, kv=kv
+    target, tokenizer, spec, path = load_model(
+        model, dtype, prepare=prepare, sinks=sinks, window=window, kv=kv, with_path=True
     )
-    return target, tokenizer, spec, cache_spec(spec, sinks, window, **options)
+    policy = cache_spec(spec, sinks, window, **options)
+    return (
+        (target, tokenizer, spec, policy, path) if with_path else (target, tokenizer, spec, policy)
+    )
 
 
 def sizes(spec, sinks: int | None, window: int | None) -> tuple[int, int]:

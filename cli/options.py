@@ -52,9 +52,40 @@ MaxTokens = Annotated[
     int,
     typer.Option("--max-tokens", help="Most tokens generated per reply."),
 ]
-Temp = Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling probability mass.")]
-Seed = Annotated[int | None, typer.Option(help="Random seed for sampling.")]
+_SAMPLING_DEFAULT = "Default: the model's generation_config.json, else"
+Temp = Annotated[
+    float | None,
+    typer.Option(
+        help=f"Sampling temperature; 0 is greedy. {_SAMPLING_DEFAULT} 0.7.", show_default=False
+    ),
+]
+TopP = Annotated[
+    float | None,
+    typer.Option(
+        "--top-p",
+        help=f"Nucleus sampling: the probability mass kept. {_SAMPLING_DEFAULT} 0.9.",
+        show_default=False,
+    ),
+]
+TopK = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k",
+        help=f"Sample among the k likeliest tokens; 0 is off. {_SAMPLING_DEFAULT} 40.",
+        show_default=False,
+    ),
+]
+RepetitionPenalty = Annotated[
+    float | None,
+    typer.Option(
+        "--repetition-penalty",
+        help=f"Penalty on tokens of the last 20; 1 is off. {_SAMPLING_DEFAULT} 1.1.",
+        show_default=False,
+    ),
+]
+Seed = Annotated[
+    int | None, typer.Option(help="Random seed: the same seed gives the same samples.")
+]
 DraftModel = Annotated[
     str | None,
     typer.Option("--draft-model", help="A smaller model with the same tokenizer (speculative)."),

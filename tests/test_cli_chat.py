@@ -36,7 +36,10 @@ def tiny(tiny_model_dir, tmp_path):
 
 
 def chat(*args: str, input: str = ""):
-    return runner.invoke(app, ["chat", *args], input=input)
+    """The chat with piped input; greedy unless ``args`` sample (these tests compare
+    replies across runs, and the model's default is to sample)."""
+    greedy = [] if "--temp" in args else ["--temp", "0"]
+    return runner.invoke(app, ["chat", *greedy, *args], input=input)
 
 
 def replies(result) -> list[str]:
