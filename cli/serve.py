@@ -88,6 +88,10 @@ StateDir = Annotated[
         "a restart with the same folder continues them. Default: a temp folder.",
     ),
 ]
+NoUi = Annotated[
+    bool,
+    typer.Option("--no-ui", help="No chat page at / (the APIs only; HEAD / still answers)."),
+]
 Quiet = Annotated[
     bool,
     typer.Option("--quiet", help="No access log: one line per request on stderr otherwise."),
@@ -188,6 +192,7 @@ def serve(
     recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
     recall_dir: opt.RecallDir = None,
     quiet: Quiet = False,
+    no_ui: NoUi = False,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -284,13 +289,14 @@ def serve(
             + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
             f"{per / 1e6:,.2f} MB per session) · "
             + (f"not batched: {engine.batch_refusal} · " if engine.batch_refusal else "batched · ")
-            + f"http://{host}:{port}/v1",
+            + f"http://{host}:{port}/v1"
+            + ("" if no_ui else f" · chat page http://{host}:{port}/"),
             style="dim",
             highlight=False,
             soft_wrap=True,
         )
         config = uvicorn.Config(
-            create_app(engine, api_keys=keys, aliases=aliases, quiet=quiet),
+            create_app(engine, api_keys=keys, aliases=aliases, quiet=quiet, ui=not no_ui),
             host=host,
             port=port,
             log_level="warning",

@@ -55,8 +55,8 @@ def free_port() -> int:
 class Server:
     """A ``mlx-stream serve`` subprocess on 127.0.0.1."""
 
-    def __init__(self, model_dir, *args: str):
-        self.port = free_port()
+    def __init__(self, model_dir, *args: str, port: int | None = None):
+        self.port = port or free_port()  # a given port: a restart at the same address
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "from cli.main import main; main()", "serve", "-m",
                str(model_dir), "--port", str(self.port), *args]  # fmt: skip

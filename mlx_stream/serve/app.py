@@ -312,13 +312,15 @@ def create_app(
     api_keys: list[str] | None = None,
     aliases: tuple[str, ...] = (),
     quiet: bool = False,
+    ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_keys``, every
     route but ``/health`` answers only requests that carry ``Authorization: Bearer KEY``
     for one of them, and each key sees only its own sessions. A request's ``model`` may
     be the served id, ``default`` or one of ``aliases`` (the model's registry name and
     Hugging Face id). Unless ``quiet``, each request writes a line to stderr
-    (:mod:`mlx_stream.serve.accesslog`)."""
+    (:mod:`mlx_stream.serve.accesslog`). With ``ui``, ``GET /`` is the chat page
+    (:mod:`mlx_stream.serve.page`, open without a key: it asks for one)."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body)
@@ -327,6 +329,10 @@ def create_app(
     ceiling = getattr(engine, "max_tokens_ceiling", None)
     if ceiling is not None:
         app.add_middleware(AddHeader, name=CEILING_HEADER, value=str(ceiling))
+    if ui:  # outside ApiKeys: the page itself holds no secret
+        from mlx_stream.serve.page import Page
+
+        app.add_middleware(Page)
     if not quiet:  # last: outermost, so the refusals above are logged too
         app.add_middleware(AccessLog)
     names = {engine.model_id, "default", *aliases}
