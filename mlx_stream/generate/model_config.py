@@ -99,22 +99,27 @@ def end_of_turn_tokens(tokenizer: Any) -> tuple[int, ...]:
     the end of an assistant message and the next message (``<|im_end|>`` and
     ``<|im_start|>`` for ChatML, ``<|eot_id|>`` and ``<|start_header_id|>`` for
     Llama 3): a model that writes one of these has finished its reply, or has begun
-    someone else's.
+    someone else's. Also the padding token and the end-of-text token under its usual
+    names (``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``), which a
+    tokenizer converted from GGUF may list as neither (SmolLM2's is its unk token).
     """
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    glue = _template_glue(tokenizer)
-    if glue:
-        from mlx_stream.generate.session import special_texts
+    from mlx_stream.generate.session import special_texts
 
-        vocab = _vocab(tokenizer)
-        for special in special_texts(tokenizer):
-            if special in glue and special in vocab:
-                ids.add(vocab[special])
-                glue = glue.replace(special, "")
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            ids.add(value)
+    vocab = _vocab(tokenizer)
+    glue = _template_glue(tokenizer)
+    for special in special_texts(tokenizer) + _END_OF_TEXT:
+        if special in vocab and (special in glue or special in _END_OF_TEXT):
+            ids.add(vocab[special])
+            glue = glue.replace(special, "")
     return tuple(sorted(ids))
+
+
+_END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 def _vocab(tokenizer: Any) -> dict[str, int]:
