@@ -24,6 +24,7 @@ from cli.common import (
     check_distinct,
     check_output_path,
     check_positive,
+    check_sampling,
     check_text_file,
     error_line,
     fail,
@@ -32,6 +33,7 @@ from cli.common import (
     lenient_stdin,
     load_for_cache,
     recall_spec,
+    sampling,
     stderr_console,
 )
 
@@ -106,25 +108,41 @@ def open_source(path: str) -> tuple[Any, int | None]:
     return open(checked, encoding="utf-8", errors="replace"), checked.stat().st_size  # noqa: SIM115
 
 
-def make_progress(console: Any):
-    """A rich progress bar: tokens, tok/s, running perplexity and (size known) ETA."""
+def make_progress(console: Any, unit: str):
+    """A rich progress bar over the file's bytes (``unit`` ``"bytes"``), the
+    ``--limit-tokens`` tokens or, for stdin, the tokens so far (``"tokens"``): tok/s,
+    running perplexity and, with a total, rich's ETA from the rate of progress."""
     from rich.progress import (
         BarColumn,
+        DownloadColumn,
         MofNCompleteColumn,
         Progress,
+        TaskProgressColumn,
         TextColumn,
         TimeRemainingColumn,
     )
 
+    amount = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
     return Progress(
         TextColumn("[bold]stream-run"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TextColumn("tokens · {task.fields[tps]} tok/s · ppl {task.fields[ppl]} · eta"),
+        BarColumn(bar_width=16),
+        TaskProgressColumn(),
+        amount,
+        TextColumn(
+            "· {task.fields[tokens]} tokens · {task.fields[tps]} tok/s · ppl {task.fields[ppl]} · eta"
+        ),
         TimeRemainingColumn(),
         console=console,
         transient=True,
     )
+
+
+def progress_done(position: int, tokens: Tracked, reader: CountingReader, size: int) -> int:
+    """Bytes of the file behind the ``position`` tokens scored: the bytes read so far per
+    token read so far (the tokenizer reads 64k characters ahead), capped at ``size``."""
+    if not tokens.count:
+        return 0
+    return min(size, round(position * reader.bytes / tokens.count))
 
 
 def evaluate(
@@ -157,22 +175,20 @@ def evaluate(
     if resume is None:
         caches = cache.build(model)  # refused with the bytes when it cannot fit
     console = stderr_console()
-    progress = make_progress(console)
-    task = progress.add_task("stream", total=limit_tokens, tps="-", ppl="-")
+    by_bytes = bool(size) and limit_tokens is None
+    progress = make_progress(console, "bytes" if by_bytes else "tokens")
+    total = size if by_bytes else limit_tokens
+    task = progress.add_task("stream", total=total, tps="-", ppl="-", tokens=0)
     tic = time.perf_counter()
     first: list[int] = []
 
     def callback(position: int, perplexity: float) -> None:
         if not first:
             first.append(position)
-        total = limit_tokens
-        if size and reader.bytes and tokens.count:
-            # Tokens per byte so far, times the file size: the stream's likely length.
-            estimate = int(tokens.count * size / reader.bytes)
-            total = min(total or estimate, max(estimate, position))
+        done = progress_done(position, tokens, reader, size) if by_bytes else position
         elapsed = time.perf_counter() - tic
         progress.update(
-            task, completed=position, total=total, ppl=fmt_ppl(perplexity),
+            task, completed=done, ppl=fmt_ppl(perplexity), tokens=position,
             tps=f"{(position - first[0]) / elapsed:.0f}" if elapsed > 0 else "-",
         )  # fmt: skip
 
@@ -192,13 +208,21 @@ def evaluate(
 
 def answer(
     model: Any, tokenizer: Any, caches: list, pending: int | None, prompt: str, max_tokens: int,
-    write: Any, processors: list | None = None,
-) -> str:  # fmt: skip
+    write: Any, processors: list | None = None, sample: Any = None,
+) -> tuple[str, str | None]:  # fmt: skip
     """Ask ``prompt`` of what the window holds (the document's last token, still
     pending, goes first) and stream the reply through ``write`` (``processors``: e.g.
-    a ``--json-schema`` constraint)."""
-    from mlx_stream.generate.decode import stream_generate
+    a ``--json-schema`` constraint; ``sample``: a ``Sampling``, default greedy). The
+    reply ends at any token that ends a turn (``end_of_turn_tokens``).
 
+    Returns:
+        ``(text, finish_reason)``: ``"stop"`` at an end-of-turn token, ``"length"`` at
+        ``max_tokens``.
+    """
+    from mlx_stream.generate.decode import stream_generate
+    from mlx_stream.generate.model_config import Sampling, end_of_turn_tokens
+
+    sample = sample or Sampling()
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
@@ -212,12 +236,17 @@ def answer(
     tokens = ([] if pending is None else [pending]) + list(
         tokenizer.encode(text, add_special_tokens=False)
     )
-    parts = []
-    for r in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches,
-                             logits_processors=processors):  # fmt: skip
+    parts, finish = [], None
+    for r in stream_generate(
+        model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches,
+        logits_processors=processors, temp=sample.temp, top_p=sample.top_p,
+        top_k=sample.top_k, min_p=sample.min_p, repetition_penalty=sample.repetition_penalty,
+        stop_tokens=end_of_turn_tokens(tokenizer),
+    ):  # fmt: skip
         parts.append(r.text)
         write(r.text)
-    return "".join(parts)
+        finish = r.finish_reason
+    return "".join(parts), finish
 
 
 def report(result: Any, cache: Any, as_json: bool, extra: dict):
@@ -296,6 +325,11 @@ def stream_run(
     prompt: opt.Prompt = None,
     json_schema: opt.JsonSchema = None,
     max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
+    temp: opt.Temp = None,
+    top_p: opt.TopP = None,
+    top_k: opt.TopK = None,
+    repetition_penalty: opt.RepetitionPenalty = None,
+    seed: opt.Seed = None,
     json_out: opt.Json = False,
     csv: opt.Csv = None,
     checkpoint: opt.Checkpoint = None,
@@ -316,7 +350,8 @@ def stream_run(
 
     Scores every token and reports perplexity overall and per segment. --prompt then
     answers a question from what is still in the window (with --recall: also from the
-    evicted blocks its queries choose). Ctrl-C (or SIGTERM) stops
+    evicted blocks its queries choose), sampled like chat (the model's
+    generation_config.json, else temperature 0.7) and ended at the end of its turn. Ctrl-C (or SIGTERM) stops
     between model calls, saves --checkpoint and prints the figures so far; so does a
     recall store whose disk is full (exit 1). A checkpoint carries the recall store.
     """
@@ -325,6 +360,7 @@ def stream_run(
     check_positive(limit_tokens, "--limit-tokens", 2)
     check_positive(max_tokens, "--max-tokens")
     check_positive(checkpoint_every, "--checkpoint-every")
+    check_sampling(temp, top_p, top_k, repetition_penalty)
     kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
     check_cache(sinks, window, positions, **kv)
     if prompt is not None and not prompt.strip():
@@ -357,9 +393,10 @@ def stream_run(
     try:
         if resume is not None:
             checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
-        target, tokenizer, spec, cache = load_for_cache(
-            model, dtype, sinks, window, prepare=dist.preparer(cluster), positions=positions, **kv
-        )
+        target, tokenizer, spec, cache, model_path = load_for_cache(
+            model, dtype, sinks, window, prepare=dist.preparer(cluster), positions=positions,
+            with_path=True, **kv,
+        )  # fmt: skip
         cache = cache.replace(recall=recall_policy)
         constraint = None
         if json_schema is not None:  # checked before the long run, used after it
@@ -406,9 +443,14 @@ def stream_run(
             if not json_out:
                 print(text, end="", flush=True)
 
-        extra["answer"] = answer(
+        if seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(seed)
+        extra["answer"], extra["finish_reason"] = answer(
             target, tokenizer, caches, tokens.last, prompt, max_tokens, write,
             [constraint] if constraint is not None else None,
+            sampling(model_path, temp, top_p, top_k, repetition_penalty),
         )  # fmt: skip
         if not json_out:
             print(flush=True)

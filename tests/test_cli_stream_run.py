@@ -96,14 +96,33 @@ def test_resume_into_another_checkpoint_keeps_the_first(tiny_model_dir, text_fil
 
 
 def test_prompt_answers_from_the_window(tiny_model_dir, text_file):
-    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, "--prompt", "who is the captain",
-                 "--max-tokens", "6")  # fmt: skip
+    ask = ["--prompt", "who is the captain", "--max-tokens", "6", "--seed", "5"]
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE, *ask)
     assert result.exit_code == 0, result.stderr
     answer = result.stdout.strip().splitlines()[-1]
     assert 1 <= len(answer.split()) <= 6
-    data = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, "--prompt",
-                    "who is the captain", "--max-tokens", "6")  # fmt: skip
-    assert data["answer"].strip() == answer  # same greedy answer, inside the JSON
+    data = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, *ask)
+    assert data["answer"].strip() == answer  # same seeded answer, inside the JSON
+    assert data["finish_reason"] in ("stop", "length")
+    other = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, *ask[:-1], "6")
+    greedy = run_json(str(text_file), "-m", str(tiny_model_dir), *BASE, *ask, "--temp", "0")
+    assert len({data["answer"], other["answer"], greedy["answer"]}) > 1  # sampled by default
+
+
+def test_progress_is_over_the_files_bytes(tiny_model_dir, text_file, monkeypatch):
+    from cli.stream_run import CountingReader, Tracked, progress_done
+
+    size = text_file.stat().st_size
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws its live bar as on a terminal
+    monkeypatch.setenv("COLUMNS", "120")
+    result = run(str(text_file), "-m", str(tiny_model_dir), *BASE)
+    assert result.exit_code == 0, result.stderr
+    assert f"/{size / 1000:.1f} kB" in result.stderr, result.stderr[-2000:]  # of the file
+    tokens, reader = Tracked(iter(range(100))), CountingReader(None)
+    list(tokens)
+    reader.bytes = 400
+    assert progress_done(50, tokens, reader, 1000) == 200  # 4 bytes a token so far
+    assert progress_done(400, tokens, reader, 1000) == 1000  # never past the size
 
 
 def test_stdin_and_absolute_positions(tiny_model_dir, text_file):
@@ -203,6 +222,34 @@ def test_real_model_alice_perplexity_is_finite(real_model_path):
     assert data["tokens"] == 599
     assert math.isfinite(data["perplexity"]) and 1 < data["perplexity"] < 200
     assert len(data["segments"]) == 3
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("end", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+def test_real_model_prompt_answer_ends_at_the_end_of_its_turn(real_model, end):
+    """``--prompt``'s answer on the default model stops at any token that ends a turn:
+    an answer once ran on into a new turn's "system\nYou are a" (issue 37). The model
+    is made to write ``end`` as its sixth token."""
+    import mlx.core as mx
+
+    from cli.stream_run import answer
+    from mlx_stream.cache.spec import CacheSpec
+
+    model, tokenizer, _ = real_model
+    token = tokenizer.convert_tokens_to_ids(end)
+    caches = CacheSpec(4, 128).build(model)
+    steps = []
+
+    def force(history, logits):  # after five tokens, only ``end`` may come
+        steps.append(1)
+        if len(steps) <= 5:
+            return logits
+        return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -mx.inf)[None]
+
+    text, finish = answer(model, tokenizer, caches, None, "Who is Alice?", 40, lambda t: None,
+                          [force])  # fmt: skip
+    assert finish == "stop", (text, finish)  # else `end` again and again until 40
+    assert text.strip() and "system" not in text and end not in text
 
 
 # ------------------------------------------------- issue 13: nothing lost, no files hurt
