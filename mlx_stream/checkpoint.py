@@ -54,11 +54,14 @@ class TextDigest:
         return self._h.hexdigest()
 
 
-def checksum(caches: list) -> str:
-    """sha256 over every array of a prompt cache: layer, name, dtype, shape and bytes."""
+def checksum(caches: list, used: bool = True) -> str:
+    """sha256 over every array of a prompt cache as ``save_cache`` writes it (a
+    SinkCache's written slots; ``used=False``: its whole buffers, how checkpoints from
+    before saved them): layer, name, dtype, shape and bytes."""
     h = hashlib.sha256()
     for i, c in enumerate(caches):
-        arrays = [(k, v) for k, v in tree_flatten(list(c.state)) if isinstance(v, mx.array)]
+        state = c.used_state if used and hasattr(c, "used_state") else c.state
+        arrays = [(k, v) for k, v in tree_flatten(list(state)) if isinstance(v, mx.array)]
         mx.eval([v for _, v in arrays])
         for key, value in arrays:
             h.update(f"{i}.{key}:{value.dtype}:{value.shape}".encode())
@@ -225,6 +228,7 @@ def load(
         caches, _ = load_cache(path, model, recall)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path}: cannot load its cache ({' '.join(str(e).split())})") from None
-    if checksum(caches) != meta["checksum"]:
+    saved = meta["checksum"]
+    if saved != checksum(caches) and saved != checksum(caches, used=False):
         raise UserError(f"{path}: checksum mismatch, the cache arrays are corrupted")
     return caches, meta["state"], meta["identity"]

@@ -127,3 +127,104 @@ def test_not_a_checkpoint(tmp_path):
         ckpt.read_metadata(old_format)
     with pytest.raises(UserError, match="no such checkpoint"):
         ckpt.read_metadata(tmp_path / "none.safetensors")
+
+
+# ----- chat /save: the written slots only, private files (issue 37, item 10) --------
+
+
+def chat_session(loaded, **cache):
+    from mlx_stream.cache.spec import CacheSpec
+    from mlx_stream.generate.session import ChatSession, Settings
+
+    model, tokenizer = loaded
+    spec = CacheSpec(**{"sinks": 2, "window": 512, **cache})
+    return ChatSession(model, tokenizer, Settings(spec, max_tokens=8))
+
+
+def next_logits(session, token: int = 5):
+    import copy
+
+    import mlx.core as mx
+
+    caches = copy.deepcopy(session.caches)
+    return session.model(mx.array([[token]]), cache=caches)[0, -1]
+
+
+@pytest.mark.parametrize(
+    "cache, turns",
+    [
+        ({}, 1),  # 40-odd tokens in a 512 window: most of the buffer unwritten
+        ({"window": 24}, 4),  # past the first eviction: every ring slot written
+    ],
+)
+def test_save_writes_the_used_slots_and_load_continues_identically(loaded, tmp_path, cache, turns):
+    import mlx.core as mx
+
+    from mlx_stream.generate.session import cache_count
+
+    said = ["hello", "the sea", "what ship", "a long voyage"]
+    s = chat_session(loaded, **cache)
+    for text in said[:turns]:
+        s.reply(text, lambda t: None)
+    cache_file, transcript = s.save(tmp_path / "talk")
+    used = sum(c.nbytes for c in s.caches)
+    written = cache_file.stat().st_size
+    if not cache:
+        seen = cache_count(s.caches)
+        assert seen < 100 and written < used * 0.2  # ~seen / (sinks + window + slack)
+    else:
+        assert written < used + 8192  # the arrays and a header, nothing twice
+    # Both files of a conversation are the user's own, whatever the umask.
+    assert cache_file.stat().st_mode & 0o777 == 0o600 == transcript.stat().st_mode & 0o777
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["talk.json", "talk.safetensors"]
+
+    back = chat_session(loaded, **cache)
+    back.load(tmp_path / "talk")
+    assert mx.array_equal(next_logits(back), next_logits(s))
+    assert back.reply("and then", lambda t: None).text == s.reply("and then", lambda t: None).text
+    assert mx.array_equal(next_logits(back), next_logits(s))
+
+
+def test_a_checkpoint_saved_with_whole_buffers_still_loads(tiny_llama, tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    from mlx_stream.cache.sink import SinkCache, make_sink_cache
+
+    caches = make_sink_cache(tiny_llama, sinks=SINKS, window=256)
+    tiny_llama(mx.array([TOKENS[:50]]), cache=caches)
+    assert ckpt.checksum(caches) != ckpt.checksum(caches, used=False)  # 50 of 260 slots
+    path = tmp_path / "c.safetensors"
+    with monkeypatch.context() as m:  # as versions before saved: every slot
+        m.setattr(SinkCache, "used_state", property(lambda c: list(c.state)))
+        ckpt.save(path, caches, {"position": 50}, IDENTITY)
+    assert ckpt.read_metadata(path)["checksum"] == ckpt.checksum(caches, used=False)
+    back, _, _ = ckpt.load(path, tiny_llama)
+    assert ckpt.checksum(back) == ckpt.checksum(caches)
+    # and one saved now holds the written slots, its checksum theirs
+    ckpt.save(path, caches, {"position": 50}, IDENTITY)
+    assert ckpt.read_metadata(path)["checksum"] == ckpt.checksum(caches)
+    assert {a.shape[-2] for a in mx.load(str(path)).values() if a.ndim == 4} == {50, SINKS}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fed", [40, 300])  # within the window; past its first eviction
+def test_quantized_caches_save_their_used_slots_and_continue_identically(tmp_path, bits, fed):
+    import mlx.core as mx
+
+    from mlx_stream.cache.sink import load_cache, make_sink_cache, save_cache
+
+    model = tiny.make_model("llama", num_attention_heads=2, num_key_value_heads=1, scale=1.0)
+    caches = make_sink_cache(model, sinks=SINKS, window=256, kv_bits=bits, kv_group_size=32)
+    tokens = tiny.random_tokens(fed + 8, seed=3)
+    for i in range(0, fed, 20):  # in chunks a per-channel key cache takes
+        model(mx.array([tokens[i : min(i + 20, fed)]]), cache=caches)
+    save_cache(tmp_path / "q.safetensors", caches)
+    back, _ = load_cache(tmp_path / "q.safetensors", model)
+    for t in tokens[fed:]:  # token by token: the decode path, across a 64-token layout
+        a = model(mx.array([[t]]), cache=caches)
+        b = model(mx.array([[t]]), cache=back)
+        assert mx.array_equal(a, b)
+    # Per-channel keys are saved whole; the values only in their written slots.
+    arrays = mx.load(str(tmp_path / "q.safetensors"))
+    slots = {a.shape[-2] for k, a in arrays.items() if k.split(".")[1] == "1"}
+    assert slots == ({fed} if fed == 40 else {caches[0].ring.capacity})

@@ -630,6 +630,25 @@ class SinkCache(mlx_cache._BaseCache):
         arrays = [keys, self.values]
         return arrays + ([self.sink_copy] if self.sink_copy is not None else [])
 
+    @property
+    def used_state(self):
+        """``state`` with only the slots ever written (``ring.filled``): what
+        ``save_cache`` writes, so a chat of 400 tokens in a 2k window saves 400 slots.
+        The setter pads the rest with zeros, as they were before any write (spare sink
+        slots after the ring are rewritten by every call that reads them); per-channel
+        keys are kept whole."""
+        if self.keys is None:
+            return []
+        n = max(1, self.ring.filled)
+
+        def used(buf):
+            if isinstance(buf, kvquant.ChannelKeys) or n >= kvstore.length(buf):
+                return buf
+            return kvstore.get(buf, 0, n)
+
+        keys, *rest = self.state
+        return [keys if isinstance(keys, dict) else used(keys), used(rest[0]), *rest[1:]]
+
     @state.setter
     def state(self, v):
         v = list(v)
@@ -841,7 +860,9 @@ def max_call_tokens(caches: list) -> int | None:
     return min(limits) if limits else None
 
 
-def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = None) -> None:
+def save_cache(
+    path: str | os.PathLike, caches: list, metadata: dict | None = None, mode: int | None = None
+) -> None:
     """Save a prompt cache (SinkCache and mlx-lm caches) to ``path`` (safetensors),
     atomically: a failed save leaves any earlier file untouched. A recall tier goes to
     the sidecar folder ``X.recall`` beside ``X.safetensors``, bound to the file by its
@@ -851,6 +872,8 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = No
         path: Destination file.
         caches (list): The prompt cache.
         metadata (dict, optional): Strings saved along (e.g. a transcript).
+        mode (int, optional): The file's permissions (a recall store's files get them
+            too). Default: what the umask gives.
 
     Raises:
         OSError: The file or its sidecar cannot be written (the earlier save stays).
@@ -859,7 +882,7 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = No
 
     arrays, layers = {}, []
     for i, c in enumerate(caches):
-        state = list(c.state) if isinstance(c, SinkCache) else c.state
+        state = c.used_state if isinstance(c, SinkCache) else c.state
         flat = tree_flatten(state)
         scalars = {}
         for key, value in flat:
@@ -886,7 +909,7 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = No
     if tier is not None:
         from mlx_stream.recall import persist
 
-        staged = persist.stage(path, tier)
+        staged = persist.stage(path, tier, mode)
         header[persist.KEY] = staged.binding
     fd, tmp = tempfile.mkstemp(
         dir=path.parent, prefix=files.temp_prefix(path), suffix=".safetensors"
@@ -894,7 +917,7 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict | None = No
     os.close(fd)
     try:
         mx.save_safetensors(tmp, arrays, header)
-        os.chmod(tmp, files.file_mode())
+        os.chmod(tmp, files.file_mode() if mode is None else mode)
         if staged is not None:
             staged.commit()
         os.replace(tmp, path)

@@ -489,17 +489,19 @@ class ChatSession:
         }
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
-        """Save the KV cache and the transcript (each file atomically); with a draft
-        model its cache goes to ``PATH.draft.safetensors``; a recall tier's store to
-        the folder ``PATH.recall`` (with its checksums; ``save_cache``)."""
+        """Save the KV cache (its written slots only) and the transcript, each file
+        atomically and private (``PRIVATE``: a conversation is the user's own); with a
+        draft model its cache goes to ``PATH.draft.safetensors``; a recall tier's store
+        to the folder ``PATH.recall`` (with its checksums; ``save_cache``)."""
         from mlx_stream.cache.sink import save_cache
 
         cache_path, transcript_path = checkpoint_paths(path)
         state = self.state()
         try:
-            save_cache(cache_path, self.caches[: self.n_target], {STATE_KEY: json.dumps(state)})
+            meta = {STATE_KEY: json.dumps(state)}
+            save_cache(cache_path, self.caches[: self.n_target], meta, mode=PRIVATE)
             if self.draft_model is not None:
-                save_cache(draft_cache_path(cache_path), self.caches[self.n_target :])
+                save_cache(draft_cache_path(cache_path), self.caches[self.n_target :], mode=PRIVATE)
             text = json.dumps(state, indent=2, ensure_ascii=False) + "\n"
             write_text_atomic(transcript_path, text)
         except OSError as exc:
@@ -579,8 +581,13 @@ def check_state(state: Any, path: Path) -> dict[str, Any]:
     return state
 
 
+#: The permissions of every file ``/save`` writes (the transcript's ``mkstemp`` gives them too).
+PRIVATE = 0o600
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it and ``os.replace``."""
+    """Write ``text`` to ``path`` through a temporary file beside it and ``os.replace``
+    (mode ``PRIVATE``, as ``mkstemp`` makes it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:

@@ -214,8 +214,9 @@ def _aside(target: Path) -> Path:
     return Path(name)
 
 
-def stage(path: str | os.PathLike, tier: Any) -> Staged:
-    """Write the sidecar of cache file ``path`` for ``tier`` into a temporary folder.
+def stage(path: str | os.PathLike, tier: Any, mode: int | None = None) -> Staged:
+    """Write the sidecar of cache file ``path`` for ``tier`` into a temporary folder
+    (its files with ``mode``, default what the umask gives; the folder with x where r).
 
     Raises:
         OSError: The folder cannot be written (nothing is left behind).
@@ -231,7 +232,7 @@ def stage(path: str | os.PathLike, tier: Any) -> Staged:
         text = json.dumps(manifest, sort_keys=True).encode()
         with open(tmp / MANIFEST, "wb") as f:
             f.write(text)
-        mode = files.file_mode()
+        mode = files.file_mode() if mode is None else mode
         for file in tmp.iterdir():
             os.chmod(file, mode)
         os.chmod(tmp, mode | (mode & 0o444) >> 2)  # as the umask gives a folder (x where r)
