@@ -432,6 +432,29 @@ def test_trim_across_a_rebase_before_any_rollback_is_refused(tiny_llama):
     assert cache[0].tokens_seen == r + 2 and cache[0].trim(2) == 2  # not across: fine
 
 
+def test_a_loaded_cache_refuses_a_trim_across_a_rebase_as_the_live_one(tmp_path, tiny_llama):
+    """Issue 35 (4): a loaded cache knew its layout but not the stride it was set for,
+    so it trimmed across a rebase and re-rotated the keys at the next call."""
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    r = cache[0].rebase_every * 2
+    feed(tiny_llama, cache, TOKENS[: r + 2], 1)
+    save_cache(tmp_path / "c.safetensors", cache)
+    loaded, _ = load_cache(tmp_path / "c.safetensors", tiny_llama)
+    old = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    for c, o in zip(loaded, old):  # a file saved before the stride was in it
+        o.meta_state = {k: v for k, v in c.meta_state.items() if k != "layout_stride"}
+        o.state = c.state
+    for caches in (cache, loaded, old):
+        for c in caches:
+            with pytest.raises(Unsupported, match="crosses the rebase"):
+                c.trim(3)
+        assert mlx_cache.trim_prompt_cache(caches, 2) == 2  # not across: fine
+    nxt = mx.array([TOKENS[r : r + 3]])
+    want = tiny_llama(nxt, cache=cache)
+    assert mx.array_equal(tiny_llama(nxt, cache=loaded), want).item()
+    assert mx.array_equal(tiny_llama(nxt, cache=old), want).item()
+
+
 def test_calls_crossing_strides_are_exact(tiny_llama):
     # mlx-lm's own loops ignore max_call_tokens: each row still sees its own sinks.
     kw = dict(sinks=S, window=W, slack=8, stride=4)

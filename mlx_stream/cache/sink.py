@@ -52,6 +52,7 @@ DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 64
 DEFAULT_SLACK = 0
+UNKNOWN_STRIDE = 2**62  # a loaded layout's stride when the file does not say
 
 
 class SinkCache(mlx_cache._BaseCache):
@@ -696,6 +697,7 @@ class SinkCache(mlx_cache._BaseCache):
             "tokens_seen": self.tokens_seen,
             "filled": self.ring.filled,
             "layout_applied": list(self._layout_applied),
+            "layout_stride": self._layout_stride,
             "slots": self.ring.slots.tolist(),
         }
 
@@ -711,6 +713,10 @@ class SinkCache(mlx_cache._BaseCache):
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
         self._layout_applied = tuple(meta["layout_applied"])
+        # The stride the layout was set for: a trim back across a rebase is refused
+        # after a load as it is live. A file without it: unknown, above every stride,
+        # so the next call re-derives the layout and any trim that changes it is refused.
+        self._layout_stride = int(meta.get("layout_stride", UNKNOWN_STRIDE))
         self.ring.slots = np.array(meta["slots"], dtype=np.int64)
 
     def __deepcopy__(self, memo):
