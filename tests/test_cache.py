@@ -455,6 +455,24 @@ def test_a_loaded_cache_refuses_a_trim_across_a_rebase_as_the_live_one(tmp_path,
     assert mx.array_equal(tiny_llama(nxt, cache=old), want).item()
 
 
+def test_a_deepcopy_owns_its_rebase_undo(tiny_llama):
+    """Issue 35 (7): a trim back across a rebase adopts the copy kept before it and
+    writes it in place afterwards; a deep copy must not share that copy."""
+    cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=8, stride=8)
+    r = cache[0].rebase_every * 2
+    feed(tiny_llama, cache, TOKENS[:9], 8)
+    assert mlx_cache.trim_prompt_cache(cache, 1) == 1  # keeps what a rebase moves
+    feed(tiny_llama, cache, TOKENS[8 : r - 1], 8)
+    expected = copy.deepcopy(cache)
+    feed(tiny_llama, cache, TOKENS[r - 1 : r + 2], 1)  # rebases at r, the undo kept
+    clone = copy.deepcopy(cache)
+    assert mlx_cache.trim_prompt_cache(clone, 3) == 3  # adopts its undo copy...
+    feed(tiny_llama, clone, TOKENS[r - 1 : r + 2], 1)  # ...and rebases it in place again
+    assert mlx_cache.trim_prompt_cache(cache, 3) == 3
+    nxt = mx.array([TOKENS[r - 1 : r + 3]])
+    assert mx.array_equal(tiny_llama(nxt, cache=cache), tiny_llama(nxt, cache=expected)).item()
+
+
 def test_calls_crossing_strides_are_exact(tiny_llama):
     # mlx-lm's own loops ignore max_call_tokens: each row still sees its own sinks.
     kw = dict(sinks=S, window=W, slack=8, stride=4)

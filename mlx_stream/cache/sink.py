@@ -726,6 +726,8 @@ class SinkCache(mlx_cache._BaseCache):
         clone.ring = copy.deepcopy(self.ring)
         for name in ("keys", "values", "sink_copy"):
             setattr(clone, name, kvstore.copy(getattr(self, name)))
+        if self._undo is not None:  # a trim adopts this buffer and writes it in place
+            clone._undo = (*self._undo[:3], kvstore.copy(self._undo[3]))
         return clone
 
 
