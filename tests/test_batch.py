@@ -193,3 +193,19 @@ def test_the_model_check_refuses_a_batched_step_that_is_not_exact(monkeypatch):
     assert batch_cache._probe(model) is None
     monkeypatch.setattr(batch_cache.BatchSinkCache, "offset", property(lambda s: s.rows[0].offset))
     assert "differs from single-session decoding" in batch_cache._probe(model)
+
+
+def test_recall_rows_are_refused_by_the_batched_cache_itself():
+    """Issue 35 (5): a row of a cache with a recall tier cannot join a batch (its tier
+    serves one sequence and is never called by the batched write): refused in one line
+    by the batched cache and by ``Batch.add``, whoever calls them."""
+    from mlx_stream.recall import RecallSpec
+
+    model = make_model("llama")
+    caches = make_sink_cache(model, **SIZES, recall=RecallSpec(blocks=2, block=4))
+    alone(model, random_tokens(30, seed=3), 2, caches=caches)
+    with pytest.raises(Unsupported, match="recall") as refused:
+        BatchSinkCache().add(caches[0])
+    assert len(str(refused.value).splitlines()) == 1
+    with pytest.raises(Unsupported, match="recall"):
+        Batch(model).add(caches, [5, 6, 7])

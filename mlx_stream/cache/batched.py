@@ -16,7 +16,8 @@ calls without changing what other rows hold. A batched call feeds one token per 
 (decode); prefill runs on the session's own cache before it joins.
 
 Refused with a reason, before the first token: quantized rows (``kv_bits``: mlx's
-quantized attention takes one packed buffer; batching them is not implemented), and
+quantized attention takes one packed buffer; batching them is not implemented), rows
+with a recall tier (it serves one sequence per cache), and
 models whose caches are not all SinkCaches or whose batched step does not reproduce
 the single-session step (:func:`check_batchable`, run once per model).
 """
@@ -187,6 +188,8 @@ def batch_refusal(row, joining: bool = True) -> str | None:
         )
     if row.quantized:
         return "quantized KV caches (kv_bits) are not batched: each session decodes alone"
+    if row.recall is not None:  # the batched write never calls the tier's hooks
+        return "caches with a recall tier are not batched: each session decodes alone"
     if joining and row.keys is None:
         return "a session joins a batch after its first token (prefill it first)"
     return None
