@@ -209,3 +209,31 @@ def test_recall_rows_are_refused_by_the_batched_cache_itself():
     assert len(str(refused.value).splitlines()) == 1
     with pytest.raises(Unsupported, match="recall"):
         Batch(model).add(caches, [5, 6, 7])
+
+
+def test_a_repetition_penalty_reads_the_same_history_batched_as_alone():
+    """Issue 35 (3): logits processors are handed the row's history (its prompt and
+    every token it sampled), as a session alone hands them, not its last token only."""
+    from tests.tiny import make_tokenizer
+
+    model, tok = make_model("llama"), make_tokenizer()
+    prompts = [random_tokens(n, seed=40 + i) for i, n in enumerate((12, 27))]
+
+    def tokens(prompt, steps=None, **kw):
+        caches = make_sink_cache(model, **SIZES)
+        return stream_generate(model, tok, prompt, prompt_cache=caches, steps=steps, **kw)
+
+    kw = dict(max_tokens=30, repetition_penalty=2.0)
+    ref = [[r.token for r in tokens(p, **kw)] for p in prompts]
+    assert ref[0] != [r.token for r in tokens(prompts[0], max_tokens=30)]  # it penalises
+    batch = Batch(model)
+    live = [tokens(p, batch.tokens(), **kw) for p in prompts]
+    got = [[], []]
+    while any(live):
+        for i, g in enumerate(live):
+            r = next(g, None) if g is not None else None
+            if r is None:
+                live[i] = None
+            else:
+                got[i].append(r.token)
+    assert got == ref

@@ -41,7 +41,7 @@ from mlx_stream.cache.batched import BatchSinkCache, batch_refusal, check_batcha
 from mlx_stream.cache.reclaim import ReclaimSchedule
 from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.errors import Unsupported
-from mlx_stream.generate.decode import DecodeState, _as_tokens
+from mlx_stream.generate.decode import DecodeState, _as_tokens, extend_history
 
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens a newcomer feeds per round
 
@@ -70,6 +70,7 @@ class Row:
     pending: tuple | None = None  # (tokens, logprobs, index): sampled, not read yet
     joined: bool = False
     processors: list = field(default_factory=list)  # this row's logits processors
+    history: mx.array | None = None  # what they read: the prompt and the tokens sampled
 
 
 def _as_input(token) -> mx.array:
@@ -80,11 +81,10 @@ def _as_input(token) -> mx.array:
 
 
 def _process(row: Row, logits: mx.array) -> mx.array:
-    """``row``'s logits (1, V) through its processors, which are handed the token the
-    row sampled last (its first call: none sampled yet, a placeholder)."""
-    last = row.next_input if row.next_input is not None else 0
+    """``row``'s logits (1, V) through its processors, which are handed the row's
+    history (as a session alone hands them: ``decode.extend_history``)."""
     for processor in row.processors:
-        logits = processor(_as_input(last), logits)
+        logits = processor(row.history, logits)
     return logits
 
 
@@ -132,6 +132,8 @@ class Batch:
         seed = random.getrandbits(31) if seed is None else seed
         row = Row(list(caches), list(prompt), temp=temp, top_p=top_p, budget=max_tokens)
         row.processors = list(processors or [])
+        if row.processors:
+            row.history = extend_history(None, mx.array(prompt, dtype=mx.uint32))
         row.key = mx.random.key(seed)
         self.waiting.append(row)
         return row
@@ -235,7 +237,9 @@ class Batch:
         if drawn:
             where = mx.array([b for b, _ in drawn])
             tokens[where] = mx.concatenate([t for _, t in drawn]).astype(tokens.dtype)
-        for row in rows:
+        for b, row in enumerate(rows):
+            if row.processors:
+                row.history = extend_history(row.history, tokens[b : b + 1].astype(mx.uint32))
             if row.budget > 0:
                 row.budget -= 1
         return tokens, logprobs

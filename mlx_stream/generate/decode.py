@@ -130,7 +130,8 @@ def _sample(logits, history, sampler, processors):
     return sampler(logprobs), logprobs
 
 
-def _extend(history, tokens):
+def extend_history(history, tokens):
+    """``history`` (or none) and ``tokens``: the last ``HISTORY_TOKENS`` a logits processor reads."""
     if history is None:
         return tokens[-HISTORY_TOKENS:]
     return mx.concatenate([history, tokens])[-HISTORY_TOKENS:]
@@ -198,7 +199,7 @@ def generate_step(
         if not draft_cache:
             raise UserError("speculative decoding needs the draft's cache after the target's")
         models.append((draft_model, draft_cache))
-    history = _extend(None, prompt) if processors else None
+    history = extend_history(None, prompt) if processors else None
 
     tic = time.perf_counter()
     # Prefill all but the last prompt token, every model in the same chunks.
@@ -246,7 +247,7 @@ def _plain(y, models, sampler, processors, history, max_tokens, _, step_size, re
             # Feed y before yielding it (pipelining): the cache then holds every
             # yielded token, whichever way the consumer stops.
             if processors:
-                history = _extend(history, y)
+                history = extend_history(history, y)
             next_y, next_logprobs = _step(y, history)
             mx.async_eval(next_y, next_logprobs)
             token = y.item()
@@ -302,7 +303,7 @@ def _speculative(y, models, sampler, processors, history, max_tokens, num_draft_
             mx.async_eval(inputs)
             drafts.append(inputs)
             if processors:
-                history = _extend(history, inputs)
+                history = extend_history(history, inputs)
         return drafts
 
     def _verify(drafts, history):
@@ -316,7 +317,7 @@ def _speculative(y, models, sampler, processors, history, max_tokens, num_draft_
         for i in range(len(drafts) + 1):
             rows.append(_sample(logits[i : i + 1], history, sampler, processors))
             if i < len(drafts):
-                history = _extend(history, drafts[i])
+                history = extend_history(history, drafts[i])
         return mx.concatenate([t for t, _ in rows]), mx.concatenate([lp for _, lp in rows])
 
     try:
@@ -352,7 +353,7 @@ def _speculative(y, models, sampler, processors, history, max_tokens, num_draft_
                 target.emitted(token)
                 draft.emitted(token)
                 if processors:
-                    history = _extend(history, mx.array([token], mx.uint32))
+                    history = extend_history(history, mx.array([token], mx.uint32))
                 state.generated += 1
                 state.cache_tokens = state.prompt_tokens + state.generated - len(target.pending)
                 state.last_token = token
