@@ -92,6 +92,59 @@ def test_a_prefilled_system_prompt_answers_like_a_first_turn_that_feeds_it(loade
         assert copy.reply(text, lambda t: None).text == want
 
 
+# ---------------------------------------------------------------- with a recall tier
+
+
+def words(n: int, seed: int) -> str:
+    import random
+
+    from tests.tiny import VOCAB_WORDS
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCAB_WORDS) for _ in range(n))
+
+
+def recall_session(loaded, folder, **kw) -> ChatSession:
+    """A session whose blocks leave a window of 24 into a store in ``folder`` (on disk:
+    no RAM budget)."""
+    from mlx_stream.recall import RecallSpec
+
+    model, tokenizer = loaded
+    spec = RecallSpec(blocks=2, ram_bytes=0, folder=str(folder))
+    settings = Settings(CacheSpec(sinks=2, window=24, recall=spec), max_tokens=8)
+    return ChatSession(model, tokenizer, settings, **kw)
+
+
+def say(s: ChatSession, text: str) -> str:
+    return s.reply(text, lambda t: None).text
+
+
+def test_a_restored_chat_with_recall_answers_as_one_that_never_branched(loaded, tmp_path):
+    """Issue 35 (1): the tier is shared by a checkpoint's copies of the caches; after
+    ``restore`` it serves the restored caches, its store back to the checkpoint's
+    blocks and its selections and queries back to the checkpoint's."""
+    from mlx_stream.recall import tier_of
+
+    first, then = words(330, 1), ["what was said first", words(60, 3)]
+    whole = recall_session(loaded, tmp_path / "whole")
+    say(whole, first)
+    want = [say(whole, t) for t in then]
+    s = recall_session(loaded, tmp_path / "branched")
+    say(s, first)
+    tier = tier_of(s.caches)
+    point, blocks, history = s.checkpoint(), list(tier.store.count), list(tier.history)
+    say(s, words(200, 2))  # the abandoned timeline: more blocks, other selections
+    assert tier.store.count != blocks and tier.history != history
+    for _ in range(2):  # a checkpoint can be restored more than once
+        s.restore(point)
+        assert tier_of(s.caches) is tier and all(
+            a is b for a, b in zip(tier.layers, s.caches[: s.n_target], strict=True)
+        )
+        assert tier.store.count == blocks and tier.history == history
+        assert [say(s, t) for t in then] == want
+        assert tier.history == tier_of(whole.caches).history
+
+
 # ---------------------------------------------------------------- the server engine
 
 

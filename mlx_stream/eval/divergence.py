@@ -307,8 +307,8 @@ def _free_run(model, first, pos, generate, reference, caches, samples) -> None:
     ref = greedy(model, copy.deepcopy(reference), first, generate)
     for c, s in zip(caches, samples, strict=True):
         tier = tier_of(c)
-        history = None if tier is None else list(tier.history)
+        mark = None if tier is None else tier.mark()
         mine = greedy(model, copy.deepcopy(c), first, generate)
         if tier is not None:
-            tier.rewind(c, history)  # the copy ran on the shared tier
+            tier.rewind(c, mark)  # the copy ran on the shared tier
         s.append({"position": pos, **compare_generations(ref, mine)})

@@ -133,6 +133,7 @@ class Checkpoint:
     system: str | None
     sinks: int
     caches: list
+    recall: Any = None  # the recall tier's mark (tier.Recall.mark): the copies share it
 
 
 @dataclass
@@ -411,9 +412,13 @@ class ChatSession:
 
     def checkpoint(self) -> Checkpoint:
         """A copy of the conversation and its caches to :meth:`restore` later (costs
-        one more cache: a fixed size)."""
+        one more cache: a fixed size). A recall tier is shared, not copied: the
+        checkpoint keeps its mark."""
         import copy
 
+        from mlx_stream.recall import tier_of
+
+        tier = tier_of(self.caches)
         return Checkpoint(
             messages=[dict(m) for m in self.messages],
             fed_text=self.fed_text,
@@ -421,16 +426,25 @@ class ChatSession:
             system=self.system,
             sinks=self.sinks,
             caches=copy.deepcopy(self.caches),
+            recall=tier.mark() if tier is not None else None,
         )
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Go back to ``checkpoint``; it stays usable (its caches are copied again)."""
+        """Go back to ``checkpoint``; it stays usable (its caches are copied again). A
+        recall tier is rewound to it: it serves the restored caches, its store back
+        to the checkpoint's blocks, its selections to the checkpoint's."""
         import copy
 
+        from mlx_stream.recall import tier_of
+
+        caches = copy.deepcopy(checkpoint.caches)
+        tier = tier_of(caches)
+        if tier is not None:
+            tier.rewind(caches[: self.n_target], checkpoint.recall)
         self.messages = [dict(m) for m in checkpoint.messages]
         self.fed_text, self.pending = checkpoint.fed_text, list(checkpoint.pending)
         self.system, self.sinks = checkpoint.system, checkpoint.sinks
-        self.caches = copy.deepcopy(checkpoint.caches)
+        self.caches = caches
         self.last = None
 
     def _settle(self, before: list[int], n_prompt: int, generated: list[int]) -> None:

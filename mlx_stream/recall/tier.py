@@ -62,6 +62,8 @@ token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
@@ -127,6 +129,18 @@ def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
     moved = move.rope(x.transpose(2, 1, 0, 3), offset=offsets).transpose(2, 1, 0, 3)
     scale = move.scale(D)
     return (moved / scale if scale != 1.0 else moved).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What a checkpoint of a tier's caches keeps of the tier (:meth:`Recall.mark`):
+    the selection history, the blocks stored per layer and the queries the next
+    refresh reads. Never the store itself (GBs on disk): blocks before the checkpoint
+    are the same tokens in every timeline that branches from it."""
+
+    history: tuple
+    blocks: tuple[int, ...]
+    queries: tuple
 
 
 class Recall:
@@ -222,19 +236,29 @@ class Recall:
             while len(self.history) > 1 and self.history[-1][0] > keep:
                 self.history.pop()
 
-    def rewind(self, caches: list, history: list | None = None) -> None:
-        """Bring the tier back to ``caches``: copies of its caches (a SinkCache's deep
-        copy shares its tier) that were restored, or that ran on while these did not.
-        The tier's own rollback to their token count (queries, stored blocks and
-        selections past it), the selection ``history`` saved with them, and regions
-        rebuilt from the store at the next call."""
+    def mark(self) -> Mark:
+        """What :meth:`rewind` needs to bring the tier back to its caches as they are
+        now (take it with a copy of them: a SinkCache's deep copy shares its tier)."""
+        return Mark(tuple(self.history), tuple(self.store.count),
+                    tuple(tuple(q) for q in self.queries))  # fmt: skip
+
+    def rewind(self, caches: list, mark: Mark | None = None) -> None:
+        """Bring the tier back to ``caches``: copies of its caches that were restored,
+        or that ran on while these did not. With the ``mark`` taken with them, the
+        tier is as it was then (its store back to that many blocks, its selections
+        and queries back); without, its own rollback to their token count (queries,
+        stored blocks and selections past it). Regions are rebuilt from the store at
+        the next call."""
         from mlx_stream.cache.sink import SinkCache
 
         self.layers = [c for c in caches if isinstance(c, SinkCache)]
+        if mark is not None:
+            self.history = list(mark.history)
+            self.queries = [list(q) for q in mark.queries]
+            for i, blocks in enumerate(mark.blocks):
+                self.store.forget(i, blocks)
         for c in self.layers:
             self.trimmed(c, c.tokens_seen)
-        if history is not None:
-            self.history = list(history)
         self.applied = [None] * len(self.layers)
         self._valid = (None, None)
 

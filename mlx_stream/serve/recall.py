@@ -9,15 +9,11 @@ Contract:
   at start, :func:`remove_stale`); without it, a temporary folder of its own. Recall
   serves one sequence per cache, so a server with ``--recall`` decodes every session
   alone, interleaved (no batched rows).
-- **Checkpoints.** A SinkCache's deep copy shares its tier (the store can be GBs on
-  disk: it is never copied), so a checkpoint keeps only what the tier cannot rebuild:
-  its selection history (:func:`mark`). After a restore, :func:`rewind` points the tier
-  at the restored caches, forgets what they no longer hold (the tier's own rollback,
-  ``Recall.trimmed``: queries and stored blocks past the restored token, selections
-  refreshed later), puts the checkpoint's selections back and rebuilds the regions
-  from the store. Blocks stored before the restored token are the same tokens in both
-  timelines, so they stay. A checkpoint is never restored into another session (a
-  fork of a recall session is rebuilt from the client's history instead).
+- **Checkpoints.** ``ChatSession.checkpoint``/``restore`` keep and rewind the shared
+  tier themselves (``Recall.mark``/``Recall.rewind``), for chat and serve alike;
+  :func:`mark` and :func:`rewind` add nothing. A checkpoint is never restored into
+  another session (a fork of a recall session is rebuilt from the client's history
+  instead).
 - **Bytes.** Device (flat): the caches (ring, with the slack recall raises) plus the
   retrieval region (``sinks + blocks x 64`` slots per layer). Store (growing): host
   memory up to ``ram_bytes`` per session, then files on disk, plus block summaries.
@@ -72,19 +68,12 @@ def remove_stale(spec: Any) -> None:
 
 
 def mark(session: Any, checkpoint: Any) -> Any:
-    """``checkpoint`` (of ``session``), carrying the tier's selection history."""
-    tier = tier_of(session.caches)
-    if tier is not None:
-        checkpoint.recall_history = list(tier.history)
+    """``checkpoint`` as it is: ``ChatSession.checkpoint`` keeps the tier's mark."""
     return checkpoint
 
 
 def rewind(session: Any, checkpoint: Any) -> None:
-    """After ``session.restore(checkpoint)``: bring the shared tier back to the
-    checkpoint (see the module docstring)."""
-    tier = tier_of(session.caches)
-    if tier is not None:
-        tier.rewind(session.caches[: session.n_target], getattr(checkpoint, "recall_history", None))
+    """Nothing: ``ChatSession.restore`` rewound the tier to ``checkpoint``."""
 
 
 STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes",
