@@ -145,6 +145,33 @@ def test_a_restored_chat_with_recall_answers_as_one_that_never_branched(loaded, 
         assert tier.history == tier_of(whole.caches).history
 
 
+def test_reset_set_system_and_load_free_the_old_recall_store(loaded, tmp_path):
+    """Issue 35 (2): replacing the caches closes their tier and removes its files (with
+    a store folder, each reset left its preallocated segment files behind); a
+    checkpoint of the closed tier's caches is refused in one line."""
+    from mlx_stream.errors import UserError
+    from mlx_stream.recall import tier_of
+
+    folder = tmp_path / "store"
+    s = recall_session(loaded, folder)
+    talk = tmp_path / "talk"
+    steps = [s.reset, lambda: s.set_system("you are a captain"), lambda: s.load(talk)]
+    for seed, replace in enumerate(steps):
+        say(s, words(200, seed))
+        old = tier_of(s.caches)
+        mine = {f.name for f in folder.iterdir() if f.name.startswith(old.store.tag)}
+        assert mine and old.store.disk_bytes > 0  # segment files, preallocated
+        s.save(talk)
+        point = s.checkpoint()
+        replace()
+        assert tier_of(s.caches) is not old
+        assert mine.isdisjoint(f.name for f in folder.iterdir())
+        with pytest.raises(UserError, match="recall store was closed") as refused:
+            s.restore(point)
+        assert len(str(refused.value).splitlines()) == 1
+    assert say(s, "what was said first")  # the loaded chat goes on
+
+
 # ---------------------------------------------------------------- the server engine
 
 

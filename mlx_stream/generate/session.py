@@ -5,9 +5,10 @@ turns), the SinkCaches that hold its rendered conversation, and the text the cac
 hold (``fed_text``). Each turn renders the whole conversation through the model's chat
 template and feeds only the text beyond ``fed_text``, so memory stays fixed however
 long the conversation runs; a template that rewrites earlier turns falls back to
-rendering the new message alone (mlx-lm's ``chat`` approach). The session knows
-nothing about terminals or HTTP: callers pass a ``write`` callback and a ``stop``
-predicate.
+rendering the new message alone (mlx-lm's ``chat`` approach). A recall tier of the
+caches is the session's too: checkpoints rewind it, caches replaced (reset, load) close
+it and remove its files. The session knows nothing about terminals or HTTP: callers
+pass a ``write`` callback and a ``stop`` predicate.
 """
 
 from __future__ import annotations
@@ -322,7 +323,17 @@ class ChatSession:
                 raise UserError("--keep-system needs a system prompt: pass --system TEXT")
             if self.settings.pin_limit is not None:
                 self.sinks = min(self.sinks, self.settings.pin_limit)
-        self.caches = self.make_caches()
+        self.use_caches(self.make_caches())
+
+    def use_caches(self, caches: list) -> None:
+        """Hold ``caches`` from now on; a recall tier they do not share is closed and
+        its files removed (a checkpoint of its caches can no longer be restored)."""
+        from mlx_stream.recall import tier_of
+
+        old = tier_of(self.caches) if self.caches else None
+        self.caches = caches
+        if old is not None and old is not tier_of(caches):
+            old.close(remove_files=True)
 
     def set_system(self, text: str | None) -> None:
         """Set the system prompt and start over (the cache holds the old one)."""
@@ -437,14 +448,18 @@ class ChatSession:
 
         from mlx_stream.recall import tier_of
 
+        tier = tier_of(checkpoint.caches)
+        if tier is not None and tier.closed:
+            raise UserError(
+                "this checkpoint's recall store was closed (the chat was reset or loaded since)"
+            )
         caches = copy.deepcopy(checkpoint.caches)
-        tier = tier_of(caches)
         if tier is not None:
             tier.rewind(caches[: self.n_target], checkpoint.recall)
         self.messages = [dict(m) for m in checkpoint.messages]
         self.fed_text, self.pending = checkpoint.fed_text, list(checkpoint.pending)
         self.system, self.sinks = checkpoint.system, checkpoint.sinks
-        self.caches = caches
+        self.use_caches(caches)
         self.last = None
 
     def _settle(self, before: list[int], n_prompt: int, generated: list[int]) -> None:
@@ -546,7 +561,7 @@ class ChatSession:
                 f"{cache_path}: saved for another model ({len(caches)} cache layers, not {len(self.caches)})"
             )
         state = check_state(state, cache_path)
-        self.caches = caches
+        self.use_caches(caches)
         self.system = state["system"]
         self.messages = state["messages"]
         self.fed_text = state["fed_text"]

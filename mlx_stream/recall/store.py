@@ -344,9 +344,13 @@ class BlockStore:
         """Bytes the store has allocated (host and disk)."""
         return self.host_bytes + self.disk_bytes
 
-    def close(self) -> None:
+    def close(self, remove_files: bool = False) -> None:
         """Drop the blocks (and remove a temporary folder; files in a given folder
-        stay, e.g. for a soak to measure)."""
+        stay, e.g. for a soak to measure, unless ``remove_files``: this store's own)."""
+        if remove_files:
+            for part in (p for segs in self.segments for seg in segs for t in seg for p in t):
+                if isinstance(part, FileArray):
+                    Path(part.filename).unlink(missing_ok=True)
         self.segments = [[] for _ in range(self.layers)]
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -179,6 +179,7 @@ class Recall:
         self.scale = None
         self.refreshes = 0
         self.on_prompt_end = None  # called with (tier, token) after a prompt-end refresh
+        self.closed = False  # its store freed (close): its caches cannot be restored
 
     # ----- numbers ------------------------------------------------------------------
 
@@ -629,9 +630,11 @@ class Recall:
             self.queries.append(entries)
         self.regions, self.applied, self._valid = [None] * L, [None] * L, (None, None)
 
-    def close(self) -> None:
-        """Free the store (its temporary files too)."""
-        self.store.close()
+    def close(self, remove_files: bool = False) -> None:
+        """Free the store (its temporary files too; its files in a given folder with
+        ``remove_files``)."""
+        self.store.close(remove_files)
+        self.closed = True
 
 
 def _flat(region) -> list:
