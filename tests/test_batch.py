@@ -203,7 +203,7 @@ def test_recall_rows_are_refused_by_the_batched_cache_itself():
 
     model = make_model("llama")
     caches = make_sink_cache(model, **SIZES, recall=RecallSpec(blocks=2, block=4))
-    alone(model, random_tokens(30, seed=3), 2, caches=caches)
+    alone(model, random_tokens(10, seed=3), 1, caches=caches)  # no block evicted yet
     with pytest.raises(Unsupported, match="recall") as refused:
         BatchSinkCache().add(caches[0])
     assert len(str(refused.value).splitlines()) == 1
