@@ -26,6 +26,7 @@ from cli.common import (
     is_interactive,
     load_for_cache,
     load_model,
+    prefix_store,
     recall_spec,
     sampling,
 )
@@ -82,9 +83,7 @@ def stats_line(session: ChatSession) -> str:
 
 
 def stats_text(session: ChatSession) -> str:
-    """The ``/stats`` report, a few aligned lines (bytes: used of reserved, and where)."""
-    from mlx_stream.cache.estimate import cache_usage, used_of
-
+    """The ``/stats`` report, a few aligned lines."""
     s = session.stats()
     rows = [
         ("turns", s["turns"]),
@@ -93,23 +92,20 @@ def stats_text(session: ChatSession) -> str:
             "cache",
             f"{s['sinks_used']}/{s['sinks']} sinks + {s['window_used']}/{s['window']} window",
         ),
-        ("kv cache", used_of(*cache_usage(session.caches), "device")),
+        ("cache buffers", f"{s['cache_bytes'] / 1e6:.1f} MB"),
         (
             "memory",
             f"active {s['active_memory'] / 1e6:.1f} MB, pool {s['cache_memory'] / 1e6:.1f} MB, "
-            f"peak {s['peak_memory'] / 1e6:.1f} MB (device)",
+            f"peak {s['peak_memory'] / 1e6:.1f} MB",
         ),  # fmt: skip
     ]
     from mlx_stream.recall import tier_of
 
     tier = tier_of(session.caches)
     if tier is not None:  # device bytes stay flat; the store grows (RAM, then disk)
-        u = tier.usage()
-        rows.append(("recall region", used_of(None, u["region_bytes"], "device")))
-        rows.append(("recall blocks", f"{u['stored_blocks']} stored, {u['recalled_blocks']} recalled"))  # fmt: skip
-        rows.append(("recall store", used_of(u["ram_bytes"], u["ram_reserved_bytes"], "RAM")))
-        if u["disk_reserved_bytes"]:
-            rows.append(("", used_of(u["disk_bytes"], u["disk_reserved_bytes"], "disk")))
+        rows.append(("recall region", f"{tier.device_nbytes / 1e6:.1f} MB (device, fixed)"))
+        rows.append(("recall store", f"{tier.store.host_bytes / 1e6:.1f} MB RAM + "
+                     f"{tier.store.disk_bytes / 1e6:.1f} MB disk ({tier.stored} blocks)"))  # fmt: skip
     if session.last is not None:
         last = session.last
         rows.append(("last prompt", f"{last.prompt_tokens} tokens, {last.prompt_tps:.0f} tok/s"))
@@ -371,6 +367,9 @@ def chat(
     recall_bits: opt.RecallBits = None,
     recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
     recall_dir: opt.RecallDir = None,
+    prefix_store_dir: opt.PrefixStoreDir = None,
+    prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
+    no_prefix_store: opt.NoPrefixStore = False,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -379,7 +378,9 @@ def chat(
     terminal a paste is one message, and three double quotes start a block of lines. With stdin not
     a terminal, every input line is a message and only the replies are printed.
     Sampling follows the model's generation_config.json, else temperature 0.7,
-    top-p 0.9, top-k 40, repetition penalty 1.1; /set changes it.
+    top-p 0.9, top-k 40, repetition penalty 1.1; /set changes it. The system prompt's
+    prefilled cache goes to the prefix store on disk (--prefix-store): the next chat
+    with the same system prompt and model starts from it.
     """
     check_positive(max_tokens, "--max-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
@@ -388,9 +389,12 @@ def chat(
     if json_schema is not None and draft_model is not None:
         fail("--json-schema is not available with --draft-model")
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    prefixes = prefix_store(prefix_store_dir, prefix_store_mb, no_prefix_store)
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)
+    if cluster is not None:  # a rank's caches hold its shard only: no shared entries
+        prefixes = None
     interactive = is_interactive() and cluster is None
     from rich.console import Console
 
@@ -426,7 +430,9 @@ def chat(
         num_draft_tokens=num_draft_tokens,
         stop_tokens=end_of_turn_tokens(tokenizer),
     )
-    session = ChatSession(target, tokenizer, settings, system=system, draft_model=draft)
+    session = ChatSession(
+        target, tokenizer, settings, system=system, draft_model=draft, prefix_store=prefixes
+    )
     if interactive:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - arrow keys and history for input()

@@ -21,6 +21,7 @@ from mlx_stream.defaults import (  # noqa: F401 - the commands read them from he
     DEFAULT_RECALL_RAM_MB,
     DEFAULT_RECLAIM_EVERY,
 )
+from mlx_stream.prefix_store import DEFAULT_MB as DEFAULT_PREFIX_STORE_MB  # noqa: F401
 
 # Defaults of the CLI only.
 DEFAULT_SEGMENT = 1024
@@ -46,10 +47,7 @@ Window = Annotated[
 ]
 Dtype = Annotated[
     str,
-    typer.Option(
-        help="Weights dtype: auto (float32 on the CPU, quantized on a GPU), float32, "
-        "float16, bfloat16, or quantized (as stored: a 4-bit model stays 4-bit)."
-    ),
+    typer.Option(help="Weights dtype: auto, float32, float16, bfloat16."),
 ]
 MaxTokens = Annotated[
     int,
@@ -257,4 +255,24 @@ RecallRam = Annotated[
 RecallDir = Annotated[
     Path | None,
     typer.Option("--recall-dir", help="Folder for the spilled store. Default: a temporary folder."),
+]
+PrefixStoreDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--prefix-store",
+        help="Folder of the prefix store: the cache after a system prompt, shared by "
+        "chat and serve and by every process. Default: prefixes/ in the user cache.",
+        show_default=False,
+    ),
+]
+PrefixStoreMb = Annotated[
+    int,
+    typer.Option(
+        "--prefix-store-mb",
+        help="MB the prefix store may take; least recently used entries go first.",
+    ),
+]
+NoPrefixStore = Annotated[
+    bool,
+    typer.Option("--no-prefix-store", help="Neither read nor write the prefix store."),
 ]

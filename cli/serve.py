@@ -18,6 +18,7 @@ from cli.common import (
     handle_errors,
     load_for_cache,
     load_model,
+    prefix_store,
     recall_spec,
     stderr_console,
 )
@@ -193,6 +194,9 @@ def serve(
     recall_dir: opt.RecallDir = None,
     quiet: Quiet = False,
     no_ui: NoUi = False,
+    prefix_store_dir: opt.PrefixStoreDir = None,
+    prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
+    no_prefix_store: opt.NoPrefixStore = False,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -212,6 +216,9 @@ def serve(
     With --recall every session keeps its own store of what left its window (host
     memory up to --recall-ram per session, counted in --memory-budget; then disk, in
     its own subfolder of --recall-dir) and sessions decode alone, not batched.
+
+    A system prompt's prefilled cache goes to the prefix store on disk (--prefix-store,
+    shared with chat and other servers): a restarted server starts from it.
     """
     check_positive(max_tokens, "--max-tokens")
     check_positive(max_tokens_ceiling, "--max-tokens-ceiling")
@@ -224,6 +231,7 @@ def serve(
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     budget = parse_bytes(memory_budget)
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    prefixes = prefix_store(prefix_store_dir, prefix_store_mb, no_prefix_store)
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
     from mlx_stream.serve.app import read_api_keys
@@ -238,6 +246,8 @@ def serve(
     from mlx_stream import distributed as dist
 
     cluster = dist.join(distributed, model)
+    if cluster is not None:  # a rank's caches hold its shard only: no shared entries
+        prefixes = None
     if cluster is not None and recall_policy is not None:
         fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
@@ -271,7 +281,7 @@ def serve(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
         cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
-        max_tokens_ceiling=max_tokens_ceiling,
+        max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:

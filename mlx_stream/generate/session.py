@@ -163,6 +163,9 @@ class ChatSession:
     last: Reply | None = None
     specials: tuple[str, ...] | None = field(default=None, repr=False)
     tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
+    # A mlx_stream.prefix_store.PrefixStore: the first turn starts from its copy of the
+    # rendered system prompt's caches (made and put there on a miss).
+    prefix_store: Any = None
 
     def __post_init__(self) -> None:
         self.reset()
@@ -311,6 +314,48 @@ class ChatSession:
                 yield fed
         self.fed_text, self.pending = text, []
 
+    def prefix_key(self, text: str) -> Any:
+        """The prefix-store key of these caches after ``text`` (rendered, the start of
+        the conversation), or ``None`` where no entry may serve them: a draft model, a
+        recall tier (its store lives beside the caches) or a prefix under
+        ``prefix_store.MIN_TOKENS`` tokens."""
+        from mlx_stream import prefix_store
+
+        if self.draft_model is not None or self.settings.cache.recall is not None:
+            return None
+        tokens = self.encode(text)
+        if len(tokens) < prefix_store.MIN_TOKENS:
+            return None
+        spec = self.settings.cache_spec(self.sinks, drafting=False)
+        return prefix_store.make_key(self.model, tokens, spec, PREFILL_STEP)
+
+    def prefill_stored(self, text: str, store: Any) -> Iterator[int]:
+        """:meth:`prefill_steps` of ``text`` into empty caches, from ``store`` (a
+        ``PrefixStore``) when it holds them (nothing is yielded then); on a miss the
+        prefilled caches go into the store."""
+        key = self.prefix_key(text) if store is not None else None
+        if key is not None:
+            caches = store.lookup(key, self.model)
+            if caches is not None and len(caches) == len(self.caches):
+                self.caches, self.fed_text, self.pending = caches, text, []
+                return
+        yield from self.prefill_steps(text)
+        if key is not None:
+            store.put(key, self.caches)
+
+    def _system_from_store(self, progress: Callable[[int, int], None] | None) -> None:
+        """Before a first turn: the rendered system prompt from :attr:`prefix_store`
+        (or prefilled, then stored), so a second process starts from it."""
+        if self.fed_text or self.pending or cache_count(self.caches):
+            return
+        head = self.system_text()
+        if not head or self.prefix_key(head) is None:
+            return
+        total = len(self.encode(head))
+        for done in self.prefill_stored(head, self.prefix_store):
+            if progress is not None:
+                progress(done, total)
+
     # ----- conversation -------------------------------------------------------------
 
     def reset(self) -> None:
@@ -378,6 +423,8 @@ class ChatSession:
                 caller already has it (to check its size first).
             **overrides: Per-call settings, see :meth:`generate`.
         """
+        if turn is None and self.prefix_store is not None:
+            self._system_from_store(overrides.get("prompt_progress_callback"))
         tokens, full = turn if turn is not None else self.turn_tokens(user_text)
         before = [cache_count(self.caches)]
         if self.draft_model is not None:

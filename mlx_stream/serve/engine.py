@@ -31,7 +31,10 @@ Contract:
   (``isolate``: it is never matched at all). A wrapped ring matches no token prefix, so
   matching is on the transcript, never on the KV cache.
 - Pinned system prompt (``keep_system``): the rendered system prompt is the session's
-  sinks; sessions with the same system prompt start from one prefilled snapshot.
+  sinks; sessions with the same system prompt start from one prefilled snapshot. A
+  prefix store on disk (``prefix_store``, :mod:`mlx_stream.prefix_store`) holds that
+  state across processes: a system prompt with no snapshot yet is read from it when
+  there (never another model's, dtype's or policy's entry), else prefilled and put.
 - One worker thread runs every MLX call, fed by a queue. Each scheduler round, every
   session with decode work steps together in ONE batched model call
   (:class:`~mlx_stream.generate.batch.Batch`: one row per session, each in its own fixed-size
@@ -208,6 +211,10 @@ class Engine:
         isolate (bool): Never match a request without ``X-Session-ID`` to a session
             (each starts its own). Default: False (a request that extends one of its
             owner's transcripts continues that session).
+        prefix_store (PrefixStore, optional): The prefix store on disk
+            (:mod:`mlx_stream.prefix_store`): a system prompt with no shared snapshot
+            yet is looked up there before it is prefilled, and put there after (so a
+            restarted server, ``chat`` or another server start from it). Default: none.
     """
 
     def __init__(
@@ -229,8 +236,10 @@ class Engine:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         pin: int | None = None,
         max_tokens_ceiling: int | None = None,
+        prefix_store: Any = None,
     ):
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.prefixes = prefix_store
         self.max_prompt_tokens, self.max_tokens_ceiling = max_prompt_tokens, max_tokens_ceiling
         self.pin = min(DEFAULT_PIN_TOKENS, settings.cache.window) if pin is None else pin
         self._closing = False  # draining: requests are refused (503)
@@ -795,7 +804,8 @@ class Engine:
             size = admission.cache_bytes(session.sinks)
             shared = admission.fits(extra + size, keep, head)
             admission.make_room(extra + size if shared else extra, keep, head)
-            session.prefill(head)
+            for _ in session.prefill_stored(head, self.prefixes):  # or from the store
+                pass
             if shared:
                 admission.add_snapshot(head, session.checkpoint(), size)
 
@@ -820,7 +830,7 @@ class Engine:
         """``turn``'s token source, after ``head`` goes into ``session``'s empty caches a
         chunk per poll (``None``); the head is then shared as its system prompt's
         snapshot where the budget has room without evicting anything."""
-        for _ in session.prefill_steps(head):
+        for _ in session.prefill_stored(head, self.prefixes):
             yield None
         job.head = len(session.encode(head))
         admission, size = self.admission, self.admission.cache_bytes(session.sinks)
@@ -1126,4 +1136,14 @@ class Engine:
                 "dropped": self.dropped,
                 "active": len(self._active),
             },
+            "prefix_store": self._prefix_stats(),
         }
+
+    def _prefix_stats(self) -> dict[str, Any] | None:
+        """The prefix store's folder and counters (``None`` without one)."""
+        p = self.prefixes
+        if p is None:
+            return None
+        return {"folder": str(p.root), "enabled": p.enabled, "max_bytes": p.max_bytes,
+                "hits": p.hits, "misses": p.misses, "writes": p.writes,
+                "rejected": p.rejected}  # fmt: skip
