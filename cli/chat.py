@@ -83,7 +83,9 @@ def stats_line(session: ChatSession) -> str:
 
 
 def stats_text(session: ChatSession) -> str:
-    """The ``/stats`` report, a few aligned lines."""
+    """The ``/stats`` report, a few aligned lines (bytes: used of reserved, and where)."""
+    from mlx_stream.cache.estimate import cache_usage, used_of
+
     s = session.stats()
     rows = [
         ("turns", s["turns"]),
@@ -92,20 +94,23 @@ def stats_text(session: ChatSession) -> str:
             "cache",
             f"{s['sinks_used']}/{s['sinks']} sinks + {s['window_used']}/{s['window']} window",
         ),
-        ("cache buffers", f"{s['cache_bytes'] / 1e6:.1f} MB"),
+        ("kv cache", used_of(*cache_usage(session.caches), "device")),
         (
             "memory",
             f"active {s['active_memory'] / 1e6:.1f} MB, pool {s['cache_memory'] / 1e6:.1f} MB, "
-            f"peak {s['peak_memory'] / 1e6:.1f} MB",
+            f"peak {s['peak_memory'] / 1e6:.1f} MB (device)",
         ),  # fmt: skip
     ]
     from mlx_stream.recall import tier_of
 
     tier = tier_of(session.caches)
     if tier is not None:  # device bytes stay flat; the store grows (RAM, then disk)
-        rows.append(("recall region", f"{tier.device_nbytes / 1e6:.1f} MB (device, fixed)"))
-        rows.append(("recall store", f"{tier.store.host_bytes / 1e6:.1f} MB RAM + "
-                     f"{tier.store.disk_bytes / 1e6:.1f} MB disk ({tier.stored} blocks)"))  # fmt: skip
+        u = tier.usage()
+        rows.append(("recall region", used_of(None, u["region_bytes"], "device")))
+        rows.append(("recall blocks", f"{u['stored_blocks']} stored, {u['recalled_blocks']} recalled"))  # fmt: skip
+        rows.append(("recall store", used_of(u["ram_bytes"], u["ram_reserved_bytes"], "RAM")))
+        if u["disk_reserved_bytes"]:
+            rows.append(("", used_of(u["disk_bytes"], u["disk_reserved_bytes"], "disk")))
     if session.last is not None:
         last = session.last
         rows.append(("last prompt", f"{last.prompt_tokens} tokens, {last.prompt_tps:.0f} tok/s"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 import tempfile
@@ -339,6 +340,57 @@ def atomic_write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------- engine glue
 
 
+def print_table(table: Any) -> None:
+    """Print a rich table on stdout; off a terminal (a pipe, a file) as wide as its
+    rows and without trailing blanks, so no name is cut to ``smollm2-135...`` nor a
+    row wrapped."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        console.print(table)
+        return
+    wide = Console(width=10_000)
+    with wide.capture() as capture:
+        wide.print(table)
+    typer.echo("\n".join(line.rstrip() for line in capture.get().splitlines()))
+
+
+def reflow(text: str | None) -> str | None:
+    """A docstring as help text: each paragraph's lines joined into one (the help
+    wraps them to the terminal, so none breaks mid-sentence); paragraphs with indented
+    or bulleted lines, and ``\\b`` blocks, stay as written."""
+    if not text:
+        return text
+    paragraphs = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        lines = para.split("\n")
+        kept = para.startswith("\b") or any(line.startswith((" ", "- ", "* ")) for line in lines)
+        paragraphs.append(para if kept else " ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs)
+
+
+def tidy_help(app: typer.Typer) -> None:
+    """Help that reads as sentences: every command's docstring reflowed (:func:`reflow`)
+    and flags shown without a type (typer 0.29 prints ``<bool>`` beside ``--json``)."""
+    from typer.core import TyperOption
+
+    for info in app.registered_commands:
+        if info.callback is not None:
+            info.callback.__doc__ = reflow(info.callback.__doc__)
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            tidy_help(group.typer_instance)
+    shown = TyperOption.display_type_rich
+    if not getattr(shown, "tidy", False) and callable(shown):
+
+        def display_type_rich(self: Any, ctx: Any) -> str | None:
+            return None if self.is_flag else shown(self, ctx)
+
+        display_type_rich.tidy = True  # type: ignore[attr-defined]
+        TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
 def stderr_console():
     """A rich console on stderr (progress bars, tables) that never pollutes stdout."""
     from rich.console import Console
@@ -376,46 +428,78 @@ def load_model(
     return model, tokenizer, info.spec
 
 
-@contextlib.contextmanager
-def _pull_progress(console, what: str) -> Iterator[Callable[..., None]]:
-    """A progress callback ``(done, total, description=None)`` drawing a rich bar.
-
-    The bar appears only once a pull reports progress, so loading a model that is
-    already on disk prints nothing.
-    """
+def pull_bars(console: Any, transient: bool = True) -> tuple[Any, Callable[..., None]]:
+    """``(bars, callback)``: a rich ``Progress`` and its callback ``(done, total,
+    stage)``, one bar per stage of a pull. A stage of bytes shows ``12.1/101.9 MB``,
+    its speed and time left; a stage of steps ``12/272``; a stage of unknown length
+    (``total`` None) a running clock until the next stage begins, then ``done``."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
         Progress,
+        ProgressColumn,
         TextColumn,
+        TimeElapsedColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.text import Text
 
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    )
+    from mlx_stream.models.registry import counts_bytes
+
+    class Amount(ProgressColumn):
+        """What a stage counts, in its unit; its speed and time left for bytes."""
+
+        columns = (DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+
+        def render(self, task):
+            if task.fields.get("over"):
+                return Text("done", style="green")
+            if task.total is None:
+                return TimeElapsedColumn().render(task)
+            if counts_bytes(task.description):  # speed and time left once known
+                shown = self.columns if task.speed else self.columns[:1]
+                return Text(" ").join(c.render(task) for c in shown)
+            return Text(f"{int(task.completed)}/{int(task.total)}", style="progress.download")
+
+    bars = Progress(TextColumn("[bold]{task.description}"), BarColumn(), Amount(),
+                    console=console, transient=transient)  # fmt: skip
     tasks: dict[str, Any] = {}
 
-    def callback(done: int | float, total: int | float | None = None, description: Any = None):
-        label = str(description or f"Pulling {what}")
-        if not tasks:
-            progress.start()
+    def callback(done: int | float, total: int | float | None = None, stage: Any = None):
+        label = str(stage or "pull")
         if label not in tasks:
-            tasks[label] = progress.add_task(label, total=total)
-        progress.update(tasks[label], completed=done, total=total)
+            for task in bars.tasks:  # a stage of unknown length is over when the next begins
+                if task.total is None and not task.fields.get("over"):
+                    bars.update(task.id, total=1, completed=1, over=True)
+            tasks[label] = bars.add_task(label, total=total)
+        bars.update(tasks[label], completed=done, total=total)
+
+    return bars, callback
+
+
+@contextlib.contextmanager
+def _pull_progress(console, what: str) -> Iterator[Callable[..., None]]:
+    """A progress callback ``(done, total, description=None)`` drawing rich bars
+    (:func:`pull_bars`).
+
+    The bars appear only once a pull reports progress, so loading a model that is
+    already on disk prints nothing.
+    """
+    bars, draw = pull_bars(console)
+    started = []
+
+    def callback(done: int | float, total: int | float | None = None, description: Any = None):
+        if not started:
+            bars.start()
+            started.append(True)
+        draw(done, total, description or f"Pulling {what}")
 
     try:
         yield callback
     finally:
-        if tasks:
-            progress.stop()
+        if started:
+            bars.stop()
 
 
 def cache_spec(spec, sinks: int | None = None, window: int | None = None, **options: Any):

@@ -65,6 +65,10 @@ from cli.doctor import doctor  # noqa: E402 - typer-only module
 
 app.command("doctor")(doctor)
 
+from cli.common import tidy_help  # noqa: E402 - typer-only module
+
+tidy_help(app)  # docstrings reflowed to the terminal, flags without <bool>
+
 
 def main() -> None:
     import mlx_stream  # noqa: F401 - before any command imports mlx: preloads OpenBLAS

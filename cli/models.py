@@ -41,36 +41,18 @@ Name = Annotated[
 
 @contextlib.contextmanager
 def _progress(console) -> Iterator[tuple[Any, Any]]:
-    """``(progress, log)`` callbacks drawing one rich bar per stage on stderr."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    """``(progress, log)`` callbacks drawing one rich bar per stage on stderr
+    (``cli.common.pull_bars``: bytes as bytes, steps as steps, finished steps ``done``);
+    on failure only the one-line error stays."""
+    from cli.common import pull_bars
 
-    bars = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,  # on failure only the one-line error stays
-    )
-    tasks: dict[str, Any] = {}
-
-    def progress(done: int, total: int | None, stage: str) -> None:
-        if stage not in tasks:
-            _close_open_stages()
-            tasks[stage] = bars.add_task(stage, total=total)
-        bars.update(tasks[stage], completed=done, total=total)
-
-    def _close_open_stages() -> None:
-        for task in bars.tasks:  # a stage of unknown length is over when the next begins
-            if task.total is None and task.visible:
-                bars.update(task.id, visible=False)
+    bars, progress = pull_bars(console)
 
     def log(message: str) -> None:
         bars.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     with bars:
         yield progress, log
-        _close_open_stages()
 
 
 def _size(folder: Path) -> int:
@@ -157,10 +139,11 @@ def _available() -> list[dict[str, Any]]:
         if not spec.hf_repos:
             continue
         pulled = loader.is_pulled(name)
-        summary = None
+        summary = disk = None
         if pulled:
             folder = loader.model_path(name)
             summary = estimate.folder_estimate(folder, policy, spec.sinks, spec.window)
+            disk = _size(folder)
         elif spec.config is not None:
             summary = _config_summary(spec, policy)
         fits = None
@@ -172,6 +155,7 @@ def _available() -> list[dict[str, Any]]:
                 "hf": spec.hf_repos[0],
                 "pulled": pulled,
                 "size_bytes": spec.size,
+                "disk_bytes": disk,
                 "context": spec.context,
                 "sinks": spec.sinks,
                 "window": spec.window,
@@ -214,6 +198,7 @@ def list_models(
     from rich.console import Console
     from rich.table import Table
 
+    from cli.common import print_table
     from mlx_stream.cache.estimate import human
 
     table = Table(box=None, pad_edge=False)
@@ -229,38 +214,45 @@ def list_models(
             "pulled",
         )
         for column in columns:
-            table.add_column(column, justify="right" if column in ("size", "context", "needs") else "left")  # fmt: skip
+            right = column in ("size", "context", "needs")
+            table.add_column(column, justify="right" if right else "left",
+                             overflow="left" if right else "fold")  # fmt: skip
         for row in rows:
             fits = {True: "yes", False: "no", None: "?"}[row["fits"]]
+            size = row["disk_bytes"] or row["size_bytes"]  # pulled: on disk; else the download
             table.add_row(
-                row["name"], row["hf"], human(row["size_bytes"]) if row["size_bytes"] else "?",
+                row["name"], row["hf"], human(size) if size else "?",
                 f"{row['context']:,}" if row["context"] else "?",
                 f"{row['sinks']} + {row['window']:,}",
                 human(row["needs_bytes"]) if row["needs_bytes"] else "?", fits,
                 "yes" if row["pulled"] else "no",
             )  # fmt: skip
-        Console().print(table)
+        print_table(table)
         policy = rows[0]["dtype"] if rows else "auto"
         avail = next((r["available_bytes"] for r in rows if r["available_bytes"]), None)
         Console(stderr=True).print(
-            f"needs: weights as this backend loads them ({policy}) + the KV cache at the "
-            f"window; {human(avail) if avail else 'unknown'} available",
-            style="dim", highlight=False,
+            f"size: on disk once pulled, else the download; needs: weights as this "
+            f"backend loads them ({policy}) + the KV cache reserved at the window; "
+            f"{human(avail) if avail else 'unknown'} available",
+            style="dim", highlight=False, soft_wrap=True,
         )  # fmt: skip
         return
     for column in ("name", "pulled", "size", "description"):
-        table.add_column(column, justify="right" if column == "size" else "left")
+        right = column == "size"
+        table.add_column(column, justify="right" if right else "left",
+                         overflow="left" if right else "fold")  # fmt: skip
     for row in rows:
         name = row["name"] + (" (default)" if row["default"] else "")
         where = row["where"] if row["where"] not in (None, "mlx-stream", "path") else "yes"
         size = human(row["size_bytes"]) if row["size_bytes"] else ""
         table.add_row(name, where if row["pulled"] else "no", size, row["description"])
-    Console().print(table)
+    print_table(table)
 
 
 def _recall_line(config: dict, folder, policy: str, sinks: int, recall: dict | None = None) -> str:
-    """``--recall``'s costs: the fixed device region and the store per 1k tokens, at the
-    registry entry's recall defaults (``recall``) where it has them."""
+    """``--recall``'s costs: the device region it reserves, and what its store uses per
+    1k evicted tokens (RAM, then disk) and reserves at a time, at the registry entry's
+    recall defaults (``recall``) where it has them."""
     from mlx_stream.cache.estimate import activation_bytes, config_layout, human, recall_bytes
     from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS
 
@@ -270,10 +262,11 @@ def _recall_line(config: dict, folder, policy: str, sinks: int, recall: dict | N
     mine = recall_bytes(layout, sinks, blocks, bits=bits)
     other = recall_bytes(layout, sinks, blocks, bits=None if bits else 8)
     return (
-        f"recall:      region {human(mine['region_bytes'])} on the device "
-        f"({blocks} blocks); store {human(mine['store_bytes_per_1k_tokens'])} per 1k tokens"
-        + (f" at --recall-bits {bits}" if bits else "")
-        + f" ({human(other['store_bytes_per_1k_tokens'])} "
+        f"recall:      region {human(mine['region_bytes'])} reserved (device, {blocks} "
+        f"blocks); store uses {human(mine['store_bytes_per_1k_tokens'])} per 1k evicted "
+        f"tokens (RAM, then disk), reserved {human(mine['store_segment_bytes'])} at a time"
+        + (f", at --recall-bits {bits}" if bits else "")
+        + f" ({human(other['store_bytes_per_1k_tokens'])} per 1k "
         + ("in the model's dtype)" if bits else "at --recall-bits 8)")
     )
 
@@ -358,12 +351,26 @@ def _info_repo(repo_id: str, reg) -> list[str]:
 
 @app.command()
 @handle_errors
-def info(name: Name) -> None:
+def info(
+    name: Annotated[
+        str | None,
+        typer.Argument(
+            help="A model name from `mlx-stream models list`, or a Hugging Face id. "
+            "Default: the registry default.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
     """Show a model's registry entry, sources and, once pulled, its folder and config;
     for a Hugging Face id, where it is on disk or what the Hub says it needs."""
+    from mlx_stream.errors import UserError
     from mlx_stream.models import loader, registry
 
     reg = registry.load_registry()
+    if name is None:
+        if not reg.default:
+            raise UserError("no default model: name one (see: mlx-stream models list)")
+        name = reg.default
     if _is_repo(name, reg):
         typer.echo("\n".join(_info_repo(name, reg)))
         return

@@ -47,7 +47,10 @@ Window = Annotated[
 ]
 Dtype = Annotated[
     str,
-    typer.Option(help="Weights dtype: auto, float32, float16, bfloat16."),
+    typer.Option(
+        help="Weights dtype: auto (float32 on the CPU, quantized on a GPU), float32, "
+        "float16, bfloat16, or quantized (as stored: a 4-bit model stays 4-bit)."
+    ),
 ]
 MaxTokens = Annotated[
     int,

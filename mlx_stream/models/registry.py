@@ -514,6 +514,15 @@ def remove_user_entry(name: str) -> bool:
 # progress(done, total, description): bytes or steps done, total (None: unknown), stage.
 ProgressCallback = Callable[[int, "int | None", str], None]
 
+#: How stages that count bytes are named; every other stage counts steps (tensors), or
+#: has no total (``None``: a step of unknown length, over when the next stage begins).
+BYTE_STAGES = ("download ", "extract ")
+
+
+def counts_bytes(stage: str) -> bool:
+    """Whether a progress stage's ``done`` and ``total`` are bytes (else steps)."""
+    return stage.startswith(BYTE_STAGES)
+
 
 def notify(progress: ProgressCallback | None, done: int, total: int | None, stage: str) -> None:
     """Report one step to ``progress`` if there is a callback."""

@@ -341,8 +341,24 @@ class BlockStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the store has allocated (host and disk)."""
+        """Bytes the store has allocated (host and disk): reserved, see :meth:`used`."""
         return self.host_bytes + self.disk_bytes
+
+    def used(self) -> tuple[int, int]:
+        """``(ram, disk)``: bytes of the blocks stored, in host memory and in files
+        (segments are allocated ``SEGMENT`` blocks at a time: ``host_bytes`` and
+        ``disk_bytes`` are the room reserved, these its filled part)."""
+        ram = disk = 0
+        for layer, segs in enumerate(self.segments):
+            for index, seg in enumerate(segs):
+                filled = min(SEGMENT, max(0, self.count[layer] - index * SEGMENT))
+                for part in (p for tensor in seg for p in tensor):
+                    size = filled * int(np.prod(part.shape[1:])) * np.dtype(part.dtype).itemsize
+                    if isinstance(part, FileArray):
+                        disk += size
+                    else:
+                        ram += size
+        return ram, disk
 
     def close(self, remove_files: bool = False) -> None:
         """Drop the blocks (and remove a temporary folder; files in a given folder

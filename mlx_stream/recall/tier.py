@@ -205,6 +205,28 @@ class Recall:
         """Bytes of the store (host memory and files) and its summaries."""
         return self.store.nbytes + self.summaries.nbytes
 
+    def usage(self) -> dict[str, int]:
+        """The tier's counters in the CLI's vocabulary: blocks ``stored`` and
+        ``recalled`` (in attention now), the store's bytes ``used`` in host memory
+        (``ram_bytes``, block summaries included) and on disk (``disk_bytes``), the
+        room it has ``reserved`` there (allocated a segment at a time:
+        ``reserved_bytes``), and the device region (``region_bytes``: reserved once,
+        fixed)."""
+        ram, disk = self.store.used()
+        s = self.summaries
+        summaries = sum(t[:n].nbytes for table in (s.mean, s.lo, s.hi)
+                        for t, n in zip(table, self.store.count) if t is not None)  # fmt: skip
+        return {
+            "stored_blocks": self.stored,
+            "recalled_blocks": len(self.selection),
+            "ram_bytes": ram + summaries,
+            "disk_bytes": disk,
+            "reserved_bytes": self.store_nbytes,
+            "ram_reserved_bytes": self.store.host_bytes + s.nbytes,
+            "disk_reserved_bytes": self.store.disk_bytes,
+            "region_bytes": self.device_nbytes,
+        }
+
     @staticmethod
     def anchor(cache, n: int) -> int:
         """Position of the first sink for a call at token ``n`` (the region ends there)."""
