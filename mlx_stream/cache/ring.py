@@ -19,7 +19,8 @@ Multi-token calls (``in_place=False``, the default): a call of ``N > 1`` tokens 
 first eviction attends over the buffer as it was before the call, then the spare sink
 copies of its later layouts, then its own ``N`` tokens (``fetched``/``visible`` describe
 those columns; the cache concatenates them, as mlx-lm's rotating cache does for a
-chunk), and writes its tokens into the ring afterwards. So a call never needs slots it
+chunk), and writes its tokens into the ring afterwards; it may span any number of
+layouts (one sink copy each), so mlx-lm's 2048-token prefill steps are served. So a call never needs slots it
 overwrites, ``slack`` only serves rollback (``trim(n)`` is exact for ``n <= slack + 1``),
 and a single-token step attends over the ``sinks + window + slack`` slots it fills: with
 ``slack=0`` all of them are visible and the step needs no mask. A call of at most
@@ -185,7 +186,10 @@ class Ring:
                 f"window (at most {self.room(n)} here); raise slack (now {self.slack}) "
                 "or feed smaller chunks"
             )
-        if N > 1 and not self.in_order(N) and len(self.sink_layouts(N)) - 1 > self.spare_sets:
+        if (N > 1 and not self.in_order(N) and not self.concatenates(N)
+                and len(self.sink_layouts(N)) - 1 > self.spare_sets):  # fmt: skip
+            # (a concatenating call appends a copy of the sinks per layout as columns:
+            # any number; in place, the spare slots after the ring bound them)
             raise Unsupported(
                 f"a call of {N} tokens at token {n} spans more sink moves than the cache "
                 f"can serve exactly (stride {self.stride}); feed at most "

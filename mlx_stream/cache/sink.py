@@ -432,6 +432,10 @@ class SinkCache(mlx_cache._BaseCache):
         packed_values = kvstore.pack(values, self.value_bits, g)
         concat = None
         if ring.concatenates(N):
+            if n < self.sinks and len(ring.sink_layouts(N)) > 1:
+                # The later layouts' sinks are copies of sinks this call writes: write
+                # them first (slots no row of this call reads from the buffer yet).
+                self._write(keys, values, packed_keys, packed_values, n, N, sinks_only=True)
             # The buffer as it was (taken before the writes below), the later layouts'
             # sinks, then the call's own tokens: no row needs a slot this call overwrites.
             spares = self._spare_sinks(n, N)
@@ -440,13 +444,7 @@ class SinkCache(mlx_cache._BaseCache):
                 kvstore.concat([buf, *(pair[i] for pair in spares), new])
                 for i, (buf, new) in enumerate(pairs)
             ]
-        slot = self.move.slot if self.move is not None and self.move.moves else 0
-        for s, i, length in ring.runs(n, N):
-            if not channel:
-                kvstore.put(self.keys, s, s + length, packed_keys, i)
-            kvstore.put(self.values, s, s + length, packed_values, i)
-            if s < self.sinks and self.sink_copy is not None:
-                kvstore.put(self.sink_copy, s, s + length, (keys, values)[slot], i)
+        self._write(keys, values, packed_keys, packed_values, n, N)
         if channel:
             self.keys.write(keys, n)
             self._recent_slots = self._residual_slots(n, N)
@@ -461,6 +459,19 @@ class SinkCache(mlx_cache._BaseCache):
             return out
         self._returned = None
         return self._fetch(L, packed=self._packed)
+
+    def _write(self, keys, values, packed_keys, packed_values, n: int, N: int,
+               sinks_only: bool = False) -> None:  # fmt: skip
+        """Write the call's tokens into their slots (per-channel keys: values only)."""
+        slot = self.move.slot if self.move is not None and self.move.moves else 0
+        for s, i, length in self.ring.runs(n, N):
+            if sinks_only and s >= self.sinks:
+                continue
+            if not self.channel_keys:
+                kvstore.put(self.keys, s, s + length, packed_keys, i)
+            kvstore.put(self.values, s, s + length, packed_values, i)
+            if s < self.sinks and self.sink_copy is not None:
+                kvstore.put(self.sink_copy, s, s + length, (keys, values)[slot], i)
 
     def _steady(self, n: int) -> bool:
         """Whether a one-token call at ``n`` is a plain decode step on the packed route:
