@@ -198,7 +198,11 @@ def test_checkpoint_round_trips_bit_for_bit(tmp_path, model):
     save_cache(tmp_path / "k4.safetensors", cache)
     loaded, _ = load_cache(tmp_path / "k4.safetensors", model)
     assert isinstance(loaded[0].keys, kvquant.ChannelKeys)
-    assert same_state(loaded, cache)
+    # What is saved comes back bit for bit: the written slots (spare sink slots past
+    # the ring are scratch, rewritten by every call that reads them, and load as zeros).
+    saved = [a for c in cache for _, a in tree_flatten(c.used_state)]
+    back = [a for c in loaded for _, a in tree_flatten(c.used_state)]
+    assert len(saved) == len(back) and all(mx.array_equal(x, y).item() for x, y in zip(saved, back))
     assert loaded[0].meta_state == cache[0].meta_state
     nxt = mx.array([TOKENS[157:170]])
     assert mx.array_equal(model(nxt, cache=loaded), model(nxt, cache=cache))
