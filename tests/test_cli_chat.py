@@ -391,7 +391,7 @@ def test_real_model_three_turns(real_model_path):
     optimized BLAS preloaded)."""
     proc = subprocess.run(
         [sys.executable, "-c", "from cli.main import main; main()", "chat", "-m",
-         str(real_model_path), "--max-tokens", "24"],
+         str(real_model_path), "--max-tokens", "24", "--temp", "0"],  # greedy: a fixed reply
         input="What is the capital of France?\nAnd of Italy?\nThank you!\n",
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

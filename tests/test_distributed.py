@@ -34,6 +34,7 @@ MLX_STREAM = VENV_BIN / "mlx-stream"
 LAUNCH_TIMEOUT = 120
 REAL_MODEL_TIMEOUT = 300  # three float32 copies' shards on two shared cores
 SMALL = ["--window", "16", "--sinks", "2"]
+GREEDY = ["--temp", "0"]  # chat and stream-run --prompt sample by default: compare greedy
 
 
 # ----------------------------------------------------------------------- helpers
@@ -174,7 +175,7 @@ def test_no_launch_is_one_process_unless_a_strategy_is_forced(monkeypatch, tiny_
 
 def compare_stream_run(n: int, folder: Path, text: Path, *extra: str) -> None:
     args = ["stream-run", str(text), "-m", str(folder), *SMALL, "--json"]
-    args += ["--prompt", "the sea", "--max-tokens", "24"]
+    args += ["--prompt", "the sea", "--max-tokens", "24", *GREEDY]
     one = single(*args)
     result = launch(n, *args, *extra)
     assert not errors(result), result.stderr
@@ -201,7 +202,7 @@ def test_pipeline_stream_run_equals_one_process(folders, text):
 def test_chat_replies_equal_one_process_and_refuses_save(folders):
     # mlx.launch never passes on the end of its input: /quit ends the ranks
     lines = "hello the sea\n/save here\nwhale ship captain\n/quit\n"
-    args = ["chat", "-m", str(folders["llama"]), *SMALL, "--max-tokens", "30"]
+    args = ["chat", "-m", str(folders["llama"]), *SMALL, "--max-tokens", "30", *GREEDY]
     one = runner.invoke(app, args, input="hello the sea\nwhale ship captain\n")
     assert one.exit_code == 0, one.stderr
     result = launch(2, *args, "--distributed", "tensor", input=lines)
@@ -491,7 +492,7 @@ def test_default_model_tensor_parallel_over_three_ranks(real_model_path, tmp_pat
     text = DATA / "alice_in_wonderland.txt"
     args = ["stream-run", str(text), "-m", str(real_model_path), "--window", "16"]
     args += ["--sinks", "4", "--limit-tokens", "96", "--json", "--prompt", "Who is Alice?"]
-    args += ["--max-tokens", "12"]
+    args += ["--max-tokens", "12", *GREEDY]
     one = single(*args)
     procs = start_ranks(3, args, tmp_path)
     try:

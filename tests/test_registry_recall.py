@@ -131,10 +131,10 @@ def test_models_info_prices_the_store_at_the_registry_defaults(tiny_model_dir):
     layout = config_layout(config, 4)
     line = _recall_line(config, tiny_model_dir, "float32", 4, {"blocks": 3, "bits": 8})
     mine, plain = recall_bytes(layout, 4, 3, bits=8), recall_bytes(layout, 4, 3)
-    assert f"region {human(mine['region_bytes'])} on the device (3 blocks)" in line
-    assert (
-        f"store {human(mine['store_bytes_per_1k_tokens'])} per 1k tokens at --recall-bits 8" in line
-    )
-    assert f"({human(plain['store_bytes_per_1k_tokens'])} in the model's dtype)" in line
+    assert f"region {human(mine['region_bytes'])} reserved (device, 3 blocks)" in line
+    per_1k = human(mine["store_bytes_per_1k_tokens"])
+    assert f"store uses {per_1k} per 1k evicted tokens (RAM, then disk)" in line
+    assert "at --recall-bits 8" in line
+    assert f"({human(plain['store_bytes_per_1k_tokens'])} per 1k in the model's dtype)" in line
     default = _recall_line(config, tiny_model_dir, "float32", 4)
-    assert "(8 blocks)" in default and "at --recall-bits 8)" in default
+    assert "(device, 8 blocks)" in default and "at --recall-bits 8" in default
