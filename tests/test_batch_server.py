@@ -120,3 +120,39 @@ def test_a_served_batch_streams_to_concurrent_clients_and_reports_itself(tiny_mo
         server.stop()
     assert together == alone
     assert batch["enabled"] and batch["reason"] is None and batch["steps"] > steps
+
+
+def test_sessions_decoding_in_a_batch_report_their_device_bytes(loaded, tmp_path):
+    """While rows decode in the batch their buffers are the batch's: /v1/sessions kept
+    reporting 0 device bytes for them (the chat page's plot dropped to 0 each turn)."""
+    from mlx_stream.serve.engine import Request
+
+    e = make_engine(loaded, tmp_path, batching=True)
+    seen: list[dict[str, int]] = []
+    try:
+        run_all(e, CONVERSATIONS[:1])  # a first turn: its bytes are known once
+        boxes = [queue.Queue() for _ in CONVERSATIONS]
+        count = [0]
+
+        def watch(event, box=boxes[0]):
+            box.put(event)
+            count[0] += event[0] == "text"
+            if count[0] == 10:  # mid-reply, on the worker thread: the rows are batched
+                e._publish()
+                busy = {s["id"]: s["device_bytes"] for s in e.stats["sessions"] if s["busy"]}
+                seen.append(busy)
+
+        follow = CONVERSATIONS[0] + [{"role": "assistant", "content": "x"},
+                                     {"role": "user", "content": "more"}]  # fmt: skip
+        e.submit(Request(emit=watch, messages=follow, max_tokens=30))
+        for box, messages in zip(boxes[1:], CONVERSATIONS[1:], strict=True):
+            e.submit(Request(emit=box.put, messages=messages, max_tokens=30))
+        for box in boxes:
+            while box.get(timeout=60)[0] not in ("end", "error"):
+                pass
+        stats = e.call(lambda: (e._publish(), e.stats)[1]).result()
+    finally:
+        e.stop()
+    assert stats["batch"]["steps"] > 0 and seen and len(seen[0]) >= 2
+    after = {s["id"]: s["device_bytes"] for s in stats["sessions"]}
+    assert all(0 < b == after[i] for i, b in seen[0].items()), (seen, after)  # the same bytes

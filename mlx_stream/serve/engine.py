@@ -1080,6 +1080,11 @@ class Engine:
         totals = dict.fromkeys(recalled.TOTALS, 0)
         for e in self.entries.values():
             held = recalled.stats(e.session)  # zeros for a session on disk
+            if e.session is not None and not held["device_bytes"] and e.busy:
+                # decoding in the batch, its rows live in the batch's buffers: the bytes
+                # of its full cache (what its own buffers hold between turns)
+                spec = self.settings.cache_spec(e.sinks, drafting=self.draft_model is not None)
+                held["device_bytes"] = spec.bytes(self.model)
             for k in totals:
                 totals[k] += held[k]
             if e.transient:
