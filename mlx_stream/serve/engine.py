@@ -663,7 +663,7 @@ class Engine:
             self._drop(entry)
             return
         if rollback and entry.checkpoint is not None:
-            self._restore(entry.session, entry.checkpoint)
+            entry.session.restore(entry.checkpoint)  # its recall tier too
         entry.messages = [dict(m) for m in entry.session.messages]
         entry.tokens_seen = cache_count(entry.session.caches)
         if rollback:
@@ -722,15 +722,6 @@ class Engine:
         if sinks is not None:
             policy = policy.replace(sinks=sinks)
         return dataclasses.replace(self.settings, cache=policy, **changes)
-
-    def _checkpoint(self, session: ChatSession) -> Checkpoint:
-        """A checkpoint of ``session`` (with its recall tier's selections)."""
-        return recalled.mark(session, session.checkpoint())
-
-    def _restore(self, session: ChatSession, checkpoint: Checkpoint) -> None:
-        """``session`` back to ``checkpoint`` (its recall tier too)."""
-        session.restore(checkpoint)
-        recalled.rewind(session, checkpoint)
 
     def _evict(self, entry: Entry, drop: bool = True) -> None:
         """Save a resident session to disk (listed in the state folder's index) and
@@ -910,13 +901,13 @@ class Engine:
             raise
         session = entry.session
         if mode == "restore":  # the checkpoint encodes exactly ``history``
-            self._restore(session, checkpoint)
+            session.restore(checkpoint)
             entry.checkpoint = checkpoint
         elif mode == "rebuild":  # the whole history goes in with the new turn
             self._rebuild(entry, system, history, toolset)
             session = entry.session
         else:
-            entry.checkpoint = self._checkpoint(session)
+            entry.checkpoint = session.checkpoint()
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         head = self._unfed_head(session)
         if head and self.recall is None and head in self.admission.snapshots:
@@ -997,7 +988,7 @@ class Engine:
             recalled.release(entry.session)  # the session it replaces
         entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
         entry.tools = tools
-        entry.checkpoint = self._checkpoint(session)
+        entry.checkpoint = session.checkpoint()
 
     def _add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry

@@ -10,8 +10,8 @@ Contract:
   serves one sequence per cache, so a server with ``--recall`` decodes every session
   alone, interleaved (no batched rows).
 - **Checkpoints.** ``ChatSession.checkpoint``/``restore`` keep and rewind the shared
-  tier themselves (``Recall.mark``/``Recall.rewind``), for chat and serve alike;
-  :func:`mark` and :func:`rewind` add nothing. A checkpoint is never restored into
+  tier themselves (``Recall.mark``/``Recall.rewind``), for chat and serve alike.
+  A checkpoint is never restored into
   another session (a fork of a recall session is rebuilt from the client's history
   instead).
 - **Bytes.** Device (flat): the caches (ring, with the slack recall raises) plus the
@@ -65,15 +65,6 @@ def remove_stale(spec: Any) -> None:
     for sub in Path(spec.folder).iterdir():
         if sub.name.startswith(PREFIX) and sub.is_dir():
             shutil.rmtree(sub, ignore_errors=True)
-
-
-def mark(session: Any, checkpoint: Any) -> Any:
-    """``checkpoint`` as it is: ``ChatSession.checkpoint`` keeps the tier's mark."""
-    return checkpoint
-
-
-def rewind(session: Any, checkpoint: Any) -> None:
-    """Nothing: ``ChatSession.restore`` rewound the tier to ``checkpoint``."""
 
 
 STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes",
