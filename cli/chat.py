@@ -456,4 +456,7 @@ def chat(
             return {"logits_processors": [grammars.constraint(grammar)]}
 
         per_reply()  # a tokenizer llguidance cannot read fails now, not at the first turn
-    run(session, interactive, console, per_reply, sample.source)
+    try:
+        run(session, interactive, console, per_reply, sample.source)
+    finally:
+        session.close()  # a --recall-dir store's files go with the chat

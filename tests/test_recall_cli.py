@@ -120,3 +120,17 @@ def test_chat_with_recall_runs_past_the_window_and_saves(tiny_model_dir, tmp_pat
     got = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(got) == 4 and got[3].startswith("Saved")
     assert (tmp_path / "x.recall" / "manifest.json").is_file()  # /save carries the store
+
+
+def test_chat_leaves_no_recall_files_in_its_recall_dir(tiny_model_dir, tmp_path):
+    """The store spills to --recall-dir while the chat runs; its files go when it ends
+    (a /save copies what should outlive it)."""
+    rng = random.Random(4)
+    turns = [" ".join(rng.choice(tiny_mod.VOCAB_WORDS) for _ in range(150)) for _ in range(2)]
+    spill = tmp_path / "spill"
+    args = ["chat", "-m", str(tiny_model_dir), "--window", "24", "--sinks", "2",
+            "--max-tokens", "4", "--recall", "--recall-ram", "0", "--recall-dir", str(spill)]  # fmt: skip
+    result = runner.invoke(app, args, input="\n".join(turns) + "\n/stats\n")
+    assert result.exit_code == 0, result.stderr
+    assert "(disk)" in result.stdout  # the store spilled there
+    assert spill.is_dir() and not any(spill.iterdir())

@@ -172,6 +172,15 @@ def test_reset_set_system_and_load_free_the_old_recall_store(loaded, tmp_path):
     assert say(s, "what was said first")  # the loaded chat goes on
 
 
+def test_closing_a_session_removes_its_recall_files(loaded, tmp_path):
+    folder = tmp_path / "store"
+    s = recall_session(loaded, folder)
+    say(s, words(200, 0))
+    assert any(folder.iterdir())
+    s.close()
+    assert not any(folder.iterdir()) and s.caches == []
+
+
 # ---------------------------------------------------------------- the server engine
 
 

@@ -380,6 +380,10 @@ class ChatSession:
         if old is not None and old is not tier_of(caches):
             old.close(remove_files=True)
 
+    def close(self) -> None:
+        """Free the caches, closing a recall tier (its files removed): the session ends."""
+        self.use_caches([])
+
     def set_system(self, text: str | None) -> None:
         """Set the system prompt and start over (the cache holds the old one)."""
         self.system = text or None
