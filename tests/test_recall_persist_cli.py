@@ -45,10 +45,13 @@ def recall_args(tmp_path, text_file, tiny_model_dir, *extra: str) -> list[str]:
 
 
 def same_figures(a: dict, b: dict) -> None:
+    # Equal up to rounding: a resumed run's chunks start elsewhere, and an optimized
+    # BLAS (OpenBLAS, Accelerate) rounds a row differently in calls of other sizes
+    # (measured: 3e-5 with OpenBLAS; MLX's reference BLAS: under 1e-5).
     assert a["tokens"] == b["tokens"]
-    assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-5)
+    assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-4)
     for x, y in zip(a["segments"], b["segments"], strict=True):
-        assert x["perplexity"] == pytest.approx(y["perplexity"], rel=1e-5)
+        assert x["perplexity"] == pytest.approx(y["perplexity"], rel=1e-4)
 
 
 def test_resume_with_recall_equals_an_uninterrupted_run(tiny_model_dir, text_file, tmp_path):
