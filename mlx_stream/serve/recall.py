@@ -68,14 +68,16 @@ def remove_stale(spec: Any) -> None:
 
 
 STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "store_disk_bytes",
-         "summary_bytes", "blocks_stored")  # fmt: skip
-TOTALS = STATS[:1] + STATS[2:6]  # summed over sessions in /health and /v1/sessions
+         "summary_bytes", "store_reserved_bytes", "blocks_stored", "blocks_recalled")  # fmt: skip
+TOTALS = STATS[:1] + STATS[2:7]  # summed over sessions in /health and /v1/sessions
 
 
 def stats(session: Any) -> dict[str, int]:
-    """A session's bytes (zeros for ``None``: a session on disk): ``device_bytes``
-    (caches + region: flat) and ``store_bytes`` (``store_ram_bytes`` +
-    ``store_disk_bytes`` + ``summary_bytes``: growing), and the blocks stored."""
+    """A session's bytes (zeros for ``None``: a session on disk), in the CLI's words:
+    ``device_bytes`` (caches + region: flat); the store's bytes used, ``store_bytes`` =
+    ``store_ram_bytes`` + ``store_disk_bytes`` + ``summary_bytes`` (growing), and the
+    room it has reserved (``store_reserved_bytes``, a segment at a time); the blocks
+    stored and recalled (in attention now)."""
     out = dict.fromkeys(STATS, 0)
     if session is None:
         return out
@@ -84,9 +86,12 @@ def stats(session: Any) -> dict[str, int]:
     if tier is None:
         return out
     out["device_bytes"] += tier.device_nbytes
-    out.update(region_bytes=tier.device_nbytes, store_bytes=tier.store_nbytes,
-               store_ram_bytes=tier.store.host_bytes, store_disk_bytes=tier.store.disk_bytes,
-               summary_bytes=tier.summaries.nbytes, blocks_stored=tier.stored)  # fmt: skip
+    use, (ram, disk) = tier.usage(), tier.store.used()
+    summaries = use["ram_bytes"] - ram  # the blocks' summaries, in host memory
+    out.update(region_bytes=use["region_bytes"], store_bytes=use["ram_bytes"] + disk,
+               store_ram_bytes=ram, store_disk_bytes=disk, summary_bytes=summaries,
+               store_reserved_bytes=use["reserved_bytes"], blocks_stored=use["stored_blocks"],
+               blocks_recalled=use["recalled_blocks"])  # fmt: skip
     return out
 
 
