@@ -276,7 +276,10 @@ def serve(
         context = getattr(spec, "context", None)
         cache = cache.replace(window=window_for(target, context, cache, budget))
     cache = cache.replace(recall=recall_policy)
-    settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
+    from mlx_stream.generate.model_config import end_of_turn_tokens
+
+    settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+                        stop_tokens=end_of_turn_tokens(tokenizer))  # fmt: skip
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,

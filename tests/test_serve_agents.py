@@ -84,6 +84,19 @@ def test_logit_bias_moves_the_greedy_choice(server):
     assert reply.choices[0].message.content.split() == ["whale"] * 4
 
 
+def test_a_reply_ends_at_every_token_that_ends_a_turn(server):
+    """A model that writes <|im_start|> has begun someone else's turn: the reply ends
+    there (it ran on, role text and all, while only eos ended it; Claude Code then got
+    max_tokens replies from the default model)."""
+    from tests.tiny import make_tokenizer
+
+    start = make_tokenizer().convert_tokens_to_ids("<|im_start|>")
+    reply = chat(server, HI, max_tokens=6, logit_bias={str(start): 100},
+                 extra_headers={"X-Session-ID": "eot"})  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == "" and reply.usage.completion_tokens <= 1
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_400_naming_it(server):
     r = post(server, {"messages": HI, "logit_bias": {"999999": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text

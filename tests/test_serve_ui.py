@@ -26,14 +26,14 @@ KEY = "page-test-key"
 FLAGS = ("--api-key", KEY, "--max-sessions", "1", "--sinks", "2", "--window", "64",
          "--max-tokens", "40")  # fmt: skip
 # Injected before the page's own script: while window.__long is set, chat requests ban the
-# tiny model's end tokens, so a reply runs long enough to be stopped or cut mid-stream.
+# tiny model's end-of-turn tokens, so a reply runs long enough to be stopped or cut mid-stream.
 LONG_REPLIES = """
 (() => {
   const real = window.fetch;
   window.fetch = (url, init) => {
     if (window.__long && String(url).endsWith("/v1/chat/completions") && init && init.body) {
       const body = JSON.parse(init.body);
-      body.logit_bias = {"1": -100, "3": -100};
+      body.logit_bias = {"1": -100, "2": -100, "3": -100};
       body.max_tokens = 3000;
       init = {...init, body: JSON.stringify(body)};
     }
@@ -411,7 +411,7 @@ def test_a_429_says_when_to_retry(driver, server):
     # Another client's long reply holds the one session the server may keep (--max-sessions 1)
     hog = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
     body = {"model": "default", "stream": True, "max_tokens": 3000,
-            "logit_bias": {"1": -100, "3": -100}, "messages": [{"role": "user", "content": "go"}]}  # fmt: skip
+            "logit_bias": {"1": -100, "2": -100, "3": -100}, "messages": [{"role": "user", "content": "go"}]}  # fmt: skip
     hog.request("POST", "/v1/chat/completions", json.dumps(body),
                 {"Authorization": f"Bearer {KEY}", "X-Session-ID": "hog"})  # fmt: skip
     response = hog.getresponse()

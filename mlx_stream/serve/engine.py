@@ -245,7 +245,7 @@ class Engine:
         self._closing = False  # draining: requests are refused (503)
         self._logprobs = TokenLogprobs(tokenizer)
         self._grammars, self._vocab = None, None
-        self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(settings.stop_tokens)
         self.cluster, self._ids = cluster, None
         if cluster is not None:
             self._ids = random.Random(cluster.share_int(random.getrandbits(62)))
