@@ -32,6 +32,21 @@ BAD_TEXT_FILES = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_session(tmp_path_factory):
+    """The same for module- and session-scoped fixtures (a server started once per
+    module), set up before any per-test home: never the user's own cache (a server's
+    prefix store wrote there)."""
+    patch = pytest.MonkeyPatch()
+    home = tmp_path_factory.mktemp("session")
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setenv("MLX_STREAM_HOME", str(home / "home"))
+    patch.setenv("HF_HOME", str(home / "hf"))
+    patch.setenv("LMSTUDIO_MODELS_DIR", str(home / "lmstudio"))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No network, and a throwaway user directory for every test."""
