@@ -38,6 +38,7 @@ CLIS_ENV = "MLX_STREAM_AGENT_CLIS"
 # One CLI run, seconds: Claude Code's first request is ~21k tokens of system prompt and
 # tools, Codex's ~10k, all prefilled on a CPU.
 RUN_TIMEOUT = 1800
+CLAUDE_MAX_OUTPUT = 1024  # tokens a Claude Code reply may take (its own default: 32,000)
 PLAIN_PROMPT = "Reply with one short sentence: what is 2+2?"
 # The 135M model rarely calls a tool when asked in words ("Run `echo hello` using the
 # Bash tool" gets a code block); asked to copy a call in the convention serve gives a
@@ -234,6 +235,9 @@ def claude(clis, served, tmp_path, prompt: str, *args: str) -> tuple[Run, list[d
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         API_TIMEOUT_MS=str(RUN_TIMEOUT * 1000),  # a long prefill is no timeout
         CLAUDE_CODE_MAX_RETRIES="0",  # a failed request fails the run at once
+        # Claude Code asks for 32,000 tokens a reply; a 135M model that does not stop
+        # would take hours of CPU decode to reach it. Its users cap it the same way.
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(CLAUDE_MAX_OUTPUT),
     )  # its stream idle timeout stays Claude Code's: the server keeps a stream alive
     cmd = [str(clis["claude"]), "-p", prompt, "--model", model,
            "--output-format", "stream-json", "--verbose", *args]  # fmt: skip
