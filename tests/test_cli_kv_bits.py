@@ -51,7 +51,7 @@ def test_profile_quantized_cache_is_smaller(model_dir):
 
 @pytest.mark.parametrize("extra", [[], ["--kv-key-bits", "8"]])
 def test_chat_quantized_cache_replies(model_dir, extra):
-    args = ["chat", "-m", model_dir, *SIZES, *KV, *extra, "--max-tokens", "8"]
+    args = ["chat", "-m", model_dir, *SIZES, *KV, *extra, "--max-tokens", "8", "--temp", "0"]
     result = runner.invoke(app, args, input="hi there\nthe sea\n")
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip()
