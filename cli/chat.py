@@ -263,6 +263,10 @@ class PrefillStatus:
             self.shown = False
 
 
+class PrefillInterrupted(Exception):
+    """Ctrl-C while a long prompt went in: the turn is dropped."""
+
+
 def stream_reply(
     session: ChatSession, text: str, write: Callable[[str], None],
     status: PrefillStatus | None = None, **overrides,
@@ -271,14 +275,23 @@ def stream_reply(
 
     Ctrl-C stops it at the next token: what was shown is what the conversation keeps
     (``ChatSession.stream``), and the caller prints ``^C`` after it (the terminal's
-    echo is off while a reply streams, see ``line_editor.quiet_keys``).
+    echo is off while a reply streams, see ``line_editor.quiet_keys``). During a long
+    prompt (:attr:`PrefillStatus.MIN_TOKENS` or more) it stops after the model call
+    under way and drops the turn: the conversation is as it was before ``text``.
     """
     from mlx_stream.generate.decode import StopOnInterrupt
 
-    if status is not None:
-        overrides["prompt_progress_callback"] = status
+    long_prompt = len(session.turn_tokens(text)[0]) >= PrefillStatus.MIN_TOKENS
+    undo = session.checkpoint() if long_prompt else None  # a fixed size: one cache
+
+    def progress(done: int, total: int) -> None:
+        if undo is not None and ctrl_c.interrupted and done < total:
+            raise PrefillInterrupted
+        if status is not None:
+            status(done, total)
+
     with StopOnInterrupt() as ctrl_c:
-        turn = session.stream(text, **overrides)
+        turn = session.stream(text, **overrides, prompt_progress_callback=progress)
         try:
             for response in turn:
                 if status is not None:
@@ -286,6 +299,8 @@ def stream_reply(
                 write(response.text)  # each token the conversation keeps is shown
                 if ctrl_c.interrupted:
                     break
+        except PrefillInterrupted:
+            session.restore(undo)
         finally:
             turn.close()
             if status is not None:

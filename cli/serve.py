@@ -14,12 +14,14 @@ from cli import options as opt
 from cli.common import (
     check_cache,
     check_positive,
+    check_sampling,
     fail,
     handle_errors,
     load_for_cache,
     load_model,
     prefix_store,
     recall_spec,
+    sampling,
     stderr_console,
 )
 from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_SERVE_MAX_TOKENS
@@ -154,6 +156,18 @@ def parse_bytes(text: str) -> int | None:
     return int(float(match.group(1)) * UNITS[unit])
 
 
+def sampling_note(sample) -> str:
+    """A request's sampling when it gives no temperature, in a few words."""
+    if sample.temp == 0:
+        words = "greedy"
+    else:
+        words = f"temperature {sample.temp:g}, top-p {sample.top_p:g}"
+        words += f", top-k {sample.top_k}" if sample.top_k else ""
+    if sample.repetition_penalty not in (None, 1.0):
+        words += f", repetition penalty {sample.repetition_penalty:g}"
+    return words
+
+
 def recall_note(policy) -> str:
     """The startup line's words on ``--recall``."""
     return (
@@ -178,6 +192,10 @@ def serve(
     state_dir: StateDir = None,
     draft_model: opt.DraftModel = None,
     num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
+    temp: opt.Temp = None,
+    top_p: opt.TopP = None,
+    top_k: opt.TopK = None,
+    repetition_penalty: opt.RepetitionPenalty = None,
     dtype: opt.Dtype = "auto",
     kv_bits: opt.KvBits = None,
     kv_group_size: opt.KvGroupSize = 64,
@@ -219,6 +237,11 @@ def serve(
 
     A system prompt's prefilled cache goes to the prefix store on disk (--prefix-store,
     shared with chat and other servers): a restarted server starts from it.
+
+    A request that gives no temperature samples with the model's defaults (its
+    generation_config.json, else temperature 0.7, top-p 0.9, top-k 40, repetition
+    penalty 1.1; --temp and the other sampling options change them); one that gives a
+    temperature gets exactly the sampling it asks for (0: greedy).
     """
     check_positive(max_tokens, "--max-tokens")
     check_positive(max_tokens_ceiling, "--max-tokens-ceiling")
@@ -228,6 +251,7 @@ def serve(
     check_positive(port, "--port", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
+    check_sampling(temp, top_p, top_k, repetition_penalty)
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
     budget = parse_bytes(memory_budget)
     recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
@@ -252,10 +276,11 @@ def serve(
         fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec, cache = load_for_cache(
+    target, tokenizer, spec, cache, path = load_for_cache(
         model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
-        kv_group_size=kv_group_size, key_bits=kv_key_bits,
+        kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
     )  # fmt: skip
+    sample = sampling(path, temp, top_p, top_k, repetition_penalty)
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     model_id = spec.name if spec is not None else Path(model or "default").name
     aliases: tuple[str, ...] = ()
@@ -284,7 +309,7 @@ def serve(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
         cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
-        max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes,
+        max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes, sampling=sample,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:
@@ -299,6 +324,7 @@ def serve(
             + (f"max_tokens ceiling {max_tokens_ceiling} · " if max_tokens_ceiling else "")
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
             + (recall_note(recall_policy) if recall_policy is not None else "")
+            + f"default sampling {sampling_note(sample)} · "
             + f"budget {engine.budget / 1e6:,.0f} MB (weights {engine.weights / 1e6:,.1f} MB, "
             f"{per / 1e6:,.2f} MB per session) · "
             + (f"not batched: {engine.batch_refusal} · " if engine.batch_refusal else "batched · ")

@@ -138,7 +138,7 @@ def clis() -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def served(clis, real_model_path):
     """``(server, log, model name)``: ``mlx-stream serve`` with its default settings."""
-    server = Server(real_model_path)  # only -m and --port: every other setting its default
+    server = Server(real_model_path, greedy=False)  # only -m and --port: all else its default
     log = ServerLog(server)
     model = server.get("/v1/models")["data"][0]["id"]
     yield server, log, model

@@ -264,3 +264,41 @@ def test_real_model_reply_ends_at_im_end(real_model):
     assert reply.finish_reason == "stop" and tokens[-1] == im_end, (reply, tokens[-3:])
     assert "Paris" in reply.text and "<|im_end|>" not in reply.text
     assert reply.tokens == len(tokens) - 1  # the end token closes the turn, not the text
+
+
+def test_ctrl_c_during_a_long_prompt_drops_the_turn(loaded):
+    """Ctrl-C while a long prompt goes in stops after the model call under way: no reply,
+    and the conversation (transcript and caches) is as it was before the message."""
+    import signal
+
+    from cli.chat import PrefillStatus, stream_reply
+    from mlx_stream.cache.spec import CacheSpec
+    from mlx_stream.generate.session import ChatSession, Settings, cache_count
+
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, Settings(CacheSpec(2, 64), max_tokens=6, temp=0.0))
+    stream_reply(session, "hello there", lambda _: None)
+    before = (list(session.messages), session.fed_text, cache_count(session.caches))
+    reference = session.checkpoint()
+
+    class CtrlC(PrefillStatus):  # the user presses Ctrl-C once the first chunk is in
+        def __call__(self, done, total):
+            if 0 < done < total:
+                os.kill(os.getpid(), signal.SIGINT)
+            super().__call__(done, total)
+
+    shown: list[str] = []
+    paste = "the cat sat on the mat " * 80  # hundreds of tokens: several chunks
+    stopped = stream_reply(session, paste, shown.append, CtrlC(open(os.devnull, "w")),
+                           prefill_step_size=64)  # fmt: skip
+    assert stopped and shown == []
+    assert (session.messages, session.fed_text, cache_count(session.caches)) == before
+
+    def reply() -> str:
+        text: list[str] = []
+        stream_reply(session, "and then?", text.append)
+        return "".join(text)
+
+    after = reply()
+    session.restore(reference)  # the state before the dropped turn
+    assert after == reply()

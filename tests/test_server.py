@@ -55,9 +55,11 @@ def free_port() -> int:
 class Server:
     """A ``mlx-stream serve`` subprocess on 127.0.0.1."""
 
-    def __init__(self, model_dir, *args: str, port: int | None = None):
+    def __init__(self, model_dir, *args: str, port: int | None = None, greedy: bool = True):
         self.port = port or free_port()  # a given port: a restart at the same address
         self.url = f"http://127.0.0.1:{self.port}"
+        if greedy and "--temp" not in args:  # requests without a temperature: greedy
+            args = (*args, "--temp", "0", "--repetition-penalty", "1")
         cmd = [sys.executable, "-c", "from cli.main import main; main()", "serve", "-m",
                str(model_dir), "--port", str(self.port), *args]  # fmt: skip
         env = dict(os.environ, HF_HUB_OFFLINE="1")

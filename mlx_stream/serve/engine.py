@@ -237,8 +237,12 @@ class Engine:
         pin: int | None = None,
         max_tokens_ceiling: int | None = None,
         prefix_store: Any = None,
+        sampling: Any = None,
     ):
+        from mlx_stream.generate.model_config import Sampling
+
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.sampling = sampling if sampling is not None else Sampling()  # greedy
         self.prefixes = prefix_store
         self.max_prompt_tokens, self.max_tokens_ceiling = max_prompt_tokens, max_tokens_ceiling
         self.pin = min(DEFAULT_PIN_TOKENS, settings.cache.window) if pin is None else pin
@@ -372,10 +376,9 @@ class Engine:
                 )
 
             return alone
-        s = self.settings
-        source = self._batch.tokens(
-            temp=s.temp if request.temp is None else request.temp,
-            top_p=s.top_p if request.top_p is None else request.top_p,
+        source = self._batch.tokens(  # the request's sampling, resolved by _agents
+            temp=request.temp,
+            top_p=request.top_p,
             seed=request.seed,
             on_row=lambda row: setattr(box[0], "row", row),
         )
@@ -958,11 +961,11 @@ class Engine:
         if grammar is not None:
             self._grammars = self._grammars or Grammars(self.tokenizer)
             constraint = self._grammars.constraint(grammar)
-        s = self.settings
+        draft = self.draft_model is not None
+        penalty = sampling.resolve(request, self.sampling, draft=draft)  # fills request's
         extra = sampling.overrides(
-            request, s.temp if request.temp is None else request.temp,
-            s.top_p if request.top_p is None else request.top_p, self._vocab, constraint,
-            draft=self.draft_model is not None,
+            request, request.temp, request.top_p, self._vocab, constraint, draft=draft,
+            repetition_penalty=penalty,
         )  # fmt: skip
         if plan is not None and not isinstance(request.emit, tools.CallStream):
             salt = json.dumps(request.messages[-1], sort_keys=True) + str(len(request.messages))

@@ -11,6 +11,10 @@ the call before sampled (what :func:`mlx_stream.generate.decode.generate_step` a
   against the vocabulary.
 - ``presence_penalty`` / ``frequency_penalty``: counted over the whole reply, as OpenAI
   defines them (mlx-lm's look back 20 tokens of the whole history, prompt included).
+- Defaults (:func:`resolve`): a request that names a temperature gets exactly the
+  sampling it names (top-p 1 and top-k off where it names none, no repetition penalty);
+  one that names none gets the server's defaults (the model's ``generation_config.json``,
+  else mlx-stream's, or the ``serve`` options) under what it does name.
 - ``seed``: a sampler with its own random key, so a seeded request draws the same
   tokens whatever else the server runs (never the process's global random state); it
   splits its key exactly as a batch row does, so batched and alone agree.
@@ -96,13 +100,36 @@ def processors(
     return out
 
 
+def resolve(request: Any, defaults: Any, draft: bool = False) -> float | None:
+    """Fill in, on ``request``, the sampling it leaves out (``temp``, ``top_p``,
+    ``top_k``) and return the repetition penalty to apply (``None``: none).
+
+    A request that names a temperature gets exactly what it names; one that names none
+    gets ``defaults`` (a :class:`~mlx_stream.generate.model_config.Sampling`) under
+    what it does name. With a draft model the defaults' top-k and repetition penalty
+    are left out (speculative decoding takes no logits processors); a request's own
+    are refused by :func:`overrides`."""
+    if request.temp is not None:
+        request.top_p = 1.0 if request.top_p is None else request.top_p
+        return None
+    request.temp = defaults.temp
+    request.top_p = defaults.top_p if request.top_p is None else request.top_p
+    if draft:
+        return None
+    if request.top_k is None and defaults.top_k:
+        request.top_k = defaults.top_k
+    penalty = defaults.repetition_penalty
+    return penalty if penalty not in (None, 1.0) else None
+
+
 def overrides(
     request: Any, temp: float, top_p: float, vocab: int, constraint: Any = None,
-    draft: bool = False,
+    draft: bool = False, repetition_penalty: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """``stream_generate`` arguments for one engine request: its logits processors
-    (``constraint``, then ``logit_bias``, penalties, ``top_k``) and, with a ``seed``,
-    a sampler with its own key, so the process's random state is never touched."""
+    (``constraint``, then ``logit_bias``, penalties, ``top_k``, then mlx-lm's
+    ``repetition_penalty`` over the last 20 tokens) and, with a ``seed``, a sampler with
+    its own key, so the process's random state is never touched."""
     procs = processors(
         request.logit_bias, request.presence_penalty, request.frequency_penalty, vocab,
         request.top_k,
@@ -114,6 +141,7 @@ def overrides(
             "logit_bias, penalties, response_format and forced tool calls are not "
             "supported with a draft model (speculative decoding)"
         )
+    procs += make_logits_processors(repetition_penalty=repetition_penalty)
     out: dict[str, Any] = {}
     if procs:
         out["logits_processors"] = procs
