@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
-from mlx_stream.serve.fields import sampling_args, session_header
+from mlx_stream.serve.fields import owner_of, sampling_args, session_header
 
 PREFIX = "/v1/messages"
 KINDS = {
@@ -258,8 +258,6 @@ def _tool_use(call: dict) -> dict[str, Any]:
 
 def register(app: FastAPI, engine: Any, check_model) -> None:
     """Add the Messages API routes to ``app`` (served by ``engine``)."""
-
-    from mlx_stream.serve.app import owner_of
 
     @app.post(PREFIX)
     async def messages(

@@ -9,7 +9,6 @@ server-sent events. A streaming client that disconnects cancels its request.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import threading
@@ -27,7 +26,14 @@ from mlx_stream.errors import UserError
 from mlx_stream.serve import events
 from mlx_stream.serve.accesslog import AccessLog
 from mlx_stream.serve.engine import Engine
-from mlx_stream.serve.fields import field_of, openai_fields, sampling_args, session_header
+from mlx_stream.serve.fields import (
+    field_of,
+    openai_fields,
+    owner_of,
+    owner_of_key,
+    sampling_args,
+    session_header,
+)
 from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
@@ -224,16 +230,6 @@ def read_api_keys(path) -> list[str]:
     if not keys:
         raise UserError(f"--api-keys {path}: holds no key")
     return keys
-
-
-def owner_of_key(key: str) -> str:
-    """The namespace of sessions an API key owns: a hash, never the key itself."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def owner_of(request: Request) -> str:
-    """The owner of the sessions a request may see (``""`` on a server without keys)."""
-    return request.scope.get("state", {}).get("owner", "")
 
 
 class ApiKeys:

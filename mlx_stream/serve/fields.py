@@ -10,6 +10,7 @@ field's name (:func:`field_of` reads it back for the error's ``param``).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -49,6 +50,17 @@ def sampling_args(temp: float | None, top_p: float | None) -> dict[str, float | 
     if (temp is not None and temp < MIN_TEMPERATURE) or (top_p is not None and top_p < MIN_TOP_P):
         return {"temp": 0.0, "top_p": None}
     return {"temp": temp, "top_p": top_p}
+
+
+def owner_of_key(key: str) -> str:
+    """The namespace of sessions an API key owns: a hash, never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def owner_of(request: Any) -> str:
+    """The owner of the sessions a request may see (``""`` on a server without keys):
+    what :class:`~mlx_stream.serve.app.ApiKeys` put in its ASGI scope."""
+    return request.scope.get("state", {}).get("owner", "")
 
 
 def session_header(value: str | None) -> str | None:

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
-from mlx_stream.serve.fields import field_of, sampling_args, session_header
+from mlx_stream.serve.fields import field_of, owner_of, sampling_args, session_header
 from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET
@@ -245,7 +245,6 @@ def error(status: int, message: str, headers=None) -> JSONResponse:
 
 def register(app: FastAPI, engine: Any, check_model) -> None:
     """Add the Responses API routes to ``app`` (served by ``engine``)."""
-    from mlx_stream.serve.app import owner_of
 
     store = Store()
 
