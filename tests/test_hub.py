@@ -393,7 +393,7 @@ def test_the_progress_class_reports_only_the_bytes_written(monkeypatch):
     """huggingface_hub makes a transfer bar and a reconstruction bar with the tqdm
     class it is given: only the second (bytes on disk) is reported."""
     seen = []
-    bar_class = hub._progress_class(lambda d, t, s: seen.append((d, t, s)), "download x")
+    bar_class = hub.remote._progress_class(lambda d, t, s: seen.append((d, t, s)), "download x")
     transfer = bar_class(desc="Downloading bytes", total=100, unit="B", name="transfer")
     transfer.update(50)
     written = bar_class(desc="Reconstructing (incomplete total...)", total=100, unit="B")
@@ -486,7 +486,7 @@ def test_config_mismatches_compare_only_what_the_entry_says():
 def test_without_headers_the_estimate_scales_the_file_sizes(monkeypatch):
     """A Hub that does not give safetensors headers: the sizes of the weight files,
     as stored, or dequantized at the model's bits per weight."""
-    monkeypatch.setattr(hub, "remote_tensors", lambda repo: None)
+    monkeypatch.setattr(hub.remote, "remote_tensors", lambda repo: None)
     repo = hub.RemoteRepo("a/b", None, {"model.safetensors": 4500, "tokenizer.json": 99})
     config = {"quantization": {"bits": 4, "group_size": 64}}
     assert hub.weights_estimate(repo, config, "quantized") == (4500, 2)
