@@ -6,6 +6,9 @@ import pytest
 import mlx_stream  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
 from tests import tiny
 
+# Fixtures kept beside the helpers they serve (tests/support/).
+pytest_plugins = ["tests.support.ranks"]
+
 # Where the real default model lives, captured before any test redirects the home.
 REAL_HOME = os.environ.get("MLX_STREAM_HOME")
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +33,29 @@ BAD_TEXT_FILES = [
     (lambda p: (p / "empty.txt", (p / "empty.txt").write_text(""))[0], ["empty"]),
     (lambda p: (p / "bin", (p / "bin").write_bytes(b"\x7fELF\x00\x00"))[0], ["binary"]),
 ]
+
+
+# What a test costs, in ordinary tests, by its markers: the real model runs ~10 tokens/s
+# on the reference BLAS, a slow test starts processes or runs many tokens.
+COST = {("real_model", "slow"): 150, ("real_model",): 50, ("slow",): 15}
+
+
+def _cost(item) -> int:
+    for marks, cost in COST.items():
+        if all(item.get_closest_marker(mark) for mark in marks):
+            return cost
+    return 1
+
+
+def pytest_collection_modifyitems(config, items):
+    """The costliest modules first, each module's tests in their order: under ``-n 2
+    --dist loadfile --no-loadscope-reorder`` a worker takes whole modules in this order,
+    so the long ones start at once and the short ones fill in at the end (a real-model
+    module taken last ran alone for minutes)."""
+    cost: dict[str, int] = {}
+    for item in items:
+        cost[item.path] = cost.get(item.path, 0) + _cost(item)
+    items.sort(key=lambda item: -cost[item.path])  # stable: the order within a module kept
 
 
 @pytest.fixture(scope="session", autouse=True)

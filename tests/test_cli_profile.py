@@ -150,6 +150,7 @@ def test_prompt_file_that_is_a_directory_or_binary(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_active_memory_stays_flat(real_model_path, tmp_path):
     """Past the window, the sink cache keeps memory flat. Run as the real command (a
     subprocess), so MLX gets the optimized BLAS preloaded; 200 tokens keep it < 60 s on

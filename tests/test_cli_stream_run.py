@@ -204,6 +204,7 @@ def test_unwritable_output_paths(tiny_model_dir, text_file, tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_alice_perplexity_is_finite(real_model_path):
     """300 tokens of Alice in Wonderland, past a 64-token window, through the real
     command (a subprocess, so MLX gets the optimized BLAS preloaded when installed;

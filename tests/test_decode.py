@@ -318,6 +318,7 @@ def test_repetition_penalty_changes_greedy_tokens(tiny_llama, tokenizer):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_as_its_own_draft_equals_plain_greedy(real_model):
     from tests.conftest import DATA
 

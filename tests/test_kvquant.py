@@ -217,6 +217,7 @@ def test_a_per_token_four_bit_checkpoint_is_refused(model):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model):
     # The default model drafts for itself on 4-bit caches: it disagrees with the float
     # target now and then, so the target rolls back (slack 4: no masked slot but the

@@ -312,6 +312,7 @@ def test_a_served_native_template_holds_auto_calls_to_the_schema(tiny_tools_mode
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_the_default_model_calls_get_weather_with_only_a_city(real_model_path):
     """SmolLM2-135M mostly answers in text under ``auto``; a call it makes has only
     ``city``, and its tokenizer's grammar refuses the reported ``temperature``."""
