@@ -157,7 +157,7 @@ def test_default_model_tensor_parallel_over_three_ranks(real_model_path, tmp_pat
 def test_benchmark_quick_one_rank_and_skips_what_does_not_divide(
     shard_models, tmp_path, capsys, monkeypatch
 ):
-    from tests.test_benchmarks_smoke import load_script
+    from tests.support.bench import load_script
 
     bench = load_script("distributed", monkeypatch)
     out = tmp_path / "d.jsonl"

@@ -435,7 +435,7 @@ def test_a_quantized_folder_fits_as_it_will_load(tiny_gguf_q4, monkeypatch):
 
 
 def test_serve_answers_to_the_id_it_serves_and_its_catalogue_name(cached):
-    from tests.test_server import Server, http
+    from tests.support.server import Server, http
 
     repo = "mlx-community/Qwen3-0.6B-4bit"
     hf_cache.save(hub.hf_cache_dir(), repo, cached)

@@ -14,7 +14,7 @@ from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, sa
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
-from tests.test_cache import feed
+from tests.support.cache import feed
 
 S, W, G = 4, 40, 32
 TOKENS = tiny.random_tokens(12 * W, seed=11)

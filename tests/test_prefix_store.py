@@ -476,7 +476,7 @@ def test_bad_prefix_store_flags_are_one_line_errors(tiny_model_dir, tmp_path):
 def test_the_benchmark_runs_three_processes_on_the_tiny_model(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    from tests.test_benchmarks_smoke import run
+    from tests.support.bench import run
 
     monkeypatch.setenv("MLX_STREAM_BLAS", "off")
     (line,) = run("prefix_store", monkeypatch, tmp_path, tiny_model_dir)

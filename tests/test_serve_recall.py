@@ -245,7 +245,7 @@ def test_serve_recall_flags_reach_the_server(tiny_model_dir, tmp_path):
     """A real ``mlx-stream serve --recall``: the banner names recall, sessions are not
     batched, ``/v1/sessions`` shows the store apart from the device bytes, and the
     per-session folder under --recall-dir goes at exit."""
-    from tests.test_server import Server, conversation
+    from tests.support.server import Server, conversation
 
     recall_dir = tmp_path / "recall"
     server = Server(tiny_model_dir, "--sinks", "2", "--window", "64", "--max-tokens", "8",

@@ -288,7 +288,7 @@ def ask_weather(model_dir, *args: str) -> list[dict]:
     """The arguments of the calls a server's model makes under ``auto`` when asked
     for the weather with ``get_weather(city)``; text never holds a broken call."""
     pytest.importorskip("openai")
-    from tests.test_server import Server
+    from tests.support.server import Server
 
     s = Server(model_dir, "--window", "1024", "--max-tokens", "40", *args)
     try:
