@@ -244,10 +244,9 @@ def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model)
 @pytest.mark.real_model
 def test_real_model_chunks_give_token_by_token_logits_bit_for_bit(real_model_path):
     # A verify block of 4 rows on 4-bit keys gives the logits of 4 decode steps, bit
-    # for bit, past many group fills (before, a chunk's residual keys sat in extra
-    # columns: 135 of 240 rows differed, 7 in their greedy token; benchmarks/README.md
-    # "A block's logits"). bfloat16: its matmuls give a row the same bits in a block
-    # as alone on the CPU.
+    # for bit, past many group fills (the figures: benchmarks/README.md "A block's
+    # logits"). bfloat16: its matmuls give a row the same bits in a block as alone on
+    # the CPU.
     from mlx_stream.models import loader
     from tests.conftest import DATA
 
