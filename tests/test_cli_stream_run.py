@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import BAD_TEXT_FILES, DATA, assert_one_line_error
+from tests.support.cli import BAD_TEXT_FILES, assert_one_line_error
+from tests.support.paths import DATA
 
 runner = CliRunner()
 BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]

@@ -19,7 +19,8 @@ from cli.main import app
 from mlx_stream import distributed
 from mlx_stream.errors import UserError
 from tests import tiny
-from tests.conftest import DATA, assert_one_line_error
+from tests.support.cli import assert_one_line_error
+from tests.support.paths import DATA
 from tests.support.ranks import (
     GREEDY,
     REAL_MODEL_TIMEOUT,

@@ -23,7 +23,7 @@ from mlx_stream.cache import estimate
 from mlx_stream.errors import UserError
 from mlx_stream.models import gguf, hub, loader, registry
 from tests import hf_cache
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 REPO = "tiny-org/tiny-llama"
 runner = CliRunner()

@@ -222,7 +222,7 @@ def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model)
     # The default model drafts for itself on 4-bit caches: it disagrees with the float
     # target now and then, so the target rolls back (slack 4: no masked slot but the
     # verify block's) past a 64-token window, and still yields plain greedy's tokens.
-    from tests.conftest import DATA
+    from tests.support.paths import DATA
 
     model, tokenizer, _ = real_model
     N_NEW = 40  # noqa: N806  (rollbacks come within the first dozen drafts)
@@ -248,7 +248,7 @@ def test_real_model_chunks_give_token_by_token_logits_bit_for_bit(real_model_pat
     # logits"). bfloat16: its matmuls give a row the same bits in a block as alone on
     # the CPU.
     from mlx_stream.models import loader
-    from tests.conftest import DATA
+    from tests.support.paths import DATA
 
     model, tokenizer = loader.load(real_model_path, dtype="bfloat16")
     with open(DATA / "botchan.txt", encoding="utf-8") as f:

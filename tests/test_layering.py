@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import mlx_stream
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 PACKAGE = REPO / "mlx_stream"
 FOLDERS = ("cache", "models", "generate", "serve", "eval")

@@ -12,7 +12,7 @@ from mlx_stream.cache.ring import Ring
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import Unsupported, UserError
 from tests import tiny
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 
 @pytest.mark.parametrize("in_place", [False, True])

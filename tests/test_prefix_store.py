@@ -21,7 +21,8 @@ from mlx_stream import prefix_store as ps
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import ChatSession, Settings
 from tests import tiny
-from tests.conftest import REPO, assert_one_line_error
+from tests.support.cli import assert_one_line_error
+from tests.support.paths import REPO
 from tests.test_session import ask
 
 # A system prompt of ~120 tokens of the tiny vocabulary (over ps.MIN_TOKENS).

@@ -468,7 +468,7 @@ def test_bad_max_prompt_tokens_is_one_line_exit_2(tiny_model_dir):
     from typer.testing import CliRunner
 
     from cli.main import app
-    from tests.conftest import assert_one_line_error
+    from tests.support.cli import assert_one_line_error
 
     result = CliRunner().invoke(
         app, ["serve", "-m", str(tiny_model_dir), "--max-prompt-tokens", "0"]
