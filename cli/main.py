@@ -65,7 +65,7 @@ from cli.doctor import doctor  # noqa: E402 - typer-only module
 
 app.command("doctor")(doctor)
 
-from cli.common import tidy_help  # noqa: E402 - typer-only module
+from cli.help import tidy_help  # noqa: E402 - typer-only module
 
 tidy_help(app)  # docstrings reflowed to the terminal, flags without <bool>
 

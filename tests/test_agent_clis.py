@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import Server
+from tests.support.server import Server
 
 pytestmark = [pytest.mark.agents, pytest.mark.real_model, pytest.mark.slow]
 

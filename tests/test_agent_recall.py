@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_benchmarks_smoke import load_script
+from tests.support.bench import load_script
 
 pytestmark = [pytest.mark.agents, pytest.mark.real_model, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import Server, http
+from tests.support.server import Server, http
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 CLAUDE = ["claude_code_first", "claude_code_tool_result", "claude_code_side_title"]

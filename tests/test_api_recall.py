@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests import tiny
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 
 def test_recall_spec_is_a_lazy_top_level_name_that_loads_no_mlx():

@@ -1,7 +1,7 @@
 """benchmarks/batch.py runs end to end on the tiny model (``--quick``) and renders its
 README table."""
 
-from tests.test_benchmarks_smoke import load_script, run
+from tests.support.bench import load_script, run
 
 
 def test_batch_benchmark(monkeypatch, tmp_path, tiny_model_dir):

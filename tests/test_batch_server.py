@@ -94,7 +94,7 @@ def test_a_served_batch_streams_to_concurrent_clients_and_reports_itself(tiny_mo
     replies one client alone gets; /v1/sessions reports the batch and its steps."""
     import threading
 
-    from tests.test_server import Server, chat
+    from tests.support.server import Server, chat
 
     server = Server(tiny_model_dir, "--sinks", "2", "--window", "32", "--max-tokens", "30")
     try:

@@ -4,7 +4,7 @@ import math
 import sys
 
 from tests import tiny
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 
 def test_quantized_benchmark_quick(tmp_path, monkeypatch):

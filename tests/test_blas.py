@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlx_stream import blas
-from tests.conftest import REAL_HOME
+from tests.support.paths import REAL_HOME
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 needs_openblas = pytest.mark.skipif(

@@ -15,32 +15,18 @@ from mlx_stream.cache.sink import (
     SinkCache,
     load_cache,
     make_sink_cache,
-    max_call_tokens,
     save_cache,
 )
 from mlx_stream.errors import Unsupported
 from tests import tiny
+from tests.support.cache import TOKENS, S, W, feed
 
-S, W = 4, 32
-TOKENS = tiny.random_tokens(10 * W + 40, seed=7)
 ARCHS = ["llama", "qwen2", "gemma3_text"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request):
     return tiny.make_model(request.param)
-
-
-def feed(model, cache, tokens, chunk):
-    """Logits of every token, fed in calls of at most ``chunk`` (and never more than
-    the cache allows, as the decode loop does)."""
-    out, i = [], 0
-    while i < len(tokens):
-        limit = max_call_tokens(cache) or chunk
-        n = min(chunk, limit, len(tokens) - i)
-        out.append(model(mx.array([tokens[i : i + n]]), cache=cache)[0])
-        i += n
-    return mx.concatenate(out)
 
 
 def sink_layers(cache):

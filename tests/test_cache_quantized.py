@@ -12,7 +12,7 @@ from mlx_stream.cache import SinkCache, kvquant
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.sink import load_cache, make_sink_cache, save_cache
 from tests import tiny
-from tests.test_cache import feed
+from tests.support.cache import feed
 
 S, W, G = 4, 32, 32
 TOKENS = tiny.random_tokens(10 * W, seed=5)

@@ -178,7 +178,7 @@ def test_stream_run_resumes_a_checkpoint_of_the_old_format(tiny_model_dir, tmp_p
     from typer.testing import CliRunner
 
     from cli.main import app
-    from tests.conftest import assert_one_line_error
+    from tests.support.cli import assert_one_line_error
 
     text = tmp_path / "book.txt"
     words = [tiny.VOCAB_WORDS[i % len(tiny.VOCAB_WORDS)] for i in range(0, 2100, 7)]

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 pytest.importorskip("llguidance")
 runner = CliRunner()

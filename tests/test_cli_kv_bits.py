@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 runner = CliRunner()
 SIZES = ["--sinks", "4", "--window", "32"]

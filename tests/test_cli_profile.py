@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 runner = CliRunner()
 BASE = ["--window", "24", "--sinks", "4"]
@@ -150,6 +150,7 @@ def test_prompt_file_that_is_a_directory_or_binary(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_active_memory_stays_flat(real_model_path, tmp_path):
     """Past the window, the sink cache keeps memory flat. Run as the real command (a
     subprocess), so MLX gets the optimized BLAS preloaded; 200 tokens keep it < 60 s on
@@ -196,6 +197,6 @@ def test_estimate_in_the_summary_and_impossible_window(tiny_model_dir):
 
 def test_matplotlib_hint_is_the_readme_command():
     from cli.profile import PLOT_INSTALL
-    from tests.conftest import REPO
+    from tests.support.paths import REPO
 
     assert PLOT_INSTALL in (REPO / "README.md").read_text()

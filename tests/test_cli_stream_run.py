@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import BAD_TEXT_FILES, DATA, assert_one_line_error
+from tests.support.cli import BAD_TEXT_FILES, assert_one_line_error
+from tests.support.paths import DATA
 
 runner = CliRunner()
 BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]
@@ -204,6 +205,7 @@ def test_unwritable_output_paths(tiny_model_dir, text_file, tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_alice_perplexity_is_finite(real_model_path):
     """300 tokens of Alice in Wonderland, past a 64-token window, through the real
     command (a subprocess, so MLX gets the optimized BLAS preloaded when installed;

@@ -318,8 +318,9 @@ def test_repetition_penalty_changes_greedy_tokens(tiny_llama, tokenizer):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_as_its_own_draft_equals_plain_greedy(real_model):
-    from tests.conftest import DATA
+    from tests.support.paths import DATA
 
     model, tokenizer, _ = real_model
     window, n_prompt, n_new = 32, 100, 64  # a stream of 164 tokens > 5 windows

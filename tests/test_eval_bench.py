@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.test_benchmarks_smoke import ENVIRONMENT_KEYS, assert_finite, load_script
+from tests.support.bench import ENVIRONMENT_KEYS, assert_finite, load_script
 
 
 def test_forget_quick_and_table(monkeypatch, tmp_path, tiny_model_dir, capsys):

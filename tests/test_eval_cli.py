@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import BAD_TEXT_FILES, assert_one_line_error
+from tests.support.cli import BAD_TEXT_FILES, assert_one_line_error
 
 runner = CliRunner()
 FIELDS = ("window", "sinks", "positions", "kv_bits", "tokens", "kl", "top1_agreement",

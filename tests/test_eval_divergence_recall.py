@@ -15,7 +15,7 @@ from cli.main import app
 from mlx_stream.eval.divergence import Policy, divergence
 from mlx_stream.recall import RecallSpec
 from tests import tiny
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 TOKENS = tiny.random_tokens(420, seed=5)
 RECALL = RecallSpec(blocks=2)

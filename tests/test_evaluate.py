@@ -117,9 +117,9 @@ def test_iter_tokens_equals_whole_text_tokenization(tokenizer, tmp_path, block_c
 
 
 def test_iter_tokens_matches_byte_level_bpe_across_seams(tmp_path):
-    from tests.conftest import _tiny_bpe
+    from tests.support.bpe import tiny_bpe
 
-    bpe = _tiny_bpe()
+    bpe = tiny_bpe()
 
     class Encoder:
         def encode(self, text, add_special_tokens=True):

@@ -9,7 +9,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from mlx_stream.errors import UserError
 from mlx_stream.models import gguf, loader
-from tests.conftest import write_tiny_gguf
+from tests.support.bpe import write_tiny_gguf
 
 TOKENS = mx.array([[5, 60, 70, 80, 90, 100, 7, 200, 250]])
 

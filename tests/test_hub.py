@@ -23,7 +23,7 @@ from mlx_stream.cache import estimate
 from mlx_stream.errors import UserError
 from mlx_stream.models import gguf, hub, loader, registry
 from tests import hf_cache
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 REPO = "tiny-org/tiny-llama"
 runner = CliRunner()
@@ -393,7 +393,7 @@ def test_the_progress_class_reports_only_the_bytes_written(monkeypatch):
     """huggingface_hub makes a transfer bar and a reconstruction bar with the tqdm
     class it is given: only the second (bytes on disk) is reported."""
     seen = []
-    bar_class = hub._progress_class(lambda d, t, s: seen.append((d, t, s)), "download x")
+    bar_class = hub.remote._progress_class(lambda d, t, s: seen.append((d, t, s)), "download x")
     transfer = bar_class(desc="Downloading bytes", total=100, unit="B", name="transfer")
     transfer.update(50)
     written = bar_class(desc="Reconstructing (incomplete total...)", total=100, unit="B")
@@ -435,7 +435,7 @@ def test_a_quantized_folder_fits_as_it_will_load(tiny_gguf_q4, monkeypatch):
 
 
 def test_serve_answers_to_the_id_it_serves_and_its_catalogue_name(cached):
-    from tests.test_server import Server, http
+    from tests.support.server import Server, http
 
     repo = "mlx-community/Qwen3-0.6B-4bit"
     hf_cache.save(hub.hf_cache_dir(), repo, cached)
@@ -486,7 +486,7 @@ def test_config_mismatches_compare_only_what_the_entry_says():
 def test_without_headers_the_estimate_scales_the_file_sizes(monkeypatch):
     """A Hub that does not give safetensors headers: the sizes of the weight files,
     as stored, or dequantized at the model's bits per weight."""
-    monkeypatch.setattr(hub, "remote_tensors", lambda repo: None)
+    monkeypatch.setattr(hub.remote, "remote_tensors", lambda repo: None)
     repo = hub.RemoteRepo("a/b", None, {"model.safetensors": 4500, "tokenizer.json": 99})
     config = {"quantization": {"bits": 4, "group_size": 64}}
     assert hub.weights_estimate(repo, config, "quantized") == (4500, 2)

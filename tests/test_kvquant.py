@@ -14,7 +14,7 @@ from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, sa
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
-from tests.test_cache import feed
+from tests.support.cache import feed
 
 S, W, G = 4, 40, 32
 TOKENS = tiny.random_tokens(12 * W, seed=11)
@@ -217,11 +217,12 @@ def test_a_per_token_four_bit_checkpoint_is_refused(model):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model):
     # The default model drafts for itself on 4-bit caches: it disagrees with the float
     # target now and then, so the target rolls back (slack 4: no masked slot but the
     # verify block's) past a 64-token window, and still yields plain greedy's tokens.
-    from tests.conftest import DATA
+    from tests.support.paths import DATA
 
     model, tokenizer, _ = real_model
     N_NEW = 40  # noqa: N806  (rollbacks come within the first dozen drafts)
@@ -243,12 +244,11 @@ def test_real_model_four_bit_draft_rolls_a_float_target_back_exactly(real_model)
 @pytest.mark.real_model
 def test_real_model_chunks_give_token_by_token_logits_bit_for_bit(real_model_path):
     # A verify block of 4 rows on 4-bit keys gives the logits of 4 decode steps, bit
-    # for bit, past many group fills (before, a chunk's residual keys sat in extra
-    # columns: 135 of 240 rows differed, 7 in their greedy token; benchmarks/README.md
-    # "A block's logits"). bfloat16: its matmuls give a row the same bits in a block
-    # as alone on the CPU.
+    # for bit, past many group fills (the figures: benchmarks/README.md "A block's
+    # logits"). bfloat16: its matmuls give a row the same bits in a block as alone on
+    # the CPU.
     from mlx_stream.models import loader
-    from tests.conftest import DATA
+    from tests.support.paths import DATA
 
     model, tokenizer = loader.load(real_model_path, dtype="bfloat16")
     with open(DATA / "botchan.txt", encoding="utf-8") as f:

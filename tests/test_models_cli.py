@@ -111,7 +111,7 @@ def test_import_bad_file_exit_2(tmp_path, content, text):
 
 
 def test_import_unsupported_type_exit_2(tmp_path):
-    from tests.conftest import write_tiny_gguf
+    from tests.support.bpe import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "k.gguf", "q4_k")[0]
     assert_one_line_error(

@@ -12,7 +12,7 @@ from mlx_stream.cache.ring import Ring
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import Unsupported, UserError
 from tests import tiny
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -183,7 +183,7 @@ def test_cache_list_layers_are_refused_with_their_kind():
 
 
 def test_keys_and_values_return_what_the_last_update_returned(tiny_llama):
-    from tests.test_cache import TOKENS, feed
+    from tests.support.cache import TOKENS, feed
 
     cache = make_sink_cache(tiny_llama, sinks=4, window=16, slack=8, stride=4)
     feed(tiny_llama, cache, TOKENS[:50], 1)

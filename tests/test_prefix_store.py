@@ -21,7 +21,8 @@ from mlx_stream import prefix_store as ps
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import ChatSession, Settings
 from tests import tiny
-from tests.conftest import REPO, assert_one_line_error
+from tests.support.cli import assert_one_line_error
+from tests.support.paths import REPO
 from tests.test_session import ask
 
 # A system prompt of ~120 tokens of the tiny vocabulary (over ps.MIN_TOKENS).
@@ -476,7 +477,7 @@ def test_bad_prefix_store_flags_are_one_line_errors(tiny_model_dir, tmp_path):
 def test_the_benchmark_runs_three_processes_on_the_tiny_model(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    from tests.test_benchmarks_smoke import run
+    from tests.support.bench import run
 
     monkeypatch.setenv("MLX_STREAM_BLAS", "off")
     (line,) = run("prefix_store", monkeypatch, tmp_path, tiny_model_dir)

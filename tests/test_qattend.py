@@ -14,7 +14,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, qattend, save_cache
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
-from tests.test_cache import feed
+from tests.support.cache import feed
 
 S, W, G = 4, 40, 32
 T, D = 300, 64

@@ -2,7 +2,7 @@
 
 import re
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 
 def readme_commands() -> list[str]:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests import tiny as tiny_mod
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 runner = CliRunner()
 BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]

@@ -15,7 +15,7 @@ from cli import options as opt
 from cli.main import app as main_app
 from mlx_stream.errors import UserError
 from mlx_stream.models import registry
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 
 runner = CliRunner()
 

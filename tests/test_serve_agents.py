@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from tests.test_server import Server, http
+from tests.support.server import Server, http
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -327,7 +327,7 @@ def post_with(server, body, session):
     import urllib.error
     import urllib.request
 
-    from tests.test_server import Response
+    from tests.support.server import Response
 
     req = urllib.request.Request(
         server.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",

@@ -10,8 +10,8 @@ import json
 import pytest
 from pydantic import BaseModel
 
+from tests.support.server import Server
 from tests.test_serve_agents import WEATHER
-from tests.test_server import Server
 
 pytestmark = pytest.mark.real_model
 openai = pytest.importorskip("openai")

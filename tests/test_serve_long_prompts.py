@@ -162,7 +162,7 @@ def test_system_messages_anywhere_stay_in_the_transcript(loaded, tmp_path):
 def test_an_operators_ceiling_is_said_in_a_header_and_the_log(tiny_model_dir):
     import json
 
-    from tests.test_server import Server
+    from tests.support.server import Server
 
     s = Server(tiny_model_dir, "--window", "64", "--max-tokens-ceiling", "3")
     try:

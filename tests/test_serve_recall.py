@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_stream.generate.session import Settings
-from tests.conftest import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 from tests.test_serve_robust import ask, on_worker
 
 WORDS = ("the sea ship whale captain ahab sail water wind day night land man men old new "
@@ -245,7 +245,7 @@ def test_serve_recall_flags_reach_the_server(tiny_model_dir, tmp_path):
     """A real ``mlx-stream serve --recall``: the banner names recall, sessions are not
     batched, ``/v1/sessions`` shows the store apart from the device bytes, and the
     per-session folder under --recall-dir goes at exit."""
-    from tests.test_server import Server, conversation
+    from tests.support.server import Server, conversation
 
     recall_dir = tmp_path / "recall"
     server = Server(tiny_model_dir, "--sinks", "2", "--window", "64", "--max-tokens", "8",
@@ -277,7 +277,7 @@ def test_the_serve_recall_benchmark_runs(tiny_model_dir, tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.support.paths import REPO
 
     out = tmp_path / "lines.jsonl"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_recall.py"), "--model",

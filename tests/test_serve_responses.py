@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from tests.support.server import Server, http
 from tests.test_serve_agents import WEATHER, Answer
-from tests.test_server import Server, http
 
 openai = pytest.importorskip("openai")
 

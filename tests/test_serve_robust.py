@@ -385,7 +385,7 @@ def test_a_full_disk_is_507_naming_the_folder_and_the_resident_session_stays(
 
 
 def test_sigterm_ends_streams_saves_sessions_and_a_restart_continues_them(tiny_model_dir, tmp_path):
-    from tests.test_server import Server, chat, http
+    from tests.support.server import Server, chat, http
 
     state = tmp_path / "state"
     state.mkdir()
@@ -440,7 +440,7 @@ def test_a_client_that_leaves_a_plain_request_stops_it(tiny_model_dir):
     (between prefill chunks) and its session rolls back."""
     import socket
 
-    from tests.test_server import Server
+    from tests.support.server import Server
 
     s = Server(tiny_model_dir, "--sinks", "2", "--window", "64", "--max-tokens", "100000")
     try:
@@ -468,7 +468,7 @@ def test_bad_max_prompt_tokens_is_one_line_exit_2(tiny_model_dir):
     from typer.testing import CliRunner
 
     from cli.main import app
-    from tests.conftest import assert_one_line_error
+    from tests.support.cli import assert_one_line_error
 
     result = CliRunner().invoke(
         app, ["serve", "-m", str(tiny_model_dir), "--max-prompt-tokens", "0"]

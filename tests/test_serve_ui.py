@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import Server
-from tests.test_server import http as plain_http
+from tests.support.server import Server
+from tests.support.server import http as plain_http
 
 KEY = "page-test-key"
 FLAGS = ("--api-key", KEY, "--max-sessions", "1", "--sinks", "2", "--window", "64",

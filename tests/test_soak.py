@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.test_benchmarks_smoke import assert_finite, load_script
+from tests.support.bench import assert_finite, load_script
 
 
 def test_soak_quick(monkeypatch, tmp_path, tiny_model_dir):

@@ -6,7 +6,7 @@ import json
 import re
 import subprocess
 
-from tests.conftest import DATA, REPO
+from tests.support.paths import DATA, REPO
 
 # Built from parts so this file does not match itself.
 OUTSIDE = re.compile(r"\.\./" + "shared" + r"|" + "DESIGN" + r"(\.md| section)")

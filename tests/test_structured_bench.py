@@ -1,7 +1,7 @@
 """benchmarks/structured.py runs end to end on a tiny model (``--quick``): the
 constrained rows write JSON of the benchmark's schema."""
 
-from tests.test_benchmarks_smoke import run
+from tests.support.bench import run
 
 
 def test_structured_benchmark(monkeypatch, tmp_path, tiny_bpe_model_dir):

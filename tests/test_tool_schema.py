@@ -288,7 +288,7 @@ def ask_weather(model_dir, *args: str) -> list[dict]:
     """The arguments of the calls a server's model makes under ``auto`` when asked
     for the weather with ``get_weather(city)``; text never holds a broken call."""
     pytest.importorskip("openai")
-    from tests.test_server import Server
+    from tests.support.server import Server
 
     s = Server(model_dir, "--window", "1024", "--max-tokens", "40", *args)
     try:
@@ -312,6 +312,7 @@ def test_a_served_native_template_holds_auto_calls_to_the_schema(tiny_tools_mode
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_the_default_model_calls_get_weather_with_only_a_city(real_model_path):
     """SmolLM2-135M mostly answers in text under ``auto``; a call it makes has only
     ``city``, and its tokenizer's grammar refuses the reported ``temperature``."""

@@ -5,7 +5,7 @@ in :func:`stream_generate`. Every model call feeds at most
 ``cache.max_call_tokens(prompt_cache)`` tokens (a SinkCache changes its sink/rebase
 layout only at stride boundaries), so chunked prefill, token-by-token decode and
 speculative verify blocks mean exactly the same thing and give the same greedy tokens.
-One :class:`~mlx_stream.reclaim.ReclaimSchedule` clears MLX's buffer pool on the
+One :class:`~mlx_stream.cache.reclaim.ReclaimSchedule` clears MLX's buffer pool on the
 crossing rule, for prefill chunks, decode steps and speculative rounds alike.
 
 Cache after a generator stops (finished, ``close()``-d, or abandoned by a consumer that
@@ -480,7 +480,7 @@ def stream_generate(
             and at least ``num_draft_tokens + 1`` with a draft model.
         state (DecodeState, optional): Filled in by the token generator.
         steps (Callable, optional): The token generator, called like
-            :func:`generate_step` (e.g. a row of ``mlx_stream.batch.Batch``).
+            :func:`generate_step` (e.g. a row of ``mlx_stream.generate.batch.Batch``).
             Default: :func:`generate_step`.
         cache_spec (CacheSpec, optional): The policy of new SinkCaches, in place of
             ``sinks``, ``window`` and ``slack`` (with a draft model, given room for a

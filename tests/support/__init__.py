@@ -1,0 +1,1 @@
+"""What several test modules share: helpers, and fixtures registered in conftest."""
