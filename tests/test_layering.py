@@ -188,7 +188,6 @@ KNOWN_CIRCLES = [
         "mlx_stream.recall.persist",
         "mlx_stream.recall.tier",
     },
-    {"mlx_stream.serve.anthropic", "mlx_stream.serve.app", "mlx_stream.serve.responses"},
 ]
 
 
