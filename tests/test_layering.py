@@ -177,8 +177,7 @@ def test_the_engine_re_exports_what_the_http_side_imports():
 
 # The circles there are today, each the modules of one (a strongly connected part of
 # the import graph, lazy imports included), to be emptied: cache and recall reach each
-# other (a cache asks for recall, recall builds on the cache); the HTTP app and its
-# Anthropic and Responses routes import each other. A circle not listed, or a module
+# other (a cache asks for recall, recall builds on the cache). A circle not listed, or a module
 # joining a listed one, fails; so does a listed one that is gone (remove it here).
 KNOWN_CIRCLES = [
     {
