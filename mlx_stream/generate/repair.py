@@ -133,8 +133,11 @@ def repair(session: Any, history: list[dict], new: Any, window: int) -> Repaired
     """Make ``session`` encode ``history`` (see the module's contract); a string when
     it cannot be (the session is then untouched)."""
     p = plan(session, history, new, window)
-    if isinstance(p, str):
-        return p
+    return p if isinstance(p, str) else apply(session, history, p)
+
+
+def apply(session: Any, history: list[dict], p: Plan) -> Repaired:
+    """Carry out :func:`plan`'s ``p``: ``session`` then encodes ``history``."""
     caches = session.caches
     n = len(session.tokens)
     tail = splice.cut(caches, p.tail)

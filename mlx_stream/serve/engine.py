@@ -958,18 +958,20 @@ class Engine:
         the session it forks, when given); its checkpoint is the state before (what a
         failed turn goes back to). The ``Repaired`` counts, or ``None`` where a repair
         cannot serve (the caller rebuilds)."""
-        from mlx_stream.generate.repair import repair
+        from mlx_stream.generate import repair
 
         session = entry.session
         if source is not None:
             session.restore(source)
+        plan = repair.plan(session, history, user, self.repair_tokens)
+        if isinstance(plan, str):
+            return None
         entry.checkpoint = session.checkpoint()
         try:
-            done = repair(session, history, user, self.repair_tokens)
+            return repair.apply(session, history, plan)
         except BaseException:
             session.restore(entry.checkpoint)
             raise
-        return None if isinstance(done, str) else done
 
     def _agents(self, request: Request) -> tuple[Any, dict]:
         """A request's tool plan and sampling arguments (mlx_stream.serve), checked
