@@ -97,7 +97,6 @@ RepairTokens = Annotated[
     int,
     typer.Option(
         "--repair-tokens",
-        min=0,
         help="After an edit in the middle of a conversation (an old tool result shortened, "
         "a message rewritten), keep the KV before it, compute the edit and this many tokens "
         "after it again, and reuse the rest moved into place (approximate; a number "
@@ -242,6 +241,7 @@ def serve(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_positive(max_sessions, "--max-sessions")
     check_positive(port, "--port", 0)
+    check_positive(repair_tokens, "--repair-tokens", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
     check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)

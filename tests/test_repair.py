@@ -212,3 +212,13 @@ def test_serve_rebuilds_an_edit_of_a_conversation_past_its_window(engine):
     e = engine(window=24, repair_tokens=4)
     text, usage = ask(e, edit_request(converse(e)))
     assert text is not None and "repaired_tokens" not in usage
+
+
+def test_serve_refuses_a_negative_repair_window_in_one_line():
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import assert_one_line_error
+
+    result = CliRunner().invoke(app, ["serve", "--repair-tokens", "-1"])
+    assert_one_line_error(result, 2, "--repair-tokens must be at least 0")
