@@ -43,6 +43,8 @@ HELP = """\
 /set NAME VALUE  change a setting: temperature, top_p, top_k, min_p,
                  repetition_penalty, max_tokens, or system (the system prompt)
 /system TEXT     set the system prompt and start over (/system alone clears it)
+/edit N TEXT     replace turn N's message with TEXT and answer the last message again
+                 (the turns between stay: their cache is repaired, not recomputed)
 /save PATH       save the conversation: PATH.safetensors (KV cache) + PATH.json
 /load PATH       restore a conversation saved with /save
 /quit            exit (Ctrl-D too)
@@ -198,6 +200,23 @@ def handle_command(
     return True
 
 
+def edit_command(session: ChatSession, arg: str, say: Callable[[str], None]) -> str:
+    """``/edit N TEXT``: the session edited (``repair.edit``); returns the message to
+    answer again."""
+    from mlx_stream.defaults import DEFAULT_REPAIR_TOKENS
+    from mlx_stream.generate.repair import edit
+
+    number, _, text = arg.partition(" ")
+    if not number.isdigit() or not text.strip():
+        fail("/edit needs a turn number and the new message: /edit N TEXT")
+    again, done = edit(session, int(number), text.strip(), DEFAULT_REPAIR_TOKENS)
+    if isinstance(done, str):
+        say(f"Turn {number} edited; the conversation is prefilled again ({done}).")
+    else:
+        say(f"Turn {number} edited: {done.reused} tokens reused, {done.recomputed} computed again.")
+    return again
+
+
 def read_line(interactive: bool) -> str:
     """One input line, bytes that are not UTF-8 made U+FFFD (raises EOFError at the end
     of input / Ctrl-D). Without a terminal every line is a message."""
@@ -339,7 +358,9 @@ def run(session: ChatSession, interactive: bool, console, per_reply=None, source
             continue
         stopped = False
         try:
-            if line.startswith("/"):
+            if line.startswith("/edit ") or line == "/edit":
+                line = edit_command(session, line[len("/edit") :].strip(), say)
+            elif line.startswith("/"):
                 if not handle_command(session, line, say, source):
                     return
                 continue

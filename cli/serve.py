@@ -24,7 +24,11 @@ from cli.common import (
     sampling,
     stderr_console,
 )
-from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_SERVE_MAX_TOKENS
+from mlx_stream.defaults import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_REPAIR_TOKENS,
+    DEFAULT_SERVE_MAX_TOKENS,
+)
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
@@ -89,6 +93,16 @@ StateDir = Annotated[
         "--state-dir",
         help="Where evicted sessions are saved, and every resident one on exit (SIGTERM): "
         "a restart with the same folder continues them. Default: a temp folder.",
+    ),
+]
+RepairTokens = Annotated[
+    int,
+    typer.Option(
+        "--repair-tokens",
+        help="After an edit in the middle of a conversation (an old tool result shortened, "
+        "a message rewritten), keep the KV before it, compute the edit and this many tokens "
+        "after it again, and reuse the rest moved into place (approximate; a number "
+        "covering the window is exact). 0: rebuild from the system prompt as before.",
     ),
 ]
 NoUi = Annotated[
@@ -215,6 +229,7 @@ def serve(
     prefix_store_dir: opt.PrefixStoreDir = None,
     prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
     no_prefix_store: opt.NoPrefixStore = False,
+    repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -249,6 +264,7 @@ def serve(
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_positive(max_sessions, "--max-sessions")
     check_positive(port, "--port", 0)
+    check_positive(repair_tokens, "--repair-tokens", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
     check_sampling(temp, top_p, top_k, repetition_penalty)
@@ -310,6 +326,7 @@ def serve(
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
         cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
         max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes, sampling=sample,
+        repair_tokens=repair_tokens,
     )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:

@@ -48,3 +48,8 @@ def slack_for(num_draft_tokens: int = 0) -> int:
     ``num_draft_tokens + 1`` tokens (``trim(n)`` is exact for ``n <= slack + 1``); none
     without drafts (a chat turn trims one token at most)."""
     return num_draft_tokens + 1 if num_draft_tokens > 0 else DEFAULT_SLACK
+
+
+#: Tokens after an edit in the middle of a conversation computed again
+#: (``serve --repair-tokens``, ``mlx_stream.generate.repair``).
+DEFAULT_REPAIR_TOKENS = 32

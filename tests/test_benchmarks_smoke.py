@@ -285,3 +285,13 @@ def test_recall_soak(monkeypatch, tmp_path, tiny_model_dir):
             ["--quick", "--model", str(tiny_model_dir), "--folder", str(store)]
         )
     assert e.value.code == 2
+
+
+def test_repair(monkeypatch, tmp_path, tiny_model_dir):
+    lines = run("repair", monkeypatch, tmp_path, tiny_model_dir)
+    rows = [r for r in lines if r["bench"] == "repair"]
+    summaries = [r for r in lines if r["bench"] == "repair-summary"]
+    assert {r["k"] for r in summaries} == {0, 16} and len(rows) == 2 * summaries[0]["edits"]
+    for r in rows:
+        assert r["rebuild_ttft_s"] > 0 and r["repair_ttft_s"] > 0 and r["first_token_kl"] >= 0
+        assert r["recomputed"] >= 0 and r["reused"] > 0  # a tiny vocabulary may not see an edit

@@ -400,3 +400,15 @@ def test_real_model_three_turns(real_model_path):
     assert len(lines) >= 3, proc.stdout
     assert "Paris" in lines[0]
     assert "Rome" in proc.stdout  # the second turn saw the first: "And of Italy?"
+
+
+def test_edit_replaces_a_turn_and_answers_the_last_message_again(tiny):
+    script = "hello\nthe sea is\n/edit 1 goodbye\n/edit 9 x\n/edit one x\n"
+    result = chat("--max-tokens", "4", "--window", "200", input=script)
+    assert result.exit_code == 0, result.stderr
+    lines = replies(result)
+    assert len(lines) == 4, result.stdout  # two replies, the edit's line, the new reply
+    assert lines[2].startswith("Turn 1 edited: ") and "computed again" in lines[2]
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 2 and "no turn 9 (the chat has 2)" in errors[0]
+    assert "/edit N TEXT" in errors[1]

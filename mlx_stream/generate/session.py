@@ -135,6 +135,7 @@ class Checkpoint:
     sinks: int
     caches: list
     recall: Any = None  # the recall tier's mark (tier.Recall.mark): the copies share it
+    tokens: list[int] | None = None
 
 
 @dataclass
@@ -147,6 +148,8 @@ class ChatSession:
             ``pending``.
         pending: Tokens of ``fed_text`` the caches have not seen yet (the last sampled
             token of a reply is sampled but not fed); fed at the start of the next turn.
+        tokens: The token ids the caches hold, in order (``None``: not known, e.g. a
+            chat saved before they were recorded); what an edit's repair diffs.
     """
 
     model: Any
@@ -157,6 +160,7 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
     fed_text: str = ""
     pending: list[int] = field(default_factory=list)
+    tokens: list[int] | None = field(default_factory=list)
     sinks: int = 0
     caches: list = field(default_factory=list)
     n_target: int = 0
@@ -312,7 +316,7 @@ class ChatSession:
                 mx.eval([c.state for c in caches])
                 rest, fed = rest[n:], fed + n
                 yield fed
-        self.fed_text, self.pending = text, []
+        self.fed_text, self.pending, self.tokens = text, [], tokens
 
     def prefix_key(self, text: str) -> Any:
         """The prefix-store key of these caches after ``text`` (rendered, the start of
@@ -338,6 +342,7 @@ class ChatSession:
             caches = store.lookup(key, self.model)
             if caches is not None and len(caches) == len(self.caches):
                 self.caches, self.fed_text, self.pending = caches, text, []
+                self.tokens = self.encode(text)
                 return
         yield from self.prefill_steps(text)
         if key is not None:
@@ -361,6 +366,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation; keep the model, settings and system prompt."""
         self.messages, self.fed_text, self.pending, self.last = [], "", [], None
+        self.tokens = []
         self.sinks = self.settings.cache.sinks
         if self.settings.keep_system:
             self.sinks = self.system_tokens()
@@ -456,6 +462,8 @@ class ChatSession:
             if generated and finish == "stop" and generated[-1] in eos:
                 generated.pop()
             self._settle(before, len(tokens), generated)
+            if self.tokens is not None:  # what went in: the prompt, then the reply
+                self.tokens = (self.tokens + tokens + generated)[: cache_count(self.caches)]
             # The text the consumer saw (a stop string is cut from it).
             text = "".join(texts)
             self.messages += [*_new_messages(user_text), {"role": "assistant", "content": text}]
@@ -489,6 +497,7 @@ class ChatSession:
             sinks=self.sinks,
             caches=copy.deepcopy(self.caches),
             recall=tier.mark() if tier is not None else None,
+            tokens=None if self.tokens is None else list(self.tokens),
         )
 
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -509,6 +518,7 @@ class ChatSession:
             tier.rewind(caches[: self.n_target], checkpoint.recall)
         self.messages = [dict(m) for m in checkpoint.messages]
         self.fed_text, self.pending = checkpoint.fed_text, list(checkpoint.pending)
+        self.tokens = None if checkpoint.tokens is None else list(checkpoint.tokens)
         self.system, self.sinks = checkpoint.system, checkpoint.sinks
         self.use_caches(caches)
         self.last = None
@@ -563,6 +573,7 @@ class ChatSession:
             "messages": self.messages,
             "fed_text": self.fed_text,
             "pending": self.pending,
+            "tokens": self.tokens,
             "sinks": self.sinks,
             "window": self.settings.cache.window,
             "keep_system": self.settings.keep_system,
@@ -617,6 +628,9 @@ class ChatSession:
         self.messages = state["messages"]
         self.fed_text = state["fed_text"]
         self.pending = state["pending"]
+        tokens = state.get("tokens")  # absent from chats saved before it was recorded
+        ok = isinstance(tokens, list) and all(type(t) is int for t in tokens)
+        self.tokens = tokens if ok and len(tokens) == cache_count(caches) else None
         self.sinks = state["sinks"]
         self.settings.cache = self.settings.cache.replace(window=state["window"])
         self.last = None

@@ -236,6 +236,7 @@ def _usage(usage: dict) -> dict[str, int]:
         "output_tokens": usage.get("completion_tokens", 0),
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
+        **events.repair_counts(usage),
     }
 
 

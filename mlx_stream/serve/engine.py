@@ -26,7 +26,10 @@ Contract:
   session's transcript by one user message feeds only that message; one that replaces
   the last turn (an edit or a regeneration) restores the checkpoint from before it, in
   place with the session's id, as a new session (a fork) without one; anything else is
-  rebuilt from the pinned system prompt plus the tail that fits the window. A request
+  repaired in place where ``repair_tokens`` is set and the conversation fits in the
+  window (an edit in the middle: :mod:`~mlx_stream.generate.repair`; without an id, a
+  copy of the closest session is), else rebuilt from the pinned system prompt plus the
+  tail that fits the window. A request
   without an id never takes over a session whose transcript it does not extend
   (``isolate``: it is never matched at all). A wrapped ring matches no token prefix, so
   matching is on the transcript, never on the KV cache.
@@ -180,6 +183,7 @@ class _Job:
     prompt: int = 0  # tokens its turn feeds
     head: int = 0  # of those, the system prompt's, fed before the turn (_head_first)
     fed: int = 0  # of those, about how many went in (a prefill chunk per poll)
+    repaired: Any = None  # the generate.repair.Repaired of an edit repaired first
 
 
 class Engine:
@@ -215,6 +219,11 @@ class Engine:
             (:mod:`mlx_stream.prefix_store`): a system prompt with no shared snapshot
             yet is looked up there before it is prefilled, and put there after (so a
             restarted server, ``chat`` or another server start from it). Default: none.
+        sampling (Sampling): What a request that gives no temperature samples with
+            (:func:`mlx_stream.serve.sampling.resolve`). Default: greedy.
+        repair_tokens (int): Tokens after an edit in the middle of a transcript computed
+            again (:mod:`~mlx_stream.generate.repair`); 0: such a request is rebuilt.
+            Default: 0.
     """
 
     def __init__(
@@ -238,12 +247,13 @@ class Engine:
         max_tokens_ceiling: int | None = None,
         prefix_store: Any = None,
         sampling: Any = None,
+        repair_tokens: int = 0,
     ):
         from mlx_stream.generate.model_config import Sampling
 
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.sampling = sampling if sampling is not None else Sampling()  # greedy
-        self.prefixes = prefix_store
+        self.prefixes, self.repair_tokens = prefix_store, repair_tokens
         self.max_prompt_tokens, self.max_tokens_ceiling = max_prompt_tokens, max_tokens_ceiling
         self.pin = min(DEFAULT_PIN_TOKENS, settings.cache.window) if pin is None else pin
         self._closing = False  # draining: requests are refused (503)
@@ -623,6 +633,10 @@ class Engine:
             "prompt_tokens_details": {"cached_tokens": job.cached},
             "evicted_tokens": max(0, seen - sinks - window),
         }
+        if job.repaired is not None:  # tokens the edit's repair computed again or kept
+            usage["prompt_tokens_details"]["cached_tokens"] -= job.repaired.recomputed
+            usage["repaired_tokens"] = job.repaired.recomputed
+            usage["reused_tokens"] = job.repaired.reused
         self._publish()
         job.request.emit(("end", usage, finish or "stop"))
 
@@ -888,11 +902,14 @@ class Engine:
         plan, extra = self._agents(request)
         system, history, user = split_messages(request.messages)
         toolset = plan.toolset if plan is not None else None
+        repairs = self.repair_tokens > 0 and self.recall is None and self.draft_model is None
         entry, mode, source = matching.find(
             self.entries, request, system, history, toolset,
-            isolate=self.isolate, new_id=self._new_id,
+            isolate=self.isolate, new_id=self._new_id, repair=repairs,
         )  # fmt: skip
         checkpoint = source.checkpoint if source is not None else None  # room may evict it
+        if mode == "repair" and source is not entry:  # a fork: a copy of the source
+            checkpoint = source.session.checkpoint()
         if mode == "restore" and source is not entry and self.recall is not None:
             mode, checkpoint = "rebuild", None  # a fork would share the source's store
         try:
@@ -902,14 +919,18 @@ class Engine:
             if entry.session is None and entry.path is None:  # refused before it began
                 self._drop(entry)
             raise
-        session = entry.session
+        session, repaired = entry.session, None
+        if mode == "repair":
+            fork = checkpoint if source is not entry else None
+            repaired = self._repair(entry, fork, history, user)
+            mode = "rebuild" if repaired is None else mode
         if mode == "restore":  # the checkpoint encodes exactly ``history``
             session.restore(checkpoint)
             entry.checkpoint = checkpoint
         elif mode == "rebuild":  # the whole history goes in with the new turn
             self._rebuild(entry, system, history, toolset)
             session = entry.session
-        else:
+        elif mode != "repair":
             entry.checkpoint = session.checkpoint()
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         head = self._unfed_head(session)
@@ -932,10 +953,30 @@ class Engine:
             steps=self._steps(request, box), **extra,
         )  # fmt: skip
         job = self._start(request, entry, tokens, cached, batched=self._batch is not None)
-        job.prompt = len(turn[0])
+        job.prompt, job.repaired = len(turn[0]), repaired
         if head:
             job.tokens = self._head_first(job, session, head, tokens)
         box.append(job)
+
+    def _repair(self, entry: Entry, source: Checkpoint | None, history: list, user: Any) -> Any:
+        """Repair ``entry``'s session to encode ``history`` (from ``source``, a copy of
+        the session it forks, when given); its checkpoint is the state before (what a
+        failed turn goes back to). The ``Repaired`` counts, or ``None`` where a repair
+        cannot serve (the caller rebuilds)."""
+        from mlx_stream.generate import repair
+
+        session = entry.session
+        if source is not None:
+            session.restore(source)
+        plan = repair.plan(session, history, user, self.repair_tokens)
+        if isinstance(plan, str):
+            return None
+        entry.checkpoint = session.checkpoint()
+        try:
+            return repair.apply(session, history, plan)
+        except BaseException:
+            session.restore(entry.checkpoint)
+            raise
 
     def _agents(self, request: Request) -> tuple[Any, dict]:
         """A request's tool plan and sampling arguments (mlx_stream.serve), checked

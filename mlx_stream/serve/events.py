@@ -156,3 +156,9 @@ async def drain(job: Job, request: Any, http: Any = None) -> Reply:
         raise
     reply.text = "".join(texts)
     return reply
+
+
+def repair_counts(usage: dict) -> dict[str, int]:
+    """The engine's repair counts of ``usage`` (present after a repaired edit), for the
+    APIs' own usage shapes."""
+    return {k: usage[k] for k in ("repaired_tokens", "reused_tokens") if k in usage}

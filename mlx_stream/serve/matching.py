@@ -96,6 +96,7 @@ def find(
     *,
     isolate: bool,
     new_id: Callable[[int], str],
+    repair: bool = False,
 ) -> tuple:
     """``(entry, mode, source)`` for a chat request, among its owner's sessions only;
     ``tools`` (a ToolSet) must match like the system prompt.
@@ -105,8 +106,12 @@ def find(
     turn); with the session's own id it restores in place, without one it forks a new
     session and the original stays for its owner. ``rebuild``: from the history alone
     (an id whose transcript does not match, or a history no session holds). ``new``:
-    no history. Without an id, only a history that is not empty is matched, and only
-    when the server is not ``isolate``-d. A new entry is added to ``entries``, its id
+    no history. ``repair`` (when asked for): the history differs from ``source``'s
+    transcript elsewhere (an edit in the middle): with the session's own id its caches
+    are repaired in place, without one a copy of ``source`` is (a fork), ``source``
+    being the resident session that shares the most leading messages with the
+    history (at least one). Without an id, only a history that is not empty is
+    matched, and only when the server is not ``isolate``-d. A new entry is added to ``entries``, its id
     from ``new_id(digits)``; :class:`Busy` for a named session that is answering.
 
     Args:
@@ -127,6 +132,8 @@ def find(
             return entry, "append", None
         if same and restorable(entry, system, history):
             return entry, "restore", entry
+        if same and repair and history:
+            return entry, "repair", entry
         return entry, "rebuild", None
     if history and not isolate:
         mine = [
@@ -142,8 +149,29 @@ def find(
             if restorable(entry, system, history):
                 fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools)
                 return _add(entries, fork), "restore", entry
+        source = closest(mine, system, history) if repair else None
+        if source is not None:
+            fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools)
+            return _add(entries, fork), "repair", source
     entry = _add(entries, Entry(id=new_id(16), system=system, owner=owner, tools=tools))
     return entry, "rebuild" if history else "new", None
+
+
+def closest(entries: list[Entry], system: str | None, history: list) -> Entry | None:
+    """The resident entry with ``system`` whose transcript shares the most leading
+    messages with ``history`` (at least one; the first listed on a tie)."""
+    best, most = None, 0
+    for entry in entries:
+        if entry.session is None or entry.system != system:
+            continue
+        n = 0
+        for a, b in zip(entry.messages, history, strict=False):
+            if a != b:
+                break
+            n += 1
+        if n > most:
+            best, most = entry, n
+    return best
 
 
 def _add(entries: dict[tuple[str, str], Entry], entry: Entry) -> Entry:

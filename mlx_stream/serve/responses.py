@@ -183,6 +183,7 @@ def _usage(usage: dict) -> dict[str, Any]:
         "output_tokens": usage.get("completion_tokens", 0),
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.get("total_tokens", 0),
+        **events.repair_counts(usage),
     }
 
 

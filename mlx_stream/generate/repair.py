@@ -1,0 +1,197 @@
+"""Repair a session's caches in place after an edit anywhere in its transcript.
+
+Contract: :func:`repair` makes a :class:`~mlx_stream.generate.session.ChatSession`
+whose transcript is ``old`` encode ``history`` instead (any message changed, removed
+or added), ready for the next turn ``new`` (what ``ChatSession.stream`` then feeds),
+without a full prefill:
+
+- the tokens before the first difference keep their KV (exact);
+- the changed span and a contiguous window of ``window`` tokens after it are computed
+  again, in order (exact given what precedes them);
+- the tokens after that keep their KV, moved by the change in length (the rope turned
+  by ``shift`` positions: :mod:`mlx_stream.cache.splice`); their keys and values were
+  computed over the old span: an approximation, which the window bounds;
+- the last sampled token still pending stays pending.
+
+A ``window`` covering the rest of the conversation leaves nothing approximate: the
+caches then hold what a prefill of the new transcript gives. A repair is refused with
+a reason (the caller rebuilds) when the caches' tokens are not known, when the
+conversation does not fit in the window (a token was evicted: the edit may lie in
+what the recall tier keeps; a rebuild is the honest answer), when the edit reaches
+into the sinks, for a draft model, a recall tier or per-channel quantized keys, or
+when the chat template does not render the transcript as a prefix of the next turn.
+An exception raised meanwhile leaves the caches part-way: restore a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_stream.cache import splice
+from mlx_stream.cache.sink import max_call_tokens
+from mlx_stream.defaults import DEFAULT_REPAIR_TOKENS  # noqa: F401 - re-exported
+
+
+@dataclass
+class Repaired:
+    """What a repair did, in tokens of the new transcript.
+
+    Attributes:
+        prefix: Kept before the edit (exact).
+        recomputed: Fed again: the changed span and the window after it.
+        moved: Kept after the window, their positions moved by ``shift``.
+        shift: The edit's change in length (new minus old tokens).
+    """
+
+    prefix: int
+    recomputed: int
+    moved: int
+    shift: int
+
+    @property
+    def reused(self) -> int:
+        """Tokens whose KV was kept (before and after the edit)."""
+        return self.prefix + self.moved
+
+
+@dataclass
+class Plan:
+    """Where the new transcript's tokens come from (see :func:`plan`)."""
+
+    tokens: list[int]  # the new transcript's tokens (up to the next turn's text)
+    fed_text: str  # its rendered text
+    prefix: int  # tokens kept before the edit
+    stop: int  # recomputed: tokens[prefix:stop]
+    tail: int  # old tokens tail..cached kept (none when tail >= cached)
+    shift: int
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def common_suffix(a: list[int], b: list[int], limit: int) -> int:
+    i = 0
+    while i < limit and a[-1 - i] == b[-1 - i]:
+        i += 1
+    return i
+
+
+def encode_like_rebuild(session: Any, text: str) -> list[int]:
+    """``text``'s tokens as a fresh session feeds them: the rendered system prompt
+    (what the sinks or a stored prefix hold) apart from the rest."""
+    head = session.system_text()
+    if head and text.startswith(head):
+        return session.encode(head) + session.encode(text[len(head) :])
+    return session.encode(text)
+
+
+def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str:
+    """How to make ``session`` encode ``history`` before the turn ``new`` (a user
+    message's text or new messages), recomputing ``window`` tokens after the edit;
+    a string: why not."""
+    from mlx_stream.generate.session import _new_messages, cache_count
+
+    old = session.tokens
+    if old is None or len(old) != cache_count(session.caches):
+        return "the tokens its caches hold are not known"
+    if session.draft_model is not None:
+        return "a draft model (its caches would need the same repair)"
+    turn = _new_messages(new)
+    old_text = session.render(session.conversation(session.messages + turn))
+    if not old_text.startswith(session.fed_text):
+        return "the chat template rewrites earlier turns"
+    rest = old_text[len(session.fed_text) :]
+    new_text = session.render(session.conversation(list(history) + turn))
+    if not new_text.endswith(rest):
+        return "the chat template renders the next turn differently after the edit"
+    fed_text = new_text[: len(new_text) - len(rest)]
+    tokens = encode_like_rebuild(session, fed_text)
+    full = old + session.pending
+    n, e = len(old), len(tokens)
+    prefix = common_prefix(old, tokens)
+    if prefix < session.sinks:
+        return "the edit reaches into the sinks"
+    same_end = common_suffix(full, tokens, min(len(full), e) - prefix)
+    shift = e - len(full)
+    stop = min(e - same_end + max(0, window), e)
+    tail = stop - shift  # the old index of the first token kept after the window
+    tail = min(tail, n)  # n: nothing kept after the window (what follows it is pending)
+    end = max(n, stop + n - tail)
+    why = splice.refusal(session.caches, end)
+    if why is not None:
+        return why
+    return Plan(tokens, fed_text, prefix, stop, tail, shift)
+
+
+def repair(session: Any, history: list[dict], new: Any, window: int) -> Repaired | str:
+    """Make ``session`` encode ``history`` (see the module's contract); a string when
+    it cannot be (the session is then untouched)."""
+    p = plan(session, history, new, window)
+    return p if isinstance(p, str) else apply(session, history, p)
+
+
+def apply(session: Any, history: list[dict], p: Plan) -> Repaired:
+    """Carry out :func:`plan`'s ``p``: ``session`` then encodes ``history``."""
+    caches = session.caches
+    n = len(session.tokens)
+    tail = splice.cut(caches, p.tail)
+    for c in caches:
+        c.trim(c.tokens_seen - p.prefix)
+    feed(session, p.tokens[p.prefix : p.stop])
+    splice.paste(caches, tail, p.shift)
+    cached = p.stop + tail.length
+    session.messages = [dict(m) for m in history]
+    session.fed_text = p.fed_text
+    session.pending = list(p.tokens[cached:])
+    session.tokens = list(p.tokens[:cached])
+    return Repaired(p.prefix, p.stop - p.prefix, tail.length, p.shift if n > p.tail else 0)
+
+
+def feed(session: Any, tokens: list[int]) -> None:
+    """Feed ``tokens`` into ``session``'s caches, a call at a time."""
+    import mlx.core as mx
+
+    from mlx_stream.generate.session import PREFILL_STEP
+
+    caches = session.caches
+    while tokens:
+        k = min(len(tokens), PREFILL_STEP, max_call_tokens(caches) or PREFILL_STEP)
+        session.model(mx.array(tokens[:k])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        tokens = tokens[k:]
+
+
+def edit(session: Any, turn: int, text: str, window: int) -> tuple[str, Repaired | str]:
+    """Replace the user message of turn ``turn`` (from 1) with ``text`` and make
+    ``session`` ready to answer its last user message again, the turns between kept.
+
+    Returns:
+        ``(message, done)``: the last user message (to stream a new reply to) and the
+        repair's counts, or why it rebuilt (the caches then start over from the
+        system prompt; the next turn feeds the whole transcript).
+    """
+    from mlx_stream.errors import UserError
+
+    users = [i for i, m in enumerate(session.messages) if m["role"] == "user"]
+    if not 1 <= turn <= len(users):
+        raise UserError(f"/edit: no turn {turn} (the chat has {len(users)})")
+    messages = [dict(m) for m in session.messages]
+    messages[users[turn - 1]] = {"role": "user", "content": text}
+    last = users[-1]
+    history, again = messages[:last], messages[last]["content"]
+    point = session.checkpoint()
+    try:
+        done = repair(session, history, again, window)
+    except BaseException:
+        session.restore(point)
+        raise
+    if isinstance(done, str):
+        session.reset()
+        session.messages = history
+    return again, done

@@ -1,0 +1,224 @@
+"""Repair in place after an edit in the middle of a conversation
+(mlx_stream.generate.repair, mlx_stream.cache.splice): exact when the recomputed window
+covers the rest, the session and its caches in step, serve's usage and rollbacks."""
+
+from __future__ import annotations
+
+import queue
+
+import mlx.core as mx
+import pytest
+
+from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.generate import repair as fix
+from mlx_stream.generate.session import ChatSession, Settings, cache_count
+from tests.test_session import ask
+
+TURNS = ["hello there friend", "what is the sea", "tell me more about it", "and the ships"]
+EXACT = 10**6
+
+
+def session(loaded, window=400, **kw) -> ChatSession:
+    model, tokenizer = loaded
+    settings = Settings(CacheSpec(sinks=4, window=window), max_tokens=kw.pop("max_tokens", 6))
+    return ChatSession(model, tokenizer, settings, system="you are a captain", **kw)
+
+
+def talked(loaded, **kw) -> ChatSession:
+    s = session(loaded, **kw)
+    for text in TURNS:
+        s.reply(text, lambda t: None)
+    return s
+
+
+def edited(messages: list[dict]) -> list[dict]:
+    out = [dict(m) for m in messages]
+    out[2] = {"role": "user", "content": "what is the big blue ocean under the sky"}
+    return out
+
+
+def next_logits(s: ChatSession, user: str) -> tuple[mx.array, list[int]]:
+    tokens, _ = s.turn_tokens(user)
+    return s.model(mx.array(tokens)[None], cache=s.caches)[0, -1], s.tokens + tokens
+
+
+def test_an_exact_repair_equals_the_rebuild_bit_for_bit(loaded):
+    s = talked(loaded)
+    history = edited(s.messages)
+    done = fix.repair(s, history, "new question", EXACT)
+    assert not isinstance(done, str), done
+    assert done.moved == 0 and done.prefix > 0 and done.recomputed > 0
+    rebuilt = session(loaded)
+    rebuilt.messages = [dict(m) for m in history]
+    a, fed_a = next_logits(s, "new question")
+    b, fed_b = next_logits(rebuilt, "new question")
+    assert fed_a == fed_b
+    assert mx.array_equal(a, b).item()
+
+
+def test_an_approximate_repair_keeps_the_caches_in_step_with_the_transcript(loaded):
+    s = talked(loaded)
+    old = len(s.tokens)
+    history = edited(s.messages)
+    done = fix.repair(s, history, "new question", 4)
+    assert not isinstance(done, str), done
+    assert done.recomputed >= 4 and done.moved > 0 and done.shift != 0
+    assert done.prefix + done.recomputed + done.moved == cache_count(s.caches) == len(s.tokens)
+    assert cache_count(s.caches) == old + done.shift
+    assert s.messages == history
+    assert s.tokens + s.pending == fix.encode_like_rebuild(s, s.fed_text)
+    reply = s.reply("new question", lambda t: None)  # the next turn appends as usual
+    assert reply.prompt_tokens > 0 and len(s.tokens) == cache_count(s.caches)
+
+
+def test_a_pasted_tail_sits_where_a_prefill_puts_it(loaded):
+    """The first layer's keys depend on the token and its position only: a tail cut
+    from one context and pasted after a longer one equals that context's own keys."""
+    from mlx_stream.cache import splice
+
+    model, _ = loaded
+    s = session(loaded)
+    head, longer, tail = [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12, 13, 14, 15], [20, 21, 22, 23]
+    a, b, c = (s.make_caches() for _ in range(3))
+    model(mx.array(head + tail)[None], cache=a)
+    model(mx.array(longer + tail)[None], cache=b)
+    model(mx.array(longer)[None], cache=c)
+    cut = splice.cut(a, len(head))
+    splice.paste(c, cut, len(longer) - len(head))
+    n = len(longer) + len(tail)
+    assert c[0].tokens_seen == n
+    got, want = c[0].keys[..., len(longer) : n, :], b[0].keys[..., len(longer) : n, :]
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert not mx.allclose(cut.pairs[0][0], want, atol=1e-2).item()  # it did move
+
+
+def test_an_edit_beyond_the_window_is_refused_and_the_session_untouched(loaded):
+    s = talked(loaded, window=24)
+    before = (list(s.tokens), s.fed_text, cache_count(s.caches))
+    why = fix.repair(s, edited(s.messages), "new question", 4)
+    assert isinstance(why, str) and "window" in why
+    assert (s.tokens, s.fed_text, cache_count(s.caches)) == before
+
+
+def test_chat_edit_replaces_a_turn_and_answers_the_last_message_again(loaded):
+    s = talked(loaded)
+    again, done = fix.edit(
+        s, 2, "what is the big blue ocean under the sky", fix.DEFAULT_REPAIR_TOKENS
+    )
+    assert again == TURNS[-1] and not isinstance(done, str)
+    assert [m["content"] for m in s.messages if m["role"] == "user"] == [
+        TURNS[0], "what is the big blue ocean under the sky", TURNS[2],
+    ]  # fmt: skip
+    s.reply(again, lambda t: None)
+    assert len(s.messages) == 8
+    from mlx_stream.errors import UserError
+
+    with pytest.raises(UserError, match="no turn 9"):
+        fix.edit(s, 9, "x", 4)
+
+
+# ----- serve ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine(loaded, tmp_path):
+    from mlx_stream.serve.engine import Engine
+
+    made = []
+
+    def make(window=400, **kw):
+        model, tokenizer = loaded
+        settings = Settings(CacheSpec(sinks=2, window=window), max_tokens=6)
+        e = Engine(model, tokenizer, settings, "tiny", state_dir=tmp_path, **kw)
+        e.start()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.stop()
+
+
+def converse(e, session_id=None) -> list[dict]:
+    history: list[dict] = [{"role": "system", "content": "you are a captain"}]
+    for text in TURNS[:3]:
+        history.append({"role": "user", "content": text})
+        reply, _ = ask(e, history, session_id)
+        history.append({"role": "assistant", "content": reply})
+    return history
+
+
+def edit_request(history: list[dict]) -> list[dict]:
+    out = [dict(m) for m in history]
+    out[3] = {"role": "user", "content": "what is the big blue ocean under the sky"}
+    return out + [{"role": "user", "content": TURNS[3]}]
+
+
+def test_serve_without_repair_rebuilds_as_before(engine):
+    e, fresh = engine(repair_tokens=0), engine(repair_tokens=0)
+    request = edit_request(converse(e))
+    text, usage = ask(e, request)
+    assert "repaired_tokens" not in usage and usage["prompt_tokens_details"]["cached_tokens"] <= 64
+    assert ask(fresh, request)[0] == text
+
+
+def test_serve_repairs_an_edit_and_counts_it(engine):
+    e, exact, fresh = engine(repair_tokens=4), engine(repair_tokens=EXACT), engine()
+    request = edit_request(converse(e))
+    converse(exact)
+    _, usage = ask(e, request)
+    details = usage["prompt_tokens_details"]
+    assert usage["repaired_tokens"] >= 4 and usage["reused_tokens"] > usage["repaired_tokens"]
+    assert details["cached_tokens"] == usage["reused_tokens"]
+    fed = usage["prompt_tokens"] - details["cached_tokens"] - usage["repaired_tokens"]
+    assert 0 < fed < 16  # the new message only
+    text, usage = ask(exact, request)
+    assert usage["reused_tokens"] > 0
+    assert text == ask(fresh, request)[0]  # exact: the rebuilt session's reply
+
+
+def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, monkeypatch):
+    e = engine(repair_tokens=4)
+    history = converse(e, "mine")
+    entry = e.entries[("", "mine")]
+    before = (list(entry.session.tokens), entry.session.fed_text, [dict(m) for m in entry.messages])
+    from mlx_stream.serve.engine import Request
+
+    events: queue.Queue = queue.Queue()
+    request = Request(emit=events.put, messages=edit_request(history), session_id="mine")
+    request.cancelled.set()  # the client went away: nothing more is sent
+    e.submit(request)
+    assert events.get(timeout=60)[0] == "start"
+    while e.call(lambda: entry.busy).result():
+        pass
+    s = entry.session
+    assert (s.tokens, s.fed_text, entry.messages) == before
+    assert cache_count(s.caches) == len(s.tokens)
+
+    def broken(*a, **kw):
+        raise RuntimeError("the model failed")
+
+    monkeypatch.setattr(fix, "feed", broken)
+    _, err = ask(e, edit_request(history), "mine")
+    assert err[1] == 500 and "the model failed" in err[2]
+    s = entry.session
+    assert (s.tokens, s.fed_text, entry.messages) == before
+    assert cache_count(s.caches) == len(s.tokens)
+    _, usage = ask(e, history + [{"role": "user", "content": "more"}], "mine")
+    assert usage["prompt_tokens_details"]["cached_tokens"] == len(before[0])  # appended
+
+
+def test_serve_rebuilds_an_edit_of_a_conversation_past_its_window(engine):
+    e = engine(window=24, repair_tokens=4)
+    text, usage = ask(e, edit_request(converse(e)))
+    assert text is not None and "repaired_tokens" not in usage
+
+
+def test_serve_refuses_a_negative_repair_window_in_one_line():
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import assert_one_line_error
+
+    result = CliRunner().invoke(app, ["serve", "--repair-tokens", "-1"])
+    assert_one_line_error(result, 2, "--repair-tokens must be at least 0")
