@@ -218,7 +218,7 @@ def test_serve_refuses_a_negative_repair_window_in_one_line():
     from typer.testing import CliRunner
 
     from cli.main import app
-    from tests.conftest import assert_one_line_error
+    from tests.support.cli import assert_one_line_error
 
     result = CliRunner().invoke(app, ["serve", "--repair-tokens", "-1"])
     assert_one_line_error(result, 2, "--repair-tokens must be at least 0")
