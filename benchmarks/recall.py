@@ -59,10 +59,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ranks", action="store_true",
                         help="also rank the needle's blocks under every selector at the "
                         "prompt's end (the exact one costs O(stored tokens))")  # fmt: skip
+    parser.add_argument(
+        "--questions",
+        type=words,
+        default=["primed"],
+        help="primed (ends with the needle's words) or plain phrasings q0,q1,q2",
+    )
+    parser.add_argument("--answer-tokens", type=int, default=8)
+    parser.add_argument(
+        "--prompt-selectors",
+        type=words,
+        default=[],
+        help="answer each question once per prompt-end selector named, "
+        "from the same stream (default: the spec's)",
+    )
+    parser.add_argument(
+        "--dump",
+        type=Path,
+        help="save each recall prompt's end (queries, "
+        "stored keys) to an .npz in this folder, for offline scoring",
+    )
     parser.add_argument("--table", type=Path, help="render saved JSON lines and exit")
     args = parser.parse_args(argv)
     if args.table is not None:
-        print(render([json.loads(x) for x in args.table.read_text().splitlines() if x.strip()]))
+        lines = [json.loads(x) for x in args.table.read_text().splitlines() if x.strip()]
+        print(render_questions(lines) if any("question" in r for r in lines) else render(lines))
         return []
     if args.quick:  # the tiny model: short prompts
         args.length, args.depths, args.window, args.blocks = [400], [0.2], 32, 2
@@ -86,10 +107,52 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     tic = time.perf_counter()
     needle_eval(model, tokenizer, hay, args.length, args.depths, args.kinds, args.caches,
-                args.sinks, args.window, spec, context, 8, args.seed, row,
-                inspect=ranks if args.ranks else None, align=align)  # fmt: skip
+                args.sinks, args.window, spec, context, args.answer_tokens, args.seed, row,
+                inspect=inspector(args), align=align, questions=args.questions,
+                prompt_selectors=args.prompt_selectors or [None])  # fmt: skip
     print(f"# {time.perf_counter() - tic:.0f} s", flush=True)
     return records
+
+
+def inspector(args):
+    """The prompt-end inspection ``--ranks`` and ``--dump`` ask for, or ``None``."""
+    if not (args.ranks or args.dump):
+        return None
+
+    def inspect(tier, prompt, row: dict) -> None:
+        if args.ranks:
+            ranks(tier, prompt, row)
+        if args.dump:
+            measure = tier.on_prompt_end
+
+            def both(t, point):
+                if measure is not None:
+                    measure(t, point)
+                row["dump"] = str(dump(t, point, prompt, args.dump))
+
+            tier.on_prompt_end = both
+
+    return inspect
+
+
+def dump(tier, point: int, prompt, folder: Path) -> Path:
+    """Save what a selection at ``point`` reads: every layer's recent queries and the
+    stored keys of the candidate blocks (float16), the needle's place, the scale."""
+    import mlx.core as mx
+    import numpy as np
+
+    nb = min(tier.stored, tier._evicted_blocks(point))
+    arrays = {}
+    for i, q in enumerate(tier._recent(point)):
+        arrays[f"q{i}"] = q.astype(np.float16)
+        arrays[f"k{i}"] = np.stack([np.asarray(tier.store.get(i, j)[0][0].astype(mx.float32))
+                                    for j in range(nb)]).astype(np.float16)  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{prompt.value}_{prompt.needle_at}_{point}.npz"
+    np.savez(path, first=np.array(tier.first[:nb]), point=point, scale=tier.scale,
+             needle=np.array([prompt.needle_at, prompt.needle_len, prompt.asked_at]),
+             block=tier.block, **arrays)  # fmt: skip
+    return path
 
 
 def ranks(tier, prompt, row: dict) -> None:
@@ -135,6 +198,41 @@ def own_topk(tier, point: int, blocks: list[int]) -> dict:
             head_hits += all(b in set(select.top_k(per_head[h], k)) for b in blocks)
             heads += 1
     return {"layers": round(layer_hits / len(tier.layers), 3), "heads": round(head_hits / heads, 3)}
+
+
+def render_questions(records: list[dict]) -> str:
+    """Markdown: per haystack, needle and question, found / trials of the full cache
+    (at the length it fits) and of recall under each prompt selector, with how often
+    the prompt's end selected the needle's blocks."""
+    rows = [r for r in records if r.get("bench") == "recall-needle"]
+    selectors = sorted({r["prompt_selector"] for r in rows if r["cache"] == "recall"})
+    cells: dict = {}
+    for r in rows:
+        key = (r["haystack"], r["kind"], r["question"])
+        col = r["cache"] if r["cache"] != "recall" else f"recall:{r['prompt_selector']}"
+        cells.setdefault(key, {}).setdefault(col, []).append(r)
+    lengths = {c: sorted({r["length_asked"] for r in rows if r["cache"] == c}) for c in
+               ("full", "recall")}  # fmt: skip
+    head = [f"full cache, {'/'.join(map(str, lengths['full']))}"] + [
+        f"recall {'/'.join(map(str, lengths['recall']))}, {s}: found, selected"
+        for s in selectors]  # fmt: skip
+    out = ["| haystack | needle | question | " + " | ".join(head) + " |",
+           "|---|---|---|" + "---|" * len(head)]  # fmt: skip
+    total: dict = {}
+    for key in sorted(cells) + [None]:
+        got = cells[key] if key is not None else total
+        row = []
+        for col in ["full"] + [f"recall:{s}" for s in selectors]:
+            rs = got.get(col, [])
+            if key is not None:
+                total.setdefault(col, []).extend(rs)
+            cell = f"{sum(r['found'] for r in rs)}/{len(rs)}" if rs else "—"
+            if rs and col != "full":
+                cell += f", {sum(r['needle_selected'] for r in rs)}/{len(rs)}"
+            row.append(cell)
+        name = " | ".join(key) if key is not None else "**all** | | "
+        out.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(out)
 
 
 def render(records: list[dict]) -> str:

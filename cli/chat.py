@@ -109,7 +109,8 @@ def stats_text(session: ChatSession) -> str:
     if tier is not None:  # device bytes stay flat; the store grows (RAM, then disk)
         u = tier.usage()
         rows.append(("recall region", used_of(None, u["region_bytes"], "device")))
-        rows.append(("recall blocks", f"{u['stored_blocks']} stored, {u['recalled_blocks']} recalled"))  # fmt: skip
+        rows.append(("recall blocks", f"{u['stored_blocks']} stored, {u['recalled_blocks']} recalled, "
+                     f"{u['scored_blocks']} scored ({u['refresh_seconds']:.2f} s choosing)"))  # fmt: skip
         rows.append(("recall store", used_of(u["ram_bytes"], u["ram_reserved_bytes"], "RAM")))
         if u["disk_reserved_bytes"]:
             rows.append(("", used_of(u["disk_bytes"], u["disk_reserved_bytes"], "disk")))

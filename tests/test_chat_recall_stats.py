@@ -23,7 +23,10 @@ def test_stats_show_the_recall_region_and_store_apart(tmp_path):
     u = tier.usage()
     lines = {line[:14].strip(): line[15:] for line in stats_text(session).splitlines()}
     assert lines["recall region"] == f"{tier.device_nbytes / 1e6:.1f} MB reserved (device)"
-    assert lines["recall blocks"] == f"{tier.stored} stored, {len(tier.selection)} recalled"
+    assert lines["recall blocks"] == (
+        f"{tier.stored} stored, {len(tier.selection)} recalled, {tier.scored_blocks} scored "
+        f"({u['refresh_seconds']:.2f} s choosing)")  # fmt: skip
+    assert 0 < tier.scored_blocks <= tier.stored and u["refresh_seconds"] > 0
     # The store's room is allocated 32 blocks at a time: used and reserved apart, by place.
     assert lines[""] == (f"{u['disk_bytes'] / 1e6:.1f} MB used of "
                          f"{tier.store.disk_bytes / 1e6:.1f} MB reserved (disk)")  # fmt: skip

@@ -25,6 +25,7 @@ def test_stream_run_json_has_a_recall_object(tiny_model_dir, text_file, tmp_path
     recall = json.loads(result.stdout)["recall"]
     # 499 tokens through a 32-token window, blocks of 64: 6 stored by the last call, 2 recalled
     assert recall["stored_blocks"] == 6 and recall["recalled_blocks"] == 2
+    assert 0 < recall["scored_blocks"] <= 6 and recall["refresh_seconds"] > 0
     # --recall-ram 0: the blocks on disk (RAM: their summaries), reserved 32 at a time
     assert 0 < recall["disk_bytes"] < recall["disk_reserved_bytes"]
     assert recall["disk_bytes"] * 32 == recall["disk_reserved_bytes"] * 6

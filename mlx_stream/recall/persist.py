@@ -53,12 +53,16 @@ CHECKED = {
     "blocks": "--recall-blocks",
     "block": "recall block",
     "selector": "recall selector",
+    "prompt_selector": "recall prompt selector",
     "placement": "recall placement",
     "prompt_placement": "recall prompt placement",
     "bits": "--recall-bits",
     "group_size": "recall group size",
     "refeed": "recall refeed",
 }
+#: Settings a manifest written before they existed is read with (upgraded: nothing
+#: stored depends on them; a prompt's end chose with the selector before).
+LEGACY = {"prompt_selector": "token"}
 
 
 def sidecar(path: str | os.PathLike) -> Path:
@@ -283,6 +287,7 @@ def check_spec(path: Path, saved: Any, current: Any) -> None:
     run differ."""
     if not isinstance(saved, dict):
         raise UserError(f"{path}: its recall store has no readable settings")
+    saved = {**LEGACY, **saved}
     for field, name in CHECKED.items():
         if saved.get(field) != getattr(current, field):
             show = ["none" if v is None else str(v) for v in (saved.get(field), getattr(current, field))]  # fmt: skip
@@ -296,6 +301,7 @@ def saved_spec(data: dict, path: Path) -> Any:
 
     try:
         fields = {f.name for f in dataclasses.fields(RecallSpec)}
+        data = {**LEGACY, **data}
         return RecallSpec(**{k: v for k, v in data.items() if k in fields and k != "folder"})
     except (TypeError, ValueError):
         raise UserError(f"{path}: its recall store has no readable settings") from None

@@ -9,8 +9,10 @@ block, so a selection is a pure function of the queries and the store.
 
 How a block's logits are estimated is the selector:
 
-* ``exact``: every stored key (the softmax over all stored tokens, summed per block):
-  the oracle, O(stored tokens) per refresh;
+* ``exact``: every stored key (the softmax over all stored tokens, summed per block;
+  ``mlx_stream.recall.score``), O(stored tokens) per refresh;
+* ``token``: every stored key, a block's largest single-token probability
+  (``mlx_stream.recall.score``), O(stored tokens) per refresh;
 * ``quest``: Quest's per-channel bound ``sum_c max(q_c min_c, q_c max_c)`` of the
   block's keys, a softmax over blocks;
 * ``mean``: the block's mean key (InfLLM's simplest summary), a softmax over blocks.
@@ -65,24 +67,6 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     x = x - x.max(axis=axis, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=axis, keepdims=True)
-
-
-def layer_scores_exact(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, scale: float):
-    """Per block: the largest softmax mass over query heads and tokens.
-
-    Args:
-        q: Queries ``(Hq, L, D)``.
-        keys: Stored keys ``(blocks, H, block, D)`` (block-relative positions).
-        valid: ``(blocks, block)`` bool: tokens that belong to the store.
-        scale: The attention scale.
-    """
-    nb, H, bs, D = keys.shape
-    g = _gqa(q.astype(np.float32), H)  # (H, R, D)
-    k = keys.astype(np.float32).transpose(1, 0, 2, 3).reshape(H, nb * bs, D)
-    logits = np.einsum("hrd,htd->hrt", g, k) * scale
-    logits = np.where(valid.reshape(1, 1, -1), logits, -np.inf)
-    mass = _softmax(logits, -1).reshape(H, -1, nb, bs).sum(-1)  # (H, R, blocks)
-    return mass.max(axis=(0, 1))
 
 
 def layer_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks: int,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from mlx_stream.defaults import DEFAULT_RECALL_BLOCKS, DEFAULT_RECALL_RAM_MB, DEFAULT_STRIDE
 from mlx_stream.errors import Unsupported
 
-SELECTORS = ("exact", "quest", "mean")
+SELECTORS = ("exact", "quest", "mean", "token")
 PLACEMENTS = ("stream", "before", "fixed", "near")
 DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
 DEFAULT_BLOCK = DEFAULT_STRIDE
@@ -30,7 +30,11 @@ class RecallSpec:
         selector (str): How blocks are scored against the queries: ``"exact"``
             (softmax mass over every stored key; the oracle, O(store) per refresh),
             ``"quest"`` (per-channel min/max bound of a block's keys) or ``"mean"``
-            (the block's mean key).
+            (the block's mean key) or ``"token"`` (the largest probability one of the
+            block's stored keys gets: ``mlx_stream.recall.score``; O(store) per refresh).
+        prompt_selector (str, optional): How a prompt's end scores the blocks (its
+            question's queries choose once per prompt, so it can afford to read every
+            stored key); ``None``: ``selector``. Default: ``"token"``.
         placement (str): ``"stream"``: sinks, retrieved blocks, window, in stream
             order (each block keeps its own token spacing); ``"before"``: the blocks
             right before the sinks; ``"fixed"``: every retrieved token at the one
@@ -60,6 +64,7 @@ class RecallSpec:
     block: int = DEFAULT_BLOCK
     selector: str = "quest"
     placement: str = "stream"
+    prompt_selector: str | None = "token"
     prompt_placement: str | None = "near"
     bits: int | None = None
     group_size: int = 64
@@ -76,6 +81,9 @@ class RecallSpec:
             raise Unsupported(
                 f"recall selector must be one of {', '.join(SELECTORS)} (got {self.selector!r})"
             )
+        if self.prompt_selector not in (*SELECTORS, None):
+            raise Unsupported(f"recall prompt selector must be one of {', '.join(SELECTORS)} "
+                              f"(got {self.prompt_selector!r})")  # fmt: skip
         for name in ("placement", "prompt_placement"):
             value = getattr(self, name)
             if value not in PLACEMENTS and (value is not None or name == "placement"):

@@ -16,7 +16,8 @@ Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
   queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
   then rolled back and fed again under that selection, so the question's own tokens
   see what it recalls; candidates are then only blocks no re-fed row can see in its
-  window). Candidates are the blocks every layer stored at earlier
+  window; a prompt's end scores with ``spec.prompt_selector``, a boundary with
+  ``spec.selector``). Candidates are the blocks every layer stored at earlier
   boundaries (a block joins them one boundary after it is stored); ``k`` winners, in
   stream order, one selection for all layers. So the result does not depend on how a
   prompt is split into calls: chunked prefill,
@@ -62,6 +63,7 @@ token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -72,7 +74,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, model_type
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
-from mlx_stream.recall import hook, select, tier_of
+from mlx_stream.recall import hook, score, select, tier_of
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
 
@@ -177,7 +179,7 @@ class Recall:
         self.applied = [None] * L  # per layer: (selection, anchor) the region holds
         self._valid = (None, None)  # ((selection, lead), bool of valid region slots)
         self.scale = None
-        self.refreshes = 0
+        self.refreshes, self.scored_blocks, self.refresh_seconds = 0, 0, 0.0
         self.on_prompt_end = None  # called with (tier, token) after a prompt-end refresh
         self.closed = False  # its store freed (close): its caches cannot be restored
 
@@ -210,8 +212,9 @@ class Recall:
         ``recalled`` (in attention now), the store's bytes ``used`` in host memory
         (``ram_bytes``, block summaries included) and on disk (``disk_bytes``), the
         room it has ``reserved`` there (allocated a segment at a time:
-        ``reserved_bytes``), and the device region (``region_bytes``: reserved once,
-        fixed)."""
+        ``reserved_bytes``), the device region (``region_bytes``: reserved once,
+        fixed), the blocks the last refresh scored (``scored_blocks``) and the seconds
+        every refresh took together (``refresh_seconds``)."""
         ram, disk = self.store.used()
         s = self.summaries
         summaries = sum(t[:n].nbytes for table in (s.mean, s.lo, s.hi)
@@ -225,6 +228,8 @@ class Recall:
             "ram_reserved_bytes": self.store.host_bytes + s.nbytes,
             "disk_reserved_bytes": self.store.disk_bytes,
             "region_bytes": self.device_nbytes,
+            "scored_blocks": self.scored_blocks,
+            "refresh_seconds": round(self.refresh_seconds, 3),
         }
 
     @staticmethod
@@ -366,7 +371,7 @@ class Recall:
         ``candidates_at``, only from blocks no row from that token on can see."""
         n = self.layers[0].tokens_seen
         if n != self.refreshed_at:
-            self.refresh(n, candidates_at)
+            self.refresh(n, candidates_at, self.spec.prompt_selector)
             if self.on_prompt_end is not None:
                 self.on_prompt_end(self, n)
 
@@ -436,31 +441,23 @@ class Recall:
         selector = selector or self.spec.selector
         at = point if candidates_at is None else min(point, candidates_at)
         nb = min(self.stored, self._evicted_blocks(at))  # none a row can still see
-        if nb == 0 or self.scale is None:
-            return None
-        empty = np.array([f >= self.block for f in self.first[:nb]])
-        total = np.zeros(nb)
-        recent = self._recent(point)
+        recent = self._recent(point) if nb and self.scale is not None else [None]
         if any(q is None for q in recent):
             return None
-        for i, q in enumerate(recent):
-            if selector == "exact":
-                keys = np.stack([np.asarray(self.store.get(i, j)[0][0].astype(mx.float32))
-                                 for j in range(nb)])  # fmt: skip
-                valid = np.arange(self.block)[None, :] >= np.array(self.first[:nb])[:, None]
-                total += select.layer_scores_exact(q, keys, valid, self.scale)
-            else:
-                total += select.layer_scores_summary(
-                    q, self.summaries, i, nb, selector, self.scale, empty
-                )
-        return np.where(empty, -np.inf, total)
+        return score.block_scores(
+            selector, recent, self.store, self.summaries, self.first[:nb], self.block, self.scale
+        )
 
-    def refresh(self, point: int, candidates_at: int | None = None) -> None:
+    def refresh(self, point: int, candidates_at: int | None = None,
+                selector: str | None = None) -> None:  # fmt: skip
         """Choose the blocks for the calls from ``point`` (or ``candidates_at``) on,
-        from the queries before ``point``."""
-        total = self.scores(point, candidates_at=candidates_at)
+        from the queries before ``point``; count the blocks scored and the time."""
+        tic = time.perf_counter()
+        total = self.scores(point, selector, candidates_at)
+        self.refresh_seconds += time.perf_counter() - tic
         if total is None:
             return
+        self.scored_blocks = int(np.isfinite(total).sum())
         chosen = select.top_k(total, self.spec.blocks)
         self.history = [*self.history[-HISTORY:], (point, chosen, point)]
         self.refreshes += 1

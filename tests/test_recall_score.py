@@ -1,0 +1,102 @@
+"""The ``token`` selector (``mlx_stream.recall.score``): a block holding one key the
+query picks out is chosen where its summary hides it; a prompt's end chooses with
+``prompt_selector``; the needle benchmark's shared prefix answers as a fresh cache."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from mlx_stream.cache import make_sink_cache
+from mlx_stream.eval.needle import build, needle_eval
+from mlx_stream.eval.passkey import answer
+from mlx_stream.generate.decode import generate_step
+from mlx_stream.recall import RecallSpec, persist, select
+from mlx_stream.recall.score import block_scores, layer_mass, layer_peaks
+from tests import tiny
+from tests.test_recall import BLOCK, SINKS, WINDOW, recall_cache, spec
+
+
+def one_key_against_many():
+    """Block 0: 16 keys the query likes a little; block 1: one key it likes a lot,
+    15 it dislikes. Queries ``(2, 3, 8)``, keys ``(2, 1, 16, 8)``."""
+    rng = np.random.default_rng(0)
+    d = np.zeros(8, np.float32)
+    d[0] = 1.0
+    q = np.tile(d, (2, 3, 1)) + 0.01 * rng.standard_normal((2, 3, 8)).astype(np.float32)
+    keys = np.zeros((2, 1, 16, 8), np.float32)
+    keys[0, 0] = 0.5 * d
+    keys[1, 0] = -1.5 * d
+    keys[1, 0, 7] = 3.0 * d
+    return q, keys
+
+
+def test_one_aligned_key_wins_where_the_block_mean_and_mass_do_not_see_it():
+    q, keys = one_key_against_many()
+    valid = np.ones((2, 16), bool)
+    assert np.argmax(layer_peaks(q, keys, valid, 1.0)) == 1
+    assert np.argmax(layer_mass(q, keys, valid, 1.0)) == 0  # 16 lukewarm keys outweigh it
+    s = select.Summaries(1)
+    for j in range(2):
+        s.add(0, j, keys[j, 0][None])
+    mean = select.layer_scores_summary(q, s, 0, 2, "mean", 1.0, np.zeros(2, bool))
+    assert np.argmax(mean) == 0  # the block mean: the needle averaged away
+
+
+def test_block_scores_leave_out_blocks_with_no_token_of_their_own():
+    q, keys = one_key_against_many()
+
+    class Store:
+        def get(self, layer, j):
+            import mlx.core as mx
+
+            return mx.array(keys[j])[None], None
+
+    total = block_scores("token", [q], Store(), None, [0, 16], 16, 1.0)
+    assert np.isinf(total[1]) and np.isfinite(total[0])
+
+
+def test_a_prompts_end_chooses_with_the_prompt_selector(tiny_llama):
+    prompt = tiny.random_tokens(131, seed=29)
+    for chooser in ("token", "mean"):
+        cache = recall_cache(tiny_llama, prompt_selector=chooser)
+        seen = []
+
+        def check(tier, n, chooser=chooser, seen=seen):
+            start = (n - 1) // BLOCK * BLOCK - (tier.spec.refeed - 1) * BLOCK
+            scores = tier.scores(n, chooser, candidates_at=start)
+            seen.append(tier.selection == select.top_k(scores, tier.spec.blocks))
+            seen.append(tier.scored_blocks == int(np.isfinite(scores).sum()))
+
+        cache[0].recall.on_prompt_end = check
+        list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
+        assert seen == [True, True]
+        assert cache[0].recall.usage()["refresh_seconds"] > 0
+
+
+def test_a_manifest_without_a_prompt_selector_is_read_with_todays():
+    saved = {**spec().__dict__, "folder": None}
+    del saved["prompt_selector"]
+    persist.check_spec(Path("x.safetensors"), saved, spec())  # no refusal: upgraded
+    assert persist.saved_spec(saved, Path("x")).prompt_selector == "token"
+
+
+def test_a_question_asked_of_the_shared_prefix_answers_as_a_fresh_cache(tiny_llama):
+    tokenizer = tiny.make_tokenizer()
+    hay = tiny.random_tokens(900, seed=4)
+    recall = RecallSpec(blocks=2)  # blocks of 64, the cache's default stride
+    rows = needle_eval(tiny_llama, tokenizer, hay, [700], [0.3], ["fact"], ["recall"], SINKS,
+                       WINDOW, recall, answer_tokens=4, questions=["q0", "q1"],
+                       prompt_selectors=["quest", "token"])  # fmt: skip
+    assert [(r["question"], r["prompt_selector"]) for r in rows] == [
+        ("q0", "quest"), ("q0", "token"), ("q1", "quest"), ("q1", "token")]  # fmt: skip
+    for r in rows[1:]:  # each as a fresh cache fed the whole prompt answers
+        p = build(tokenizer, hay, "fact", 700, 0.3, r["value"], 1, r["question"], ["q0", "q1"])
+        fresh = replace(recall, prompt_selector=r["prompt_selector"])
+        cache = make_sink_cache(tiny_llama, SINKS, WINDOW, recall=fresh)
+        seen = []
+        cache[0].recall.on_prompt_end = lambda t, n, seen=seen: seen.append(t.selection)
+        assert answer(tiny_llama, tokenizer, cache, p.tokens, 4) == r["answer"]
+        assert list(seen[0]) == r["selection"]
