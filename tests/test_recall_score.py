@@ -80,7 +80,7 @@ def test_a_manifest_without_a_prompt_selector_is_read_with_todays():
     saved = {**spec().__dict__, "folder": None}
     del saved["prompt_selector"]
     persist.check_spec(Path("x.safetensors"), saved, spec())  # no refusal: upgraded
-    assert persist.saved_spec(saved, Path("x")).prompt_selector == "token"
+    assert persist.saved_spec(saved, Path("x")).prompt_selector is None
 
 
 def test_a_question_asked_of_the_shared_prefix_answers_as_a_fresh_cache(tiny_llama):

@@ -62,7 +62,7 @@ CHECKED = {
 }
 #: Settings a manifest written before they existed is read with (upgraded: nothing
 #: stored depends on them; a prompt's end chose with the selector before).
-LEGACY = {"prompt_selector": "token"}
+LEGACY = {"prompt_selector": None}
 
 
 def sidecar(path: str | os.PathLike) -> Path:
