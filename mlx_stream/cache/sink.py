@@ -11,13 +11,14 @@ with ``rope(x, offset=cache.offset)`` before storing them, so the cache chooses
 ``offset`` and keeps it bounded (``max_offset``), moves the sinks to sit right before
 the oldest window token, and rebases the window now and then. Where each layer's cached
 tensors carry positions (keys, the values slot for MLA, a roped tail, or nothing) is
-found and verified on the model itself (``mlx_stream.positions``); moves happen only at
-token indices that are multiples of ``stride``. A call that crosses one stays exact
-(spare sink copies, ``mlx_stream.ring``); ``max_call_tokens`` keeps our own loop from
-needing them.
+found and verified on the model itself (``mlx_stream.cache.positions``); moves happen
+only at token indices that are multiples of ``stride``. A call that crosses one stays
+exact (spare sink copies, ``mlx_stream.cache.ring``); ``max_call_tokens`` keeps our own
+loop from needing them.
 
-The parts: ``mlx_stream.ring`` (slot layout and masks, numpy), ``mlx_stream.kvstore``
-(float or quantized storage), ``mlx_stream.positions`` (moves and the self-check);
+The parts: ``mlx_stream.cache.ring`` (slot layout and masks, numpy),
+``mlx_stream.cache.storage`` (float or quantized storage), ``mlx_stream.cache.positions``
+(moves and the self-check);
 ``SinkCache`` glues them behind mlx-lm's cache protocol.
 
 ``SinkCache`` speaks mlx-lm's prompt-cache protocol (``update_and_fetch``, ``offset``,
@@ -58,9 +59,10 @@ UNKNOWN_STRIDE = 2**62  # a loaded layout's stride when the file does not say
 class SinkCache(mlx_cache._BaseCache):
     """A fixed-size KV cache keeping ``sinks`` first tokens and a ``window`` of recent ones.
 
-    A thin glue of three parts: the slot layout (``mlx_stream.ring.Ring``), the storage
-    of keys and values (``mlx_stream.kvstore``: float or quantized) and the position
-    mover (``mlx_stream.positions.Move``: which cached part carries positions).
+    A thin glue of three parts: the slot layout (``mlx_stream.cache.ring.Ring``), the
+    storage of keys and values (``mlx_stream.cache.storage``: float or quantized) and the
+    position mover (``mlx_stream.cache.positions.Move``: which cached part carries
+    positions).
 
     Args:
         sinks (int): Number of first tokens kept forever. Default: ``4``.
@@ -790,7 +792,7 @@ def make_sink_cache(
     Bounded layers a model makes itself (``RotatingKVCache`` sliding windows,
     ``ArraysCache`` SSM state, ``ChunkedKVCache``) are kept as they are. Where each
     layer's cached tensors carry positions is found and verified on the model itself
-    (``mlx_stream.positions.check_model``, once per model); a model the cache cannot
+    (``mlx_stream.cache.positions.check_model``, once per model); a model the cache cannot
     serve exactly is refused here, before the first token, with one line. The public
     shorthand for ``CacheSpec(sinks, window, ...).build(model, check_memory=False)``.
 
