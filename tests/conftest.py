@@ -228,3 +228,24 @@ def tiny_tools_model_dir(tmp_path_factory):
     """The same with a template that supports tools (Qwen2.5's format)."""
     path = tmp_path_factory.mktemp("tiny-tools") / "tiny-tools"
     return save_bpe_model_folder(path, TOOLS_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def endless_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its end-of-sequence embeddings zeroed (tied weights: their
+    logits are 0 while the best of ~70 random logits is positive), so a reply only
+    ends at its token limit or when it is stopped."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("endless") / "tiny"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    key = "model.embed_tokens.weight"
+    keep = mx.ones((weights[key].shape[0], 1))
+    keep[1] = 0  # <|endoftext|>
+    keep[3] = 0  # <|im_end|>
+    weights[key] = weights[key] * keep
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder

@@ -8,8 +8,6 @@ import time
 
 import pytest
 
-from tests.test_session import endless_model  # noqa: F401, F811 - a fixture
-
 pexpect = pytest.importorskip("pexpect")
 
 PROMPT = ">>>"  # the line editor draws the space after it as a cursor move

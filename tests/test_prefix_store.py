@@ -22,8 +22,8 @@ from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import ChatSession, Settings
 from tests import tiny
 from tests.support.cli import assert_one_line_error
+from tests.support.engine import ask_turn
 from tests.support.paths import REPO
-from tests.test_session import ask
 
 # A system prompt of ~120 tokens of the tiny vocabulary (over ps.MIN_TOKENS).
 SYSTEM = " ".join(["the old captain said the sea was long and the whale was great"] * 9)
@@ -416,7 +416,7 @@ def test_a_restarted_server_takes_its_system_prompt_from_the_store(loaded, tmp_p
                    prefix_store=store, pin=pin)  # fmt: skip
         e.start()
         try:
-            replies.append(ask(e, messages)[0])
+            replies.append(ask_turn(e, messages)[0])
             stats = e.call(lambda e=e: (e._publish(), e.stats)[1]).result()
         finally:
             e.stop()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import make_sink_cache, max_call_tokens
+from mlx_stream.cache import make_sink_cache
 from mlx_stream.cache.positions import Probe
 from mlx_stream.errors import Unsupported, UserError
 from mlx_stream.generate.decode import generate_step
@@ -23,28 +23,7 @@ from mlx_stream.recall import RecallSpec
 from mlx_stream.recall.select import top_k
 from mlx_stream.recall.store import BlockStore, bytes_per_token
 from tests import tiny
-
-SINKS, WINDOW, BLOCK = 2, 16, 8
-
-
-def spec(**kw) -> RecallSpec:
-    return RecallSpec(**{"blocks": 4, "block": BLOCK, **kw})
-
-
-def recall_cache(model, **kw):
-    return make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(**kw))
-
-
-def feed(model, cache, tokens, chunk: int = 8) -> mx.array:
-    """Logits of every token, fed in calls of at most ``chunk`` tokens."""
-    out, i = [], 0
-    while i < len(tokens):
-        n = min(chunk, max_call_tokens(cache), len(tokens) - i)
-        logits = model(mx.array([tokens[i : i + n]]), cache=cache)[0]
-        mx.eval(logits)
-        out.append(logits)
-        i += n
-    return mx.concatenate(out, axis=0)
+from tests.support.recall import BLOCK, SINKS, WINDOW, feed, recall_cache, spec
 
 
 @pytest.fixture(scope="module")

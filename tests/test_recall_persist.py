@@ -25,7 +25,7 @@ from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.recall import persist, tier_of
 from mlx_stream.recall.store import SEGMENT, BlockStore, FileArray
 from tests import tiny
-from tests.test_recall import BLOCK, SINKS, WINDOW, feed, recall_cache, spec
+from tests.support.recall import BLOCK, SINKS, WINDOW, feed, recall_cache, spec
 
 
 def dead_pid() -> int:

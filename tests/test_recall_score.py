@@ -16,7 +16,7 @@ from mlx_stream.generate.decode import generate_step
 from mlx_stream.recall import RecallSpec, persist, select
 from mlx_stream.recall.score import block_scores, layer_mass, layer_peaks
 from tests import tiny
-from tests.test_recall import BLOCK, SINKS, WINDOW, recall_cache, spec
+from tests.support.recall import BLOCK, SINKS, WINDOW, recall_cache, spec
 
 
 def one_key_against_many():

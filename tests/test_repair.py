@@ -12,7 +12,7 @@ import pytest
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate import repair as fix
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
-from tests.test_session import ask
+from tests.support.engine import ask_turn
 
 TURNS = ["hello there friend", "what is the sea", "tell me more about it", "and the ships"]
 EXACT = 10**6
@@ -143,7 +143,7 @@ def converse(e, session_id=None) -> list[dict]:
     history: list[dict] = [{"role": "system", "content": "you are a captain"}]
     for text in TURNS[:3]:
         history.append({"role": "user", "content": text})
-        reply, _ = ask(e, history, session_id)
+        reply, _ = ask_turn(e, history, session_id)
         history.append({"role": "assistant", "content": reply})
     return history
 
@@ -157,24 +157,24 @@ def edit_request(history: list[dict]) -> list[dict]:
 def test_serve_without_repair_rebuilds_as_before(engine):
     e, fresh = engine(repair_tokens=0), engine(repair_tokens=0)
     request = edit_request(converse(e))
-    text, usage = ask(e, request)
+    text, usage = ask_turn(e, request)
     assert "repaired_tokens" not in usage and usage["prompt_tokens_details"]["cached_tokens"] <= 64
-    assert ask(fresh, request)[0] == text
+    assert ask_turn(fresh, request)[0] == text
 
 
 def test_serve_repairs_an_edit_and_counts_it(engine):
     e, exact, fresh = engine(repair_tokens=4), engine(repair_tokens=EXACT), engine()
     request = edit_request(converse(e))
     converse(exact)
-    _, usage = ask(e, request)
+    _, usage = ask_turn(e, request)
     details = usage["prompt_tokens_details"]
     assert usage["repaired_tokens"] >= 4 and usage["reused_tokens"] > usage["repaired_tokens"]
     assert details["cached_tokens"] == usage["reused_tokens"]
     fed = usage["prompt_tokens"] - details["cached_tokens"] - usage["repaired_tokens"]
     assert 0 < fed < 16  # the new message only
-    text, usage = ask(exact, request)
+    text, usage = ask_turn(exact, request)
     assert usage["reused_tokens"] > 0
-    assert text == ask(fresh, request)[0]  # exact: the rebuilt session's reply
+    assert text == ask_turn(fresh, request)[0]  # exact: the rebuilt session's reply
 
 
 def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, monkeypatch):
@@ -199,18 +199,18 @@ def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, m
         raise RuntimeError("the model failed")
 
     monkeypatch.setattr(fix, "feed", broken)
-    _, err = ask(e, edit_request(history), "mine")
+    _, err = ask_turn(e, edit_request(history), "mine")
     assert err[1] == 500 and "the model failed" in err[2]
     s = entry.session
     assert (s.tokens, s.fed_text, entry.messages) == before
     assert cache_count(s.caches) == len(s.tokens)
-    _, usage = ask(e, history + [{"role": "user", "content": "more"}], "mine")
+    _, usage = ask_turn(e, history + [{"role": "user", "content": "more"}], "mine")
     assert usage["prompt_tokens_details"]["cached_tokens"] == len(before[0])  # appended
 
 
 def test_serve_rebuilds_an_edit_of_a_conversation_past_its_window(engine):
     e = engine(window=24, repair_tokens=4)
-    text, usage = ask(e, edit_request(converse(e)))
+    text, usage = ask_turn(e, edit_request(converse(e)))
     assert text is not None and "repaired_tokens" not in usage
 
 

@@ -6,38 +6,18 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
+from tests.support.agents import WEATHER, Answer
 from tests.support.server import Server, http
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["paris", "rome"]},
-                           "days": {"type": "integer", "enum": [1, 2, 3]}},
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}  # fmt: skip
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
          "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}, "required": ["zone"],
          "additionalProperties": False}}}  # fmt: skip
-
-
-class Answer(BaseModel):
-    ok: bool
-    color: Literal["red", "green", "blue"]
 
 
 @pytest.fixture(scope="module")

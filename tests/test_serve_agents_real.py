@@ -10,8 +10,8 @@ import json
 import pytest
 from pydantic import BaseModel
 
+from tests.support.agents import WEATHER
 from tests.support.server import Server
-from tests.test_serve_agents import WEATHER
 
 pytestmark = pytest.mark.real_model
 openai = pytest.importorskip("openai")

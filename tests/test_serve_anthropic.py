@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from tests.support.agents import WEATHER
 from tests.support.server import Server, http
-from tests.test_serve_agents import WEATHER
 
 anthropic = pytest.importorskip("anthropic")
 

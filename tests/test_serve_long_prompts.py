@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 
-from tests.test_serve_robust import ask, make_engine, on_worker
+from tests.support.engine import ask, make_engine, on_worker
 
 SYSTEM = "you are a captain of the sea " * 60  # ~360 tokens: far over a 64-token window
 

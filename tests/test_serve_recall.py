@@ -10,7 +10,7 @@ import pytest
 
 from mlx_stream.generate.session import Settings
 from tests.support.cli import assert_one_line_error
-from tests.test_serve_robust import ask, on_worker
+from tests.support.engine import ask, on_worker
 
 WORDS = ("the sea ship whale captain ahab sail water wind day night land man men old new "
          "long time way said like just so then now up down out over only very good great "
@@ -366,7 +366,7 @@ def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, 
 def test_a_restart_with_recall_finds_no_session_saved_without_it(loaded, tmp_path):  # noqa: F811
     """Saved caches depend on the recall settings (the state folder's config names
     them): sessions saved without recall are not loaded into recall sessions."""
-    from tests.test_serve_robust import make_engine as plain_engine
+    from tests.support.engine import make_engine as plain_engine
 
     state = tmp_path / "state"
     e = plain_engine(loaded, state)

@@ -14,41 +14,9 @@ import time
 
 import pytest
 
-from mlx_stream.generate.session import Settings
+from tests.support.engine import ask, make_engine, on_worker
 
 openai = pytest.importorskip("openai")
-
-
-def make_engine(loaded, state_dir, settings=None, **kw):
-    from mlx_stream.cache import CacheSpec
-    from mlx_stream.serve.engine import Engine
-
-    model, tokenizer = loaded
-    given = {"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})}
-    cache = CacheSpec(sinks=given.pop("sinks"), window=given.pop("window"))
-    settings = Settings(cache, **given)
-    e = Engine(model, tokenizer, settings, "tiny", state_dir=state_dir, **kw)
-    e.start()
-    return e
-
-
-def ask(engine, messages, timeout=120, **kw):
-    """One request to the end: ``(text, usage or None, error event or None)``."""
-    from mlx_stream.serve.engine import Request
-
-    box: queue.Queue = queue.Queue()
-    engine.submit(Request(emit=box.put, messages=messages, **kw))
-    parts = []
-    while (event := box.get(timeout=timeout))[0] not in ("end", "error"):
-        if event[0] == "text":
-            parts.append(event[1])
-    if event[0] == "error":
-        return None, None, event
-    return "".join(parts), event[1], None
-
-
-def on_worker(engine, fn):
-    return engine.call(fn).result(timeout=120)
 
 
 LONG = "the sea " * 3000  # 6,000 tokens: dozens of prefill chunks

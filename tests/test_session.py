@@ -10,27 +10,7 @@ import pytest
 
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
-
-
-@pytest.fixture(scope="module")
-def endless_model(tiny_model_dir, tmp_path_factory):
-    """The tiny model with its end-of-sequence embeddings zeroed (tied weights: their
-    logits are 0 while the best of ~70 random logits is positive), so a reply only
-    ends at its token limit or when it is stopped."""
-    import shutil
-
-    import mlx.core as mx
-
-    folder = tmp_path_factory.mktemp("endless") / "tiny"
-    shutil.copytree(tiny_model_dir, folder)
-    weights = mx.load(str(folder / "model.safetensors"))
-    key = "model.embed_tokens.weight"
-    keep = mx.ones((weights[key].shape[0], 1))
-    keep[1] = 0  # <|endoftext|>
-    keep[3] = 0  # <|im_end|>
-    weights[key] = weights[key] * keep
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    return folder
+from tests.support.engine import ask_turn
 
 
 @pytest.fixture(scope="module")
@@ -206,29 +186,12 @@ def engine(loaded, tmp_path):
         e.stop()
 
 
-def ask(engine, messages, session_id=None, **kw):
-    """Submit one chat request and wait for its events: (text, usage) or an error."""
-    from mlx_stream.serve.engine import Request
-
-    events: queue.Queue = queue.Queue()
-    engine.submit(Request(emit=events.put, messages=messages, session_id=session_id, **kw))
-    text = []
-    while True:
-        event = events.get(timeout=60)
-        if event[0] == "text":
-            text.append(event[1])
-        elif event[0] == "end":
-            return "".join(text), event[1]
-        elif event[0] == "error":
-            return None, event
-
-
 def test_engine_feeds_only_the_new_message_of_a_resent_conversation(engine):
     e = engine()
     history = [{"role": "user", "content": "hello"}]
-    first, usage1 = ask(e, history)
+    first, usage1 = ask_turn(e, history)
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "the sea"}]
-    _, usage2 = ask(e, history)
+    _, usage2 = ask_turn(e, history)
     assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage1["total_tokens"] - 1
     fed = usage2["prompt_tokens"] - usage2["prompt_tokens_details"]["cached_tokens"]
     assert 0 < fed < 12  # end of turn + the new message + the assistant header
@@ -240,12 +203,12 @@ def test_engine_regenerates_the_last_turn_from_its_checkpoint(engine):
     its own session and the original stays as it was for its owner."""
     e = engine()
     history = [{"role": "user", "content": "hello"}]
-    first, _ = ask(e, history, session_id="mine")
-    again, usage = ask(e, history, session_id="mine")  # the same request again
+    first, _ = ask_turn(e, history, session_id="mine")
+    again, usage = ask_turn(e, history, session_id="mine")  # the same request again
     assert again == first
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert [s["turns"] for s in e.stats["sessions"]] == [1]
-    other, _ = ask(e, history)
+    other, _ = ask_turn(e, history)
     assert other == first
     assert sorted(s["turns"] for s in e.stats["sessions"]) == [1, 1]
     assert e.entries[("", "mine")].messages[1]["content"] == first
@@ -258,7 +221,7 @@ def test_engine_evicts_idle_sessions_to_disk_and_brings_them_back(engine):
     talks = {name: [{"role": "user", "content": name}] for name in ("hello", "the sea", "ship")}
     for e in (small, roomy):
         for name, history in talks.items():
-            text, _ = ask(e, history, session_id=name)
+            text, _ = ask_turn(e, history, session_id=name)
             assert text is not None
     assert small.evictions >= 1 and roomy.evictions == 0
     resident = [s["id"] for s in small.stats["sessions"] if s["resident"]]
@@ -268,8 +231,8 @@ def test_engine_evicts_idle_sessions_to_disk_and_brings_them_back(engine):
         m["content"] for m in roomy.entries[("", "hello")].messages if m["role"] == "assistant"
     )
     follow.append({"role": "user", "content": "what ship"})
-    back, usage = ask(small, follow, session_id="hello")
-    want, _ = ask(roomy, follow, session_id="hello")
+    back, usage = ask_turn(small, follow, session_id="hello")
+    want, _ = ask_turn(roomy, follow, session_id="hello")
     assert back == want and small.restores == 1
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
@@ -285,7 +248,9 @@ def test_evicted_sessions_stay_in_the_state_folder_whatever_their_id(engine, tmp
     e = engine(sessions=1)
     ids = [str(outside / "keep"), f"../{outside.name}/keep", "a/b", "hello"]
     for i, session_id in enumerate(ids):
-        text, usage = ask(e, [{"role": "user", "content": f"the sea {i}"}], session_id=session_id)
+        text, usage = ask_turn(
+            e, [{"role": "user", "content": f"the sea {i}"}], session_id=session_id
+        )
         assert text is not None, usage
     assert e.evictions >= 3
     assert victim.read_text() == "{}" and sorted(p.name for p in outside.iterdir()) == ["keep.json"]
@@ -304,17 +269,17 @@ def test_a_session_that_cannot_be_saved_stays_and_only_the_newcomer_fails(engine
 
     e = engine(sessions=1)
     history = [{"role": "user", "content": "hello"}]
-    first, _ = ask(e, history, session_id="kept")
+    first, _ = ask_turn(e, history, session_id="kept")
     shutil.rmtree(tmp_path)
     tmp_path.write_text("not a folder")
-    text, refusal = ask(e, [{"role": "user", "content": "the sea"}], session_id="new")
+    text, refusal = ask_turn(e, [{"role": "user", "content": "the sea"}], session_id="new")
     assert text is None and refusal[1] == 507 and "unwritable" in refusal[2], refusal
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "ship"}]
-    text, usage = ask(e, history, session_id="kept")
+    text, usage = ask_turn(e, history, session_id="kept")
     assert text is not None and usage["prompt_tokens_details"]["cached_tokens"] > 0
     assert e.evictions == 0
     tmp_path.unlink()  # the fault is gone: the newcomer's retry is served
-    text, _ = ask(e, [{"role": "user", "content": "the sea"}], session_id="new")
+    text, _ = ask_turn(e, [{"role": "user", "content": "the sea"}], session_id="new")
     assert text is not None and e.evictions == 1
 
 
@@ -326,7 +291,7 @@ def test_engine_refuses_when_every_session_is_busy(engine):
     long = Request(emit=events.put, messages=[{"role": "user", "content": "hello"}], max_tokens=400)
     e.submit(long)
     assert events.get(timeout=30)[0] == "start"
-    text, refusal = ask(e, [{"role": "user", "content": "the sea"}])
+    text, refusal = ask_turn(e, [{"role": "user", "content": "the sea"}])
     assert text is None and refusal[1] == 429 and refusal[3] > 0
     long.cancelled.set()
 
@@ -348,7 +313,7 @@ def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_pat
                        max_tokens=100_000)  # fmt: skip
         e.submit(long)
         assert events.get(timeout=30)[0] == "start"
-        text, usage = ask(e, [{"role": "user", "content": "the sea"}], max_tokens=5)
+        text, usage = ask_turn(e, [{"role": "user", "content": "the sea"}], max_tokens=5)
         assert usage["completion_tokens"] == 5
         long_texts = []
         while not events.empty():
@@ -361,7 +326,9 @@ def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_pat
 
 def test_engine_rejects_a_conversation_that_does_not_end_with_the_user(engine):
     e = engine()
-    text, err = ask(e, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}])
+    text, err = ask_turn(
+        e, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    )
     assert text is None and err[1] == 400 and "last message" in err[2]
 
 

@@ -1,0 +1,56 @@
+"""In-process serve engines for tests: made, asked and run on their worker thread."""
+
+from __future__ import annotations
+
+import queue
+
+from mlx_stream.generate.session import Settings
+
+
+def make_engine(loaded, state_dir, settings=None, **kw):
+    from mlx_stream.cache import CacheSpec
+    from mlx_stream.serve.engine import Engine
+
+    model, tokenizer = loaded
+    given = {"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})}
+    cache = CacheSpec(sinks=given.pop("sinks"), window=given.pop("window"))
+    settings = Settings(cache, **given)
+    e = Engine(model, tokenizer, settings, "tiny", state_dir=state_dir, **kw)
+    e.start()
+    return e
+
+
+def ask(engine, messages, timeout=120, **kw):
+    """One request to the end: ``(text, usage or None, error event or None)``."""
+    from mlx_stream.serve.engine import Request
+
+    box: queue.Queue = queue.Queue()
+    engine.submit(Request(emit=box.put, messages=messages, **kw))
+    parts = []
+    while (event := box.get(timeout=timeout))[0] not in ("end", "error"):
+        if event[0] == "text":
+            parts.append(event[1])
+    if event[0] == "error":
+        return None, None, event
+    return "".join(parts), event[1], None
+
+
+def on_worker(engine, fn):
+    return engine.call(fn).result(timeout=120)
+
+
+def ask_turn(engine, messages, session_id=None, **kw):
+    """Submit one chat request and wait for its events: (text, usage) or an error."""
+    from mlx_stream.serve.engine import Request
+
+    events: queue.Queue = queue.Queue()
+    engine.submit(Request(emit=events.put, messages=messages, session_id=session_id, **kw))
+    text = []
+    while True:
+        event = events.get(timeout=60)
+        if event[0] == "text":
+            text.append(event[1])
+        elif event[0] == "end":
+            return "".join(text), event[1]
+        elif event[0] == "error":
+            return None, event
