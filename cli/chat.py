@@ -301,11 +301,12 @@ def stream_reply(
     """
     from mlx_stream.generate.decode import StopOnInterrupt
 
-    long_prompt = len(session.turn_tokens(text)[0]) >= PrefillStatus.MIN_TOKENS
-    undo = session.checkpoint() if long_prompt else None  # a fixed size: one cache
+    undo = []  # the state before a long prompt, taken before its first model call
 
     def progress(done: int, total: int) -> None:
-        if undo is not None and ctrl_c.interrupted and done < total:
+        if done == 0 and total >= PrefillStatus.MIN_TOKENS and not undo:
+            undo.append(session.checkpoint())  # a fixed size: one cache
+        if undo and ctrl_c.interrupted and done < total:
             raise PrefillInterrupted
         if status is not None:
             status(done, total)
@@ -320,7 +321,7 @@ def stream_reply(
                 if ctrl_c.interrupted:
                     break
         except PrefillInterrupted:
-            session.restore(undo)
+            session.restore(undo[0])
         finally:
             turn.close()
             if status is not None:
