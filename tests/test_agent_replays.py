@@ -145,3 +145,26 @@ def test_claude_codes_per_run_billing_line_is_not_part_of_the_prompt():
     assert systems[0] == systems[1] and systems[0]["role"] == "system"
     assert "billing" not in systems[0]["content"]
     assert systems[0]["content"].startswith("You are a Claude agent")
+
+
+def test_claude_codes_note_after_the_question_goes_before_it():
+    """Claude Code sends its agent list as a system message after the user's question;
+    the question must stay the last text before the reply (the default model went on
+    listing agents otherwise), and the order must not depend on later turns, so a
+    follow-up request still extends the same transcript."""
+    from mlx_stream.serve.anthropic import MessagesRequest, to_engine
+
+    payload = body("claude_code_plain")
+    assert [m["role"] for m in payload["messages"]][-2:] == ["user", "system"]
+    first = to_engine(MessagesRequest(**payload))["messages"]
+    assert [m["role"] for m in first] == ["system", "system", "user"]
+    assert first[-1]["content"].endswith("what is 2+2?")
+    assert first[1]["content"].startswith("Available agent types")
+    later = {**payload, "messages": [*payload["messages"], {"role": "assistant", "content": "4"},
+                                     {"role": "user", "content": "and 3+3?"}]}  # fmt: skip
+    second = to_engine(MessagesRequest(**later))["messages"]
+    assert second[: len(first)] == first
+    assert [m["role"] for m in second[len(first) :]] == ["assistant", "user"]
+    only = to_engine(MessagesRequest(model="m", max_tokens=8, messages=[
+        {"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}]))  # fmt: skip
+    assert [m["role"] for m in only["messages"]] == ["user", "system"]  # no system prompt made

@@ -6,7 +6,8 @@ sessions, batching, admission by bytes and cancellation as chat completions) and
 events back into Anthropic's shapes:
 - ``system`` (text or text blocks; Claude Code's per-run ``x-anthropic-billing-header``
   block is dropped so its prompt stays one shared snapshot) -> a system message; ``{"role": "system"}``
-  messages inside ``messages`` stay at their place; ``text`` blocks -> content;
+  messages inside ``messages`` stay at their place, except that one following a user
+  message goes just before it (the user's words stay next to the reply); ``text`` blocks -> content;
   an assistant's ``tool_use`` blocks -> its tool calls (same ids); a user's
   ``tool_result`` blocks (text or nested text blocks) -> tool messages, each answering
   a ``tool_use`` of the assistant message before it (else 400 naming
@@ -156,6 +157,17 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+def _add_note(messages: list[dict[str, Any]], note: dict[str, Any]) -> None:
+    """Append a mid-conversation system note; one that follows a user message goes just
+    before it, so the user's words stay the last thing the model reads before it replies
+    (a small model continues the last text it read: Claude Code's agent list after its
+    question made the default model go on listing agents instead of answering)."""
+    at = len(messages)
+    if at >= 2 and messages[-1]["role"] == "user":
+        at -= 1
+    messages.insert(at, note)
+
+
 def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
     """The engine request fields of an Anthropic body (``messages``, ``tools``,
     ``tool_choice``); a :class:`UserError` naming the field for what cannot be served."""
@@ -168,8 +180,8 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
     open_ids: set[str] = set()
     for i, m in enumerate(body.messages):
         where = f"messages.{i}.content"
-        if m.role == "system":  # a mid-conversation note: kept at its place
-            messages.append({"role": "system", "content": _text(m.content, where)})
+        if m.role == "system":  # a mid-conversation note
+            _add_note(messages, {"role": "system", "content": _text(m.content, where)})
             continue
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
