@@ -139,6 +139,7 @@ def clis() -> dict[str, Path]:
 def served(clis, real_model_path):
     """``(server, log, model name)``: ``mlx-stream serve`` with its default settings."""
     server = Server(real_model_path, greedy=False)  # only -m and --port: all else its default
+    server.home = os.environ["MLX_STREAM_HOME"]  # its user folder: its prefix store's
     log = ServerLog(server)
     model = server.get("/v1/models")["data"][0]["id"]
     yield server, log, model
@@ -215,12 +216,13 @@ def _report(what: str, run: Run, **facts) -> None:
 
 
 def claude(clis, served, tmp_path, prompt: str, *args: str) -> tuple[Run, list[dict]]:
-    """``claude -p PROMPT`` as a user runs it against the server (a throwaway HOME);
-    returns the run and its stream-json events."""
+    """``claude -p PROMPT`` as a user runs it against the server (a throwaway HOME in
+    ``tmp_path``, kept by a later run in the same ``tmp_path``); returns the run and its
+    stream-json events."""
     server, log, model = served
     home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
+    home.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
     env = clean_env(
         HOME=str(home),
         ANTHROPIC_BASE_URL=server.url,
@@ -290,6 +292,44 @@ def test_claude_code_runs_a_tool_and_answers_the_result(clis, served, tmp_path):
                 assert "hello" in json.dumps(res.get("content")), run.explain()
     _report("claude tool", run, requests=len(calls), tool_calls=[u.get("name") for u in uses],
             tool_inputs=[u.get("input") for u in uses], reply=repr(result["result"][:80]))  # fmt: skip
+
+
+FIRST_REQUEST = re.compile(r"POST /v1/messages\S* 200 .*fed=([\d,]+) cached=([\d,]+)")
+TTFT = re.compile(r"ttft=([\d.]+)s")
+
+
+def first_request(run: Run) -> tuple[int, int, float]:
+    """``(fed, cached, ttft seconds)`` of the run's first answered /v1/messages request
+    that fed more than a title's worth (Claude Code also asks for a short title)."""
+    lines = [m for line in run.server_lines for m in [FIRST_REQUEST.search(line)] if m]
+    fed, cached, line = max(((int(m[1].replace(",", "")), int(m[2].replace(",", "")),
+                              m.string) for m in lines), key=lambda f: f[0] + f[1])  # fmt: skip
+    return fed, cached, float(TTFT.search(line)[1])
+
+
+def test_a_second_claude_run_starts_from_the_first_runs_prefill(clis, served, real_model_path,
+                                                                tmp_path, monkeypatch):  # fmt: skip
+    """Two `claude -p` runs in one folder, then a third after the server restarted: the
+    later runs find Claude Code's system prompt and tools (~19k tokens) prefilled, in
+    the server and then in the prefix store on disk, and feed only their messages."""
+    runs = [claude(clis, served, tmp_path, PLAIN_PROMPT)[0] for _ in range(2)]
+    monkeypatch.setenv("MLX_STREAM_HOME", served[0].home)  # the same user: the same store
+    restarted = Server(real_model_path, greedy=False)
+    try:
+        again = (restarted, ServerLog(restarted), served[2])
+        runs.append(claude(clis, again, tmp_path, PLAIN_PROMPT)[0])
+    finally:
+        restarted.stop()
+    firsts = []
+    for run in runs:
+        assert run.code == 0, run.explain()
+        run.check_server("/v1/messages", 1)
+        firsts.append(first_request(run))
+    prompt = firsts[0][0] + firsts[0][1]
+    for fed, cached, _ in firsts[1:]:
+        assert cached >= 10_000 and fed < prompt - 10_000, firsts
+    _report("claude again", runs[1], first=firsts[0], second=firsts[1], restarted=firsts[2],
+            ttft_ratios=[round(firsts[0][2] / f[2], 1) for f in firsts[1:]])  # fmt: skip
 
 
 # ------------------------------------------------------------------------- Codex
