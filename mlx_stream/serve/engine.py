@@ -21,7 +21,6 @@ from typing import Any
 from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PIN_TOKENS
 from mlx_stream.errors import UserError
 from mlx_stream.generate.session import ChatSession, Reply, Settings, cache_count, clean_text
-from mlx_stream.serve import matching
 from mlx_stream.serve import recall as recalled
 from mlx_stream.serve.admission import Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
@@ -34,12 +33,9 @@ from mlx_stream.serve.refusals import (
     TooLarge,
     Unsaved,  # noqa: F401 - re-exported
 )
-from mlx_stream.serve.scheduler import DEFAULT_CHUNK, FOLLOW, WIRE, Job, Request, Scheduler
+from mlx_stream.serve.scheduler import DEFAULT_CHUNK, Job, Request, Scheduler
 from mlx_stream.serve.sessions import Sessions
 from mlx_stream.serve.store import SessionStore
-
-__all__ = ["DEFAULT_CHUNK", "FOLLOW", "WIRE", "Engine", "Entry", "Request", "split_messages",
-           "weights_bytes"]  # fmt: skip
 
 
 class Engine(Scheduler, Sessions):
@@ -220,37 +216,8 @@ class Engine(Scheduler, Sessions):
         planned = self.planner.plan(request)
         request, toolset, extra = planned.request, planned.toolset, planned.extra
         system, history, user = split_messages(request.messages)
-        repairs = self.repair_tokens > 0 and self.recall is None and self.draft_model is None
-        entry, mode, source = matching.find(
-            self.entries, request, system, history, toolset,
-            isolate=self.isolate, new_id=self._new_id, repair=repairs,
-        )  # fmt: skip
-        checkpoint = source.checkpoint if source is not None else None  # room may evict it
-        if mode == "repair" and source is not entry:  # a fork: a copy of the source
-            checkpoint = source.session.checkpoint()
-        if mode == "restore" and source is not entry and self.recall is not None:
-            mode, checkpoint = "rebuild", None  # a fork would share the source's store
-        try:
-            if self._resident(entry):  # its saved file was lost: rebuilt from the history
-                mode = "rebuild"
-        except BaseException:
-            if entry.session is None and entry.path is None:  # refused before it began
-                self._drop(entry)
-            raise
-        session, repaired = entry.session, None
-        if mode == "repair":
-            fork = checkpoint if source is not entry else None
-            repaired = self._repair(entry, fork, history, user)
-            mode = "rebuild" if repaired is None else mode
-        if mode == "restore":  # the checkpoint encodes exactly ``history``
-            session.restore(checkpoint)
-            entry.checkpoint = checkpoint
-        elif mode == "rebuild":  # the whole history goes in with the new turn
-            self._rebuild(entry, system, history, toolset)
-            session = entry.session
-        elif mode != "repair":
-            entry.checkpoint = session.checkpoint()
-        entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
+        entry, mode, repaired = self._place(request, toolset, system, history, user)
+        session = entry.session
         head = self._unfed_head(session)
         if head and self.recall is None and head in self.admission.snapshots:
             self._restore_head(session, head)  # a fork or rebuild of a shared prompt

@@ -5,8 +5,8 @@ Contract: each round, newcomers' prompts go in a chunk at a time, every session 
 decode work steps together in one batched model call, then each request takes its
 tokens (unbatched: at most ``chunk`` each, fair interleaving). A cancelled request stops
 at its next token or prefill chunk and its session goes back to its checkpoint. The
-sessions' lifecycle is :mod:`~mlx_stream.serve.sessions`'; admitting a request is the
-engine's.
+sessions' lifecycle is in :mod:`~mlx_stream.serve.sessions`, admitting a request in the
+engine.
 """
 
 from __future__ import annotations

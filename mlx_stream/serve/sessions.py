@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.session import ChatSession, Checkpoint, Settings
+from mlx_stream.serve import matching
 from mlx_stream.serve import recall as recalled
 from mlx_stream.serve.matching import Entry
 from mlx_stream.serve.scheduler import Job
@@ -251,6 +252,45 @@ class Sessions:
         if self._ids is None:
             return uuid.uuid4().hex[:n]
         return f"{self._ids.getrandbits(4 * n):0{n}x}"
+
+    def _place(
+        self, request: Any, toolset: Any, system: str | None, history: list, user: Any
+    ) -> tuple[Entry, str, Any]:
+        """The session ``request`` continues (:func:`~mlx_stream.serve.matching.find`),
+        resident and encoding exactly ``history`` (restored, repaired or rebuilt), its
+        checkpoint the state before the turn: ``(entry, mode, repaired)``."""
+        repairs = self.repair_tokens > 0 and self.recall is None and self.draft_model is None
+        entry, mode, source = matching.find(
+            self.entries, request, system, history, toolset,
+            isolate=self.isolate, new_id=self._new_id, repair=repairs,
+        )  # fmt: skip
+        checkpoint = source.checkpoint if source is not None else None  # room may evict it
+        if mode == "repair" and source is not entry:  # a fork: a copy of the source
+            checkpoint = source.session.checkpoint()
+        if mode == "restore" and source is not entry and self.recall is not None:
+            mode, checkpoint = "rebuild", None  # a fork would share the source's store
+        try:
+            if self._resident(entry):  # its saved file was lost: rebuilt from the history
+                mode = "rebuild"
+        except BaseException:
+            if entry.session is None and entry.path is None:  # refused before it began
+                self._drop(entry)
+            raise
+        session, repaired = entry.session, None
+        if mode == "repair":
+            fork = checkpoint if source is not entry else None
+            repaired = self._repair(entry, fork, history, user)
+            mode = "rebuild" if repaired is None else mode
+        if mode == "restore":  # the checkpoint encodes exactly ``history``
+            session.restore(checkpoint)
+            entry.checkpoint = checkpoint
+        elif mode == "rebuild":  # the whole history goes in with the new turn
+            self._rebuild(entry, system, history, toolset)
+            session = entry.session
+        elif mode != "repair":
+            entry.checkpoint = session.checkpoint()
+        entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
+        return entry, mode, repaired
 
     def _repair(self, entry: Entry, source: Checkpoint | None, history: list, user: Any) -> Any:
         """Repair ``entry``'s session to encode ``history`` (from ``source``, a copy of
