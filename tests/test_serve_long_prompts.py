@@ -13,7 +13,7 @@ SYSTEM = "you are a captain of the sea " * 60  # ~360 tokens: far over a 64-toke
 
 
 def sessions(engine) -> dict[str, dict]:
-    on_worker(engine, engine._publish)
+    on_worker(engine, engine.publish)
     return {s["id"]: s for s in engine.stats["sessions"]}
 
 

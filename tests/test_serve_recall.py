@@ -37,7 +37,7 @@ def make_engine(loaded, state_dir, recall_dir=None, ram=0, blocks=2, **kw):  # n
 
 
 def sessions(engine) -> dict:
-    on_worker(engine, engine._publish)
+    on_worker(engine, engine.publish)
     return {s["id"]: s for s in engine.stats["sessions"]}
 
 
@@ -110,7 +110,7 @@ def test_admission_counts_region_and_store_ram_once_per_session(loaded, tmp_path
     model, _ = loaded
     e = make_engine(loaded, tmp_path / "state", ram=3_000_000)
     try:
-        measured = on_worker(e, lambda: e._measure(2))
+        measured = on_worker(e, lambda: e.measure_cache(2))
         region = recall_bytes(model_layout(model), 2, 2)["region_bytes"]
         assert e.session_bytes(2) == 2 * measured + region + 3_000_000
         assert e.admission.single_bytes(2) == measured + region + 3_000_000
@@ -347,7 +347,7 @@ def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, 
         monkeypatch.setattr(type(model), "__call__", counting)
         e.submit(long)
         deadline = time.monotonic() + 120
-        while not (long.cancelled.is_set() and on_worker(e, lambda: not e._active)):
+        while not (long.cancelled.is_set() and on_worker(e, lambda: not e.running)):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert [ev[0] for ev in events.queue] == ["start"]  # cut off before a token
@@ -382,6 +382,6 @@ def test_a_restart_with_recall_finds_no_session_saved_without_it(loaded, tmp_pat
     recall = make_engine(loaded, state)
     try:
         assert recall.entries == {}
-        assert recall._config()["recall"]["blocks"] == 2
+        assert recall.store_config()["recall"]["blocks"] == 2
     finally:
         recall.stop()

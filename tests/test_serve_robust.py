@@ -83,7 +83,7 @@ def test_a_cancelled_prefill_stops_between_chunks(loaded, tmp_path, monkeypatch,
         long.cancelled.set()  # the client went away while its prompt goes in
         text, usage, error = ask(e, [{"role": "user", "content": "hi"}])
         assert error is None
-        assert on_worker(e, lambda: len(e._active)) == 0
+        assert on_worker(e, lambda: e.running) == 0
     finally:
         e.stop()
     assert sum(fed) < 3000, sum(fed)  # far from the 6,000 tokens of the whole prompt
@@ -171,17 +171,17 @@ def test_chats_with_different_system_prompts_all_fit_in_turn(loaded, tmp_path, r
     accounting never exceeds the budget."""
     e = make_engine(loaded, tmp_path)
     try:
-        sinks = on_worker(e, lambda: e._new_session(SYSTEMS[0]).sinks)
+        sinks = on_worker(e, lambda: e.sinks_for(SYSTEMS[0]))
         per = on_worker(e, lambda: e.session_bytes(sinks))
         e.budget = e.weights + int(room * (per + per // 2))
         used = []
-        original = e._publish
+        original = e.publish
 
         def publish():
             original()
             used.append(e.stats["memory"]["used_bytes"])
 
-        e._publish = publish
+        e.publish = publish
         for system in SYSTEMS:
             messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
             text, usage, error = ask(e, messages, max_tokens=3)
@@ -236,9 +236,7 @@ def test_a_lost_or_corrupt_session_file_is_rebuilt_from_the_history(loaded, tmp_
                 {"role": "assistant", "content": text},
                 {"role": "user", "content": "ship"},
             ]
-            path = on_worker(
-                e, lambda sid=sid: (e._evict(e.entries[("", sid)]), e.entries[("", sid)].path)[1]
-            )
+            path = on_worker(e, lambda sid=sid: e.evict(e.entries[("", sid)]))
             cache = path.with_name(path.name + ".safetensors")
             if how == "lost":
                 cache.unlink()
@@ -266,7 +264,7 @@ def test_a_restart_checks_the_index_and_removes_what_it_does_not_name(loaded, tm
         messages = [{"role": "user", "content": f"hello the {sid} sea"}]
         text, _, _ = ask(a, messages, session_id=sid)
         talks[sid] = messages + [{"role": "assistant", "content": text}]
-        on_worker(a, lambda sid=sid: a._evict(a.entries[("", sid)]))
+        on_worker(a, lambda sid=sid: a.evict(a.entries[("", sid)]))
     name = {sid: a.store.path("", sid).name + ".safetensors" for sid in talks}
     # no a.stop(): as after a kill -9
     (tmp_path / name["truncated"]).write_bytes((tmp_path / name["truncated"]).read_bytes()[:-8])
@@ -310,7 +308,7 @@ def test_a_missing_state_folder_is_recreated(loaded, tmp_path):
     try:
         text, _, _ = ask(e, [{"role": "user", "content": "hello"}], session_id="a")
         shutil.rmtree(state)
-        path = on_worker(e, lambda: (e._evict(e.entries[("", "a")]), e.entries[("", "a")].path)[1])
+        path = on_worker(e, lambda: e.evict(e.entries[("", "a")]))
         assert path.with_name(path.name + ".safetensors").is_file()
     finally:
         e.stop()

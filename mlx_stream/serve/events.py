@@ -66,6 +66,7 @@ async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any,
     access-log record follows the events. A prompt over the engine's limit is refused
     here (``("error", 413, ...)``), counted off the event loop and the worker."""
     from mlx_stream.serve.engine import Request, TooLarge
+    from mlx_stream.serve.statuses import error_event
 
     if http is not None:
         fields.setdefault("owner", (http.scope.get("state") or {}).get("owner", ""))
@@ -79,7 +80,7 @@ async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any,
         try:
             await asyncio.to_thread(precheck, request)
         except TooLarge as exc:
-            first = ("error", 413, str(exc), None)
+            first = error_event(exc)
             if job.record is not None:
                 job.record.event(first, job.clock())
             return job, request, first

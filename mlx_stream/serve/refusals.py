@@ -1,10 +1,10 @@
-"""The ways the serving engine refuses one request, each with its HTTP status.
+"""The ways the serving engine refuses one request (their HTTP statuses: ``statuses``).
 
 Contract: raised by the engine's parts (:mod:`~mlx_stream.serve.admission`,
 :mod:`~mlx_stream.serve.store`, :mod:`~mlx_stream.serve.matching`) and turned into an
 ``("error", status, message, retry_after)`` event by the worker
-(:mod:`~mlx_stream.serve.engine`); the server goes on. Imports nothing from the
-engine, so every part can raise them.
+(:mod:`~mlx_stream.serve.scheduler`, with :mod:`~mlx_stream.serve.statuses`); the server
+goes on. Imports nothing from the engine, so every part can raise them.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from mlx_stream.errors import UserError
 from mlx_stream.serve import events
 from mlx_stream.serve.fields import field_of, owner_of, sampling_args, session_header
 from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
+from mlx_stream.serve.tools import canonical_messages
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET
 
@@ -301,7 +302,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             status = "incomplete" if shape.finish == "length" else "completed"
             response = shape.response(status)
             if body.store:  # store: false (Codex sends it) keeps nothing, as OpenAI does
-                conversation = [*request.messages, shape.reply_message()]
+                conversation = [*canonical_messages(request.messages), shape.reply_message()]
                 store.put(shape.id, response, conversation, session_id, owner)
             return response
 

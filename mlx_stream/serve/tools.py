@@ -87,6 +87,11 @@ def canonical_message(message: dict, index: int = 0) -> dict:
     return out
 
 
+def canonical_messages(messages: list[dict]) -> list[dict]:
+    """Every message in the engine's shape (a new list: ``messages`` is untouched)."""
+    return [canonical_message(m, i) for i, m in enumerate(messages)]
+
+
 def check_results(messages: list[dict]) -> None:
     """Every tool result answers a call of the assistant message before it."""
     open_ids: set[str] = set()

@@ -1,0 +1,410 @@
+"""The worker of :class:`~mlx_stream.serve.engine.Engine`: one thread runs every MLX call,
+fed by a queue, in scheduler rounds.
+
+Contract: each round, newcomers' prompts go in a chunk at a time, every session with
+decode work steps together in one batched model call, then each request takes its
+tokens (unbatched: at most ``chunk`` each, fair interleaving). A cancelled request stops
+at its next token or prefill chunk and its session goes back to its checkpoint. The
+sessions' lifecycle is in :mod:`~mlx_stream.serve.sessions`, admitting a request in the
+engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_stream.errors import UserError
+from mlx_stream.generate.session import cache_count
+from mlx_stream.serve.matching import Entry
+from mlx_stream.serve.refusals import Busy, Unsaved
+from mlx_stream.serve.statuses import REFUSALS, SHUTTING_DOWN, error_event
+
+DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
+PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
+
+
+@dataclass
+class Request:
+    """One generation request, built by the HTTP side.
+
+    ``messages`` (chat) or ``prompt`` (plain completion). ``owner`` names the caller's
+    namespace of sessions (a hash of its API key; ``""`` without keys): a request only
+    ever sees and continues sessions of its own owner. Events reach ``emit`` from the
+    worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
+    token's entry from :class:`~mlx_stream.serve.logprobs.TokenLogprobs` when ``logprobs``
+    is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
+    status, message, retry_after)``. Setting ``cancelled`` stops the request at its
+    next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
+    """
+
+    emit: Callable[[tuple], None]
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    session_id: str | None = None
+    max_tokens: int | None = None
+    temp: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    owner: str = ""
+    # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
+    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
+    # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    grammar: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    top_k: int | None = None
+    matched_stop: str | None = None  # set by the engine: the stop string that ended it
+    progress: bool = False  # also emit ("prefill", done, total) while its prompt goes in
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
+        "logprobs", "owner", "logit_bias", "presence_penalty", "frequency_penalty", "grammar",
+        "tools", "tool_choice", "top_k")  # fmt: skip
+FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
+
+
+@dataclass
+class Job:
+    request: Request
+    entry: Entry
+    tokens: Iterator[Any]
+    cached: int
+    started: float = field(default_factory=time.perf_counter)
+    batched: bool = False
+    row: Any = None  # its mlx_stream.generate.batch.Row, once its first token was asked for
+    running: bool = False  # inside next(tokens): never re-entered
+    sent: int = 0  # tokens its consumer got
+    prompt: int = 0  # tokens its turn feeds
+    head: int = 0  # of those, the system prompt's, fed before the turn (_head_first)
+    fed: int = 0  # of those, about how many went in (a prefill chunk per poll)
+    repaired: Any = None  # the generate.repair.Repaired of an edit repaired first
+    origin: Any = None  # the caller's Request (``request`` is the planned copy)
+
+
+class Scheduler:
+    """The worker thread and its rounds, a part of :class:`~mlx_stream.serve.engine.Engine`
+    (which admits requests: ``_admit``, and owns the sessions)."""
+
+    @property
+    def running(self) -> int:
+        """Requests running now (started, not ended); read on the worker thread."""
+        return len(self._active)
+
+    def _init_worker(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def _start_worker(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        """Queue a generation request (any thread)."""
+        if self._closing:
+            request.emit(SHUTTING_DOWN)
+            return
+        self._queue.put(request)
+
+    def follow(self) -> None:
+        """A follower rank: run rank 0's requests until rank 0 stops."""
+        self._queue.put(FOLLOW)
+        self._thread.join()
+
+    def call(self, fn: Callable[[], Any]):
+        """Run ``fn`` on the worker thread; returns a ``concurrent.futures.Future``."""
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def _make_batch(self) -> None:
+        """The batch every session decodes in, or the reason there is none."""
+        from mlx_stream.errors import Unsupported
+        from mlx_stream.generate.batch import Batch
+
+        if not self.batching:
+            return
+        if self.draft_model is not None:
+            self.batch_refusal = "a draft model: each request decodes alone, interleaved"
+        elif self.settings.cache.kv_bits is not None:
+            self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
+        elif self.recall is not None:
+            self.batch_refusal = "--recall: each session keeps its own store and decodes alone"
+        else:
+            try:
+                self._batch, self.batch_refusal = Batch(self.model), None
+            except Unsupported as exc:
+                self.batch_refusal = str(exc)
+
+    def _steps(self, request: Request, box: list) -> Any:
+        """The token source of a request, polled: it yields ``None`` while its prompt
+        goes in (a chunk per round, between the other requests' tokens and the
+        newcomers' admission). Batched, its row is recorded on the job in ``box``."""
+        if self._batch is None:
+            from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
+            from mlx_stream.generate.decode import generate_step
+
+            def alone(*args: Any, **kw: Any) -> Any:  # prefilled in a batch's chunks
+                return generate_step(
+                    *args, **{**kw, "prefill_step_size": DEFAULT_PREFILL_CHUNK, "poll": True}
+                )
+
+            return alone
+        source = self._batch.tokens(  # the request's sampling, resolved by _agents
+            temp=request.temp,
+            top_p=request.top_p,
+            seed=request.seed,
+            on_row=lambda row: setattr(box[0], "row", row),
+        )
+        return functools.partial(source, poll=True)
+
+    def _run(self) -> None:
+        if self.cluster is not None:
+            self._run_in_step()
+            return
+        while not self._stopping:
+            try:
+                item = self._queue.get(timeout=None if not self._active else 0)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    self._drain()
+                    self._quiesce()
+                    return
+                self._handle(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = False
+            if self._closing:
+                self._end_all()
+            self._round()
+
+    def _quiesce(self) -> None:
+        """Finish MLX's work queued from this thread: the process may exit next, and
+        MLX aborts ("terminate called") when an exit finds a worker's evaluation
+        still running."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        self._batch = None
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        mx.clear_streams()  # MLX's cleanup for a thread that used it, before it ends
+
+    def _run_in_step(self) -> None:
+        """The worker of a sharded engine: one request at a time, run to its end,
+        taken from the queue (rank 0, which hands it on) or from rank 0 (followers)."""
+        from mlx_stream.distributed import is_peer_lost
+
+        cluster = self.cluster
+        try:
+            while True:
+                item = self._queue.get()
+                if item is FOLLOW:
+                    item = cluster.share_text(None)
+                    self._queue.put(FOLLOW)
+                    if item is None:
+                        self._quiesce()
+                        return
+                    item = Request(emit=lambda event: None, **json.loads(item))
+                elif item is None or isinstance(item, Request):
+                    wire = None if item is None else {k: getattr(item, k) for k in WIRE}
+                    cluster.share_text(None if wire is None else json.dumps(wire))
+                    if item is None:
+                        self._quiesce()
+                        return
+                self._handle(item)
+                while self._active:
+                    self._round()
+        except Exception as exc:  # noqa: BLE001 - the ranks are out of step: all stop
+            import sys
+
+            if not is_peer_lost(exc) or cluster.is_root:  # a follower's own error only
+                sys.stderr.write(f"Error: {type(exc).__name__}: {exc}\n")
+                sys.stderr.flush()
+            getattr(sys.stderr, "report", lambda: None)()  # a follower's held line
+            os._exit(1)
+
+    def _fatal(self, exc: Exception) -> bool:
+        """Whether ``exc`` ends a sharded server (a rank is gone) rather than a request."""
+        from mlx_stream.distributed import is_peer_lost
+
+        return self.cluster is not None and is_peer_lost(exc)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, tuple):
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            return
+        if self._closing:
+            item.emit(SHUTTING_DOWN)
+            return
+        try:
+            self._admit(self.planner.bound(item), origin=item)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            if not isinstance(exc, REFUSALS) and self._fatal(exc):
+                raise
+            self.refusals += isinstance(exc, Busy)
+            item.emit(error_event(exc))
+        self.publish()
+
+    def _round(self) -> None:
+        """One scheduler round: newcomers start (their prefill interleaved with the
+        batch), one batched step for every session with decode work, then each request
+        takes its tokens; a request that decodes alone advances ``chunk`` tokens."""
+        for job in [j for j in self._active if j.batched and j.row is None]:
+            self._advance_safely(job)
+        if self._batch is not None and self._batch.busy:
+            self._batch.step()
+        for job in list(self._active):
+            if job in self._active and not job.running:
+                self._advance_safely(job)
+        if self._active and time.monotonic() - self._published > PUBLISH_EVERY:
+            self.publish()
+
+    def _advance_safely(self, job: Job) -> None:
+        try:
+            self._advance(job)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            if self._fatal(exc):
+                raise
+            job.running = False
+            self._end(job, rollback=True)
+            job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+
+    def _advance(self, job: Job) -> None:
+        """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
+        has ready, or its first token); one prefill chunk of a prompt still going in."""
+        job.running, ending = True, False
+        for i in range(self.chunk if not job.batched else 1 << 30):
+            if self._cancelled(job, i == 0):
+                job.running = False
+                self._end(job, rollback=True)
+                return
+            if job.batched and job.row is not None and not job.row.inbox and not ending:
+                break  # its next token comes with the next batch step
+            try:
+                response = next(job.tokens)
+            except StopIteration:
+                job.running = False
+                self._finish(job)
+                return
+            if response is None:  # a prefill chunk went in: the others' turn
+                from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
+
+                job.fed = min(job.prompt, job.fed + DEFAULT_PREFILL_CHUNK)
+                if job.request.progress:
+                    job.request.emit(("prefill", job.fed, job.prompt))
+                break
+            job.sent += 1
+            ending = response.finish_reason is not None
+            if ending and getattr(response, "stop_string", None):
+                job.request.matched_stop = response.stop_string
+                if job.origin is not None:
+                    job.origin.matched_stop = response.stop_string
+            logprob = None
+            top = job.request.logprobs
+            if top is not None and not (ending and response.token in self._eos):
+                logprob = self._logprobs.entry(response.token, response.logprobs, top)
+            if response.text or logprob is not None:
+                job.request.emit(("text", response.text, logprob))
+        job.running = False
+
+    def _cancelled(self, job: Job, first: bool) -> bool:
+        """Whether the request was cancelled; sharded: rank 0's answer, asked at the
+        start of each chunk (a collective per token would stall the decode)."""
+        if self.cluster is None:
+            return job.request.cancelled.is_set()
+        return first and bool(self.cluster.share_int(int(job.request.cancelled.is_set())))
+
+    def _finish(self, job: Job, cut: bool = False) -> None:
+        entry = job.entry
+        session = entry.session
+        reply = session.last
+        finish = "length" if cut else reply.finish_reason if reply is not None else None
+        if hasattr(job.request.emit, "settle"):  # a reply that called tools: its transcript
+            job.request.emit.settle(session)
+        self._end(job, rollback=False)
+        sinks, window = session.sinks, session.settings.cache.window
+        seen = cache_count(session.caches)
+        prompt = (reply.prompt_tokens if reply is not None else 0) + job.head
+        usage = {
+            "prompt_tokens": job.cached + prompt,
+            "completion_tokens": reply.tokens if reply is not None else 0,
+            "total_tokens": job.cached + prompt + (reply.tokens if reply is not None else 0),
+            "prompt_tokens_details": {"cached_tokens": job.cached},
+            "evicted_tokens": max(0, seen - sinks - window),
+        }
+        if job.repaired is not None:  # tokens the edit's repair computed again or kept
+            usage["prompt_tokens_details"]["cached_tokens"] -= job.repaired.recomputed
+            usage["repaired_tokens"] = job.repaired.recomputed
+            usage["reused_tokens"] = job.repaired.reused
+        self.publish()
+        job.request.emit(("end", usage, finish or "stop"))
+
+    def _drain(self) -> None:
+        """End every running request (:meth:`_end_all`), then save every resident
+        session to the state folder."""
+        self._end_all()
+        if self.store.temporary or self.cluster is not None:
+            return  # a temporary folder outlives nothing; ranks save only in step
+        for entry in [e for e in self.entries.values() if e.session and not e.transient]:
+            try:
+                self._evict(entry, drop=False)
+            except (UserError, Unsaved) as exc:  # UserError: a session save refused
+                import sys
+
+                sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
+
+    def _end_all(self) -> None:
+        """End every running request: one that has sent tokens keeps its reply so far
+        (its stream ends with ``length``), one still prefilling goes back to its
+        checkpoint (503); queued ones are refused as they come."""
+        self._closing = True
+        for job in list(self._active):
+            if job.sent:
+                job.tokens.close()  # the reply so far joins the transcript and cache
+                self._finish(job, cut=True)
+            else:
+                self._end(job, rollback=True)
+                job.request.emit(SHUTTING_DOWN)
+
+    def _end(self, job: Job, rollback: bool) -> None:
+        """Close the request's generator; on ``rollback`` its session goes back to the
+        checkpoint from before the turn."""
+        if job in self._active:
+            self._active.remove(job)
+        job.tokens.close()
+        entry = job.entry
+        entry.busy = False
+        entry.last_used = time.monotonic()
+        if entry.transient:
+            self._drop(entry)
+            return
+        if rollback and entry.checkpoint is not None:
+            entry.session.restore(entry.checkpoint)  # its recall tier too
+        entry.messages = [dict(m) for m in entry.session.messages]
+        entry.tokens_seen = cache_count(entry.session.caches)
+        if rollback:
+            self.publish()

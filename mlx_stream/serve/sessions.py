@@ -1,0 +1,338 @@
+"""The sessions of :class:`~mlx_stream.serve.engine.Engine`: made resident (loaded from
+the state folder or new), evicted, dropped, rebuilt from a client's history, started
+from a shared system-prompt snapshot, repaired after an edit.
+
+Contract: a session's caches always encode exactly the transcript its entry records;
+its checkpoint encodes the transcript one turn shorter. Room is made by
+:class:`~mlx_stream.serve.admission.Admission` before any cache is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.generate.session import ChatSession, Checkpoint, Settings
+from mlx_stream.serve import matching
+from mlx_stream.serve import recall as recalled
+from mlx_stream.serve.matching import Entry
+from mlx_stream.serve.scheduler import Job
+from mlx_stream.serve.store import MAX_STORED
+
+
+class Sessions:
+    """The sessions' lifecycle, a part of :class:`~mlx_stream.serve.engine.Engine` (which
+    holds ``entries``, ``admission``, ``store`` and the model)."""
+
+    @property
+    def budget(self) -> int:
+        """The memory budget in bytes (settable)."""
+        return self.admission.budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.admission.budget = value
+
+    @property
+    def weights(self) -> int:
+        """Bytes of the weights (and the draft model's)."""
+        return self.admission.weights
+
+    @property
+    def snapshots(self) -> dict[str, tuple[Checkpoint, int]]:
+        """The shared system-prompt snapshots: ``(checkpoint, bytes)`` by prompt."""
+        return self.admission.snapshots
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks (its caches and its
+        checkpoint), see :meth:`Admission.session_bytes`."""
+        return self.admission.session_bytes(sinks)
+
+    def used_bytes(self) -> int:
+        """Weights + snapshots + resident sessions."""
+        return self.admission.used_bytes()
+
+    def measure_cache(self, sinks: int) -> int:
+        """Bytes of one session's caches with ``sinks`` sinks, from real caches (after
+        their one allocation)."""
+        import mlx.core as mx
+
+        settings = self._settings(sinks=sinks)
+        probe = ChatSession(
+            self.model, self.tokenizer, settings, draft_model=self.draft_model
+        )  # fmt: skip
+        try:
+            probe.prefill(self.tokenizer.decode([0]) or " ")
+            mx.eval([c.state for c in probe.caches])
+            return sum(int(getattr(c, "nbytes", 0) or 0) for c in probe.caches)
+        finally:
+            recalled.release(probe)
+
+    def _settings(self, sinks: int | None = None, **changes: Any) -> Settings:
+        """The engine's settings for one new session: its own recall store (a folder
+        of its own), ``sinks`` if given, and ``changes``."""
+        policy = self.settings.cache.replace(recall=recalled.for_session(self.recall))
+        if sinks is not None:
+            policy = policy.replace(sinks=sinks)
+        return dataclasses.replace(self.settings, cache=policy, **changes)
+
+    def _evict(self, entry: Entry, drop: bool = True) -> None:
+        """Save a resident session to disk (listed in the state folder's index) and
+        free its memory; :class:`Unsaved` when the folder cannot take it (the
+        session then stays resident). A session whose save is refused
+        (``UserError``) has its caches dropped
+        when ``drop`` (its next request rebuilds it from the client's history), else
+        the error is raised."""
+        try:
+            path, record = self.store.save(entry)
+        except RuntimeFailure:  # Unsaved (507): the folder, not the session
+            raise
+        except UserError:
+            if not drop:
+                raise
+            recalled.release(entry.session)
+            entry.session, entry.checkpoint = None, None
+            self._dropped.add(entry.key)
+            self.dropped += 1
+            return
+        recalled.release(entry.session)  # the saved files hold it now
+        entry.path, entry.session, entry.checkpoint = path, None, None
+        entry.tokens_seen = record["tokens_seen"]
+        self.evictions += 1
+        stored = [e for e in self.entries.values() if e.session is None]
+        if len(stored) > MAX_STORED:
+            self._drop(min(stored, key=lambda e: e.last_used))
+
+    def evict(self, entry: Entry) -> Path | None:
+        """Save the idle resident session of ``entry`` to the state folder now and free
+        its memory (as room being made would); its saved file's path. On the worker
+        thread (:meth:`call`)."""
+        self._evict(entry)
+        return entry.path
+
+    def sinks_for(self, system: str | None) -> int:
+        """The sinks a new session with the system prompt ``system`` gets (its rendered
+        prompt up to the pin with ``keep_system``); on the worker thread."""
+        session = self._new_session(system)
+        try:
+            return session.sinks
+        finally:
+            recalled.release(session)
+
+    def _drop(self, entry: Entry) -> None:
+        self.entries.pop(entry.key, None)
+        self._dropped.discard(entry.key)
+        recalled.release(entry.session)
+        if entry.path is not None:
+            self.store.forget(entry)
+
+    def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
+        """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
+        settings = self._settings(keep_system=self.keep_system, pin_limit=self.pin)
+        kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
+        try:
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
+        except UserError:  # keep_system without any system prompt: plain sinks
+            settings.keep_system = False
+            session = ChatSession(self.model, self.tokenizer, settings, **kw)
+        return session
+
+    def _from_snapshot(self, session: ChatSession, keep: Entry, extra: int = 0) -> None:
+        """Start ``session`` from its system prompt's shared prefilled snapshot (made,
+        and admitted by bytes, on first use), making room for ``extra`` more bytes
+        too (the session itself, not counted yet). Without room for a shared copy
+        (or none is busy to free it), the session prefills its own. A system prompt
+        longer than the pin is left unfed: the turn feeds it a chunk per round
+        (:meth:`_head_first`), then shares it."""
+        admission = self.admission
+        head = session.system_text() if session.settings.keep_system else ""
+        if not head:
+            admission.make_room(extra, keep)
+            return
+        snap = admission.snapshots.get(head) if self.recall is None else None
+        if snap is None and self._unfed_head(session):
+            admission.make_room(extra, keep)
+            return
+        if self.recall is not None:  # a snapshot's copy would share its tier
+            admission.make_room(extra, keep)
+            session.prefill(head)
+            return
+        if snap is not None:
+            admission.make_room(extra, keep, head)
+            self._restore_head(session, head)
+        else:
+            size = admission.cache_bytes(session.sinks)
+            shared = admission.fits(extra + size, keep, head)
+            admission.make_room(extra + size if shared else extra, keep, head)
+            for _ in session.prefill_stored(head, self.prefixes):  # or from the store
+                pass
+            if shared:
+                admission.add_snapshot(head, session.checkpoint(), size)
+
+    def _unfed_head(self, session: ChatSession) -> str:
+        """The rendered system prompt of a session whose caches do not hold it yet,
+        when it is longer than the pin (fed a chunk per round); else ``""``."""
+        if session.fed_text or not session.settings.keep_system:
+            return ""
+        head = session.system_text()
+        return head if head and len(session.encode(head)) > session.sinks else ""
+
+    def _restore_head(self, session: ChatSession, head: str) -> None:
+        """``session``'s caches from ``head``'s shared snapshot, its transcript kept."""
+        messages = session.messages
+        session.restore(self.admission.snapshots[head][0])
+        session.messages = messages
+        self.admission.touch_snapshot(head)
+
+    def _head_first(
+        self, job: Job, session: ChatSession, head: str, turn: Iterator[Any]
+    ) -> Iterator[Any]:
+        """``turn``'s token source, after ``head`` goes into ``session``'s empty caches a
+        chunk per poll (``None``); the head is then shared as its system prompt's
+        snapshot where the budget has room without evicting anything."""
+        for _ in session.prefill_stored(head, self.prefixes):
+            yield None
+        job.head = len(session.encode(head))
+        admission, size = self.admission, self.admission.cache_bytes(session.sinks)
+        room = admission.used_bytes() + size <= admission.budget
+        if self.recall is None and head not in admission.snapshots and room:
+            admission.add_snapshot(head, session.checkpoint(), size)
+        yield from turn
+
+    def _resident(self, entry: Entry) -> bool:
+        """Make ``entry`` resident: admitted by bytes, then loaded from disk or new.
+
+        Returns:
+            True when its saved session was lost or corrupt (its files and index
+            record are dropped): it starts fresh, for the caller to rebuild from
+            the client's history.
+        """
+        if entry.session is not None:
+            return False
+        session = self._new_session(entry.system, entry.tools)
+        need = self.session_bytes(session.sinks)
+        lost = entry.key in self._dropped  # its caches were dropped: rebuilt
+        self._dropped.discard(entry.key)
+        if entry.path is not None:
+            self.admission.make_room(need, entry)
+            try:
+                self.store.check(entry)
+                session.load(entry.path)
+                self.restores += 1
+            except UserError:
+                self.store.forget(entry)
+                recalled.release(session)
+                session, lost = self._new_session(entry.system, entry.tools), True
+        try:
+            if entry.path is None:
+                self._from_snapshot(session, entry, extra=need)
+        except BaseException:
+            recalled.release(session)
+            raise
+        entry.session, entry.bytes, entry.sinks = session, need, session.sinks
+        return lost
+
+    def store_config(self) -> dict[str, Any]:
+        """What saved caches depend on: a restart with another model or cache shape
+        finds none of them (they would load with sizes the budget does not count)."""
+        return {
+            "model": self.model_id, "weights_bytes": self.weights,
+            "cache": self.settings.cache.to_json(), "keep_system": self.keep_system,
+            **({"recall": recalled.config(self.recall)} if self.recall is not None else {}),
+            "num_draft_tokens": self.settings.num_draft_tokens,
+            "draft_model": self.draft_model is not None,
+        }  # fmt: skip
+
+    def _new_id(self, n: int) -> str:
+        """A fresh ``n``-hex-digit id (the same on every rank of a cluster)."""
+        if self._ids is None:
+            return uuid.uuid4().hex[:n]
+        return f"{self._ids.getrandbits(4 * n):0{n}x}"
+
+    def _place(
+        self, request: Any, toolset: Any, system: str | None, history: list, user: Any
+    ) -> tuple[Entry, str, Any]:
+        """The session ``request`` continues (:func:`~mlx_stream.serve.matching.find`),
+        resident and encoding exactly ``history`` (restored, repaired or rebuilt), its
+        checkpoint the state before the turn: ``(entry, mode, repaired)``."""
+        repairs = self.repair_tokens > 0 and self.recall is None and self.draft_model is None
+        entry, mode, source = matching.find(
+            self.entries, request, system, history, toolset,
+            isolate=self.isolate, new_id=self._new_id, repair=repairs,
+        )  # fmt: skip
+        checkpoint = source.checkpoint if source is not None else None  # room may evict it
+        if mode == "repair" and source is not entry:  # a fork: a copy of the source
+            checkpoint = source.session.checkpoint()
+        if mode == "restore" and source is not entry and self.recall is not None:
+            mode, checkpoint = "rebuild", None  # a fork would share the source's store
+        try:
+            if self._resident(entry):  # its saved file was lost: rebuilt from the history
+                mode = "rebuild"
+        except BaseException:
+            if entry.session is None and entry.path is None:  # refused before it began
+                self._drop(entry)
+            raise
+        session, repaired = entry.session, None
+        if mode == "repair":
+            fork = checkpoint if source is not entry else None
+            repaired = self._repair(entry, fork, history, user)
+            mode = "rebuild" if repaired is None else mode
+        if mode == "restore":  # the checkpoint encodes exactly ``history``
+            session.restore(checkpoint)
+            entry.checkpoint = checkpoint
+        elif mode == "rebuild":  # the whole history goes in with the new turn
+            self._rebuild(entry, system, history, toolset)
+            session = entry.session
+        elif mode != "repair":
+            entry.checkpoint = session.checkpoint()
+        entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
+        return entry, mode, repaired
+
+    def _repair(self, entry: Entry, source: Checkpoint | None, history: list, user: Any) -> Any:
+        """Repair ``entry``'s session to encode ``history`` (from ``source``, a copy of
+        the session it forks, when given); its checkpoint is the state before (what a
+        failed turn goes back to). The ``Repaired`` counts, or ``None`` where a repair
+        cannot serve (the caller rebuilds)."""
+        from mlx_stream.generate import repair
+
+        session = entry.session
+        if source is not None:
+            session.restore(source)
+        plan = repair.plan(session, history, user, self.repair_tokens)
+        if isinstance(plan, str):
+            return None
+        entry.checkpoint = session.checkpoint()
+        try:
+            return repair.apply(session, history, plan)
+        except BaseException:
+            session.restore(entry.checkpoint)
+            raise
+
+    def _rebuild(
+        self, entry: Entry, system: str | None, history: list[dict], tools: Any = None
+    ) -> None:
+        """Start ``entry`` over from its system prompt's snapshot with ``history`` as
+        its transcript (the next turn feeds the tail of it that fits the window)."""
+        session = self._new_session(system, tools)
+        need = self.session_bytes(session.sinks)
+        try:
+            if need > entry.bytes:
+                self.admission.make_room(need - entry.bytes, entry)
+            self._from_snapshot(session, entry)
+        except BaseException:
+            recalled.release(session)
+            raise
+        session.messages = [dict(m) for m in history]
+        if entry.session is not session:
+            recalled.release(entry.session)  # the session it replaces
+        entry.session, entry.bytes, entry.sinks, entry.system = session, need, session.sinks, system
+        entry.tools = tools
+        entry.checkpoint = session.checkpoint()
+
+    def _add(self, entry: Entry) -> Entry:
+        self.entries[entry.key] = entry
+        return entry
