@@ -8,9 +8,11 @@ from pathlib import Path
 from tests.support.paths import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
+DOCS = ("cli.md", "agents.md", "distributed.md", "how-it-works.md", "development.md")
 PAGES = [
     REPO / "README.md",
     REPO / "benchmarks" / "README.md",
+    *(REPO / "docs" / name for name in DOCS),
     *sorted((REPO / "docs" / "notes").rglob("*.md")),
 ]
 
