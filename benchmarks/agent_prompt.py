@@ -10,7 +10,7 @@ and cache (``agent-prompt``): answered or not, the prompt's tokens, the first re
 seconds (mostly prefill), decode tokens per second, device and store bytes; then the
 same prompt prefilled by mlx-lm's ``KVCache`` for the speed ratio.
 
-    python benchmarks/agent_prompt.py --window 1024 --out benchmarks/results/agent_prompt.jsonl
+    python benchmarks/agent_prompt.py --window 1024 --out benchmarks/results/agent_prompt/agent_prompt.jsonl
 """
 
 from __future__ import annotations

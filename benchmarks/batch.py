@@ -20,7 +20,7 @@ at B=1 (target >= 3) and over mlx-lm at the largest B (target >= 1).
 
     python benchmarks/batch.py --tokens 24      # 34 min at load average 15-18 on 2 cores
     python benchmarks/batch.py --batches 1,8    # the two ends only
-    python benchmarks/batch.py --table benchmarks/results/batch.jsonl   # README table
+    python benchmarks/batch.py --table benchmarks/results/batch/batch.jsonl   # README table
 """
 
 from __future__ import annotations

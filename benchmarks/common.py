@@ -39,9 +39,47 @@ def data_dir() -> Path:
     return Path(os.environ.get(ENV_DATA, DATA))
 
 
+# Set for the processes a benchmark starts (ranks, children, which also take --child or
+# --worker): only the script run by hand takes the default --out.
+ENV_DEFAULT_OUT = "MLX_STREAM_BENCH_DEFAULT_OUT"
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """Run as a script (``python benchmarks/NAME.py``) without ``--out`` or ``--quick``,
+    a benchmark appends its JSON lines to ``results/NAME/<UTC time>.jsonl``: a new file
+    per run in the benchmark's folder, beside the runs benchmarks/README.md cites.
+    Imported (the tests) or with ``--quick``, it only prints, as before."""
+
+    script: Path | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if (
+            getattr(parsed, "out", True) is None
+            and not any(getattr(parsed, flag, False) for flag in ("quick", "child", "worker"))
+            and self.script is not None
+            and ENV_DEFAULT_OUT not in os.environ
+        ):
+            stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
+            parsed.out = RESULTS / self.script.stem / f"{stamp}.jsonl"
+            os.environ[ENV_DEFAULT_OUT] = str(parsed.out)
+            print(f"appending to {parsed.out.relative_to(REPO)}", file=sys.stderr)
+        return parsed, rest
+
+
+def _script_run_by_hand() -> Path | None:
+    """The benchmark script that called base_parser, when it is the one run as __main__."""
+    caller = Path(sys._getframe(2).f_code.co_filename).resolve()
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main and Path(main).resolve() == caller and caller.parent == REPO / "benchmarks":
+        return caller
+    return None
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark shares."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = _BenchParser(description=description)
+    parser.script = _script_run_by_hand()
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -51,7 +89,12 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         "--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, quantized"
     )
     parser.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="also append the JSON lines to this file (default, run by hand: "
+        "benchmarks/results/<benchmark>/<UTC time>.jsonl)",
+    )
     return parser
 
 

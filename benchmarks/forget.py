@@ -5,9 +5,9 @@ line per policy and book (``forget-divergence``) and per window and placement
 (``forget-recall``); ``--table FILE`` renders saved lines as the README's tables.
 
     python benchmarks/forget.py --book botchan --window 256,1024 --sinks 0,4 \\
-        --out benchmarks/results/forget.jsonl
+        --out benchmarks/results/forget/forget.jsonl
     python benchmarks/forget.py --recall-only --window 256 --trials 3 --out ...
-    python benchmarks/forget.py --table benchmarks/results/forget.jsonl
+    python benchmarks/forget.py --table benchmarks/results/forget/forget.jsonl
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ store's read or prefill + write included); ``speedup`` is first / second;
 ``identical`` says whether the second's greedy reply equals the first's token for
 token (``same_as_no_store``: the no-store process's too).
 
-    python benchmarks/prefix_store.py --out benchmarks/results/prefix_store.jsonl
+    python benchmarks/prefix_store.py --out benchmarks/results/prefix_store/prefix_store.jsonl
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ a depth of a long prompt, the greedy answer, whether it holds the needle, the st
 and the region's bytes and the seconds it took. ``--table FILE`` renders saved lines.
 
     python benchmarks/recall.py --length 16384,32768 --depths 0.1,0.3,0.5,0.7,0.9 \\
-        --caches recall --out benchmarks/results/recall.jsonl
+        --caches recall --out benchmarks/results/recall/recall.jsonl
     python benchmarks/recall.py --length 4096 --caches recall,full,window --out ...
-    python benchmarks/recall.py --table benchmarks/results/recall.jsonl
+    python benchmarks/recall.py --table benchmarks/results/recall/recall.jsonl
 """
 
 from __future__ import annotations

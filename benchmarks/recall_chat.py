@@ -7,7 +7,7 @@ tokens; the last turn asks for the word. Each cache (the window alone, the windo
 chat`` uses). One JSON line per trial and cache: the answer, whether it holds the word,
 the tokens in the conversation, how far back the fact was told, the store's bytes.
 
-    python benchmarks/recall_chat.py --tokens 20000 --trials 3 --out benchmarks/results/recall_chat.jsonl
+    python benchmarks/recall_chat.py --tokens 20000 --trials 3 --out benchmarks/results/recall_chat/recall_chat.jsonl
 """
 
 from __future__ import annotations

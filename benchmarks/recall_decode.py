@@ -23,7 +23,7 @@ evaluated right after it is built, timed in place) and the attention over
 ``[region, ring]`` (one layer's call of the tier's attention, with the region,
 against the plain call on the ring alone, interleaved, times the layers).
 
-    nice python benchmarks/recall_decode.py --out benchmarks/results/recall_decode.jsonl
+    nice python benchmarks/recall_decode.py --out benchmarks/results/recall_decode/recall_decode.jsonl
     nice python benchmarks/recall_decode.py --stored 4096 --out ...   # quick
 """
 

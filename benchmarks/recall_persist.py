@@ -10,7 +10,7 @@ save and the load; the peak of host memory allocated (numpy and Python, traced b
 sampled every 5 ms (RSS can hide an allocation that reuses freed heap; a spilled store
 is copied file to file and mapped again, so neither should grow with its size).
 
-    python benchmarks/recall_persist.py --tokens 8192 --out benchmarks/results/recall_persist.jsonl
+    python benchmarks/recall_persist.py --tokens 8192 --out benchmarks/results/recall_persist/recall_persist.jsonl
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ One JSON line per placement: perplexity over the first ``--tokens`` tokens of a 
 fed as one stream (``stream_perplexity``, what ``stream-run`` uses), and the seconds.
 
     python benchmarks/recall_placement.py --book moby_dick --tokens 6144 \\
-        --placements window,near,stream --out benchmarks/results/recall_placement.jsonl
+        --placements window,near,stream --out benchmarks/results/recall_placement/recall_placement.jsonl
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ perplexity. Lines are appended to ``--out`` as they come (a run cut short keeps 
 a summary line closes the run.
 
     nice python benchmarks/recall_soak.py --model TINY --tokens 1000000 --sample 32768 \\
-        --ram-mb 16 --folder /tmp/recall-store --out benchmarks/results/recall_soak_tiny.jsonl
+        --ram-mb 16 --folder /tmp/recall-store --out benchmarks/results/recall_soak/recall_soak_tiny.jsonl
     nice python benchmarks/recall_soak.py --tokens 32768 --sample 2048 --ram-mb 16 \\
-        --folder /tmp/recall-store --out benchmarks/results/recall_soak.jsonl
+        --folder /tmp/recall-store --out benchmarks/results/recall_soak/recall_soak.jsonl
 """
 
 from __future__ import annotations

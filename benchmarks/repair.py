@@ -20,7 +20,7 @@ the same session: time to first token of the reply (the repair included), whethe
 greedy reply equals the rebuild's, and the KL divergence of the first token's
 distribution (rebuild || repair). One JSON line per (edit, K) and a summary per K.
 
-    python benchmarks/repair.py --out benchmarks/results/repair.jsonl
+    python benchmarks/repair.py --out benchmarks/results/repair/repair.jsonl
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ disk: growing), blocks stored, MLX active memory and the turn's seconds; the las
 of each engine also carries the budget's cost of one session.
 
     python benchmarks/serve_recall.py --window 512 --turns 8 --turn-tokens 1000 \\
-        --out benchmarks/results/serve_recall.jsonl
+        --out benchmarks/results/serve_recall/serve_recall.jsonl
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ them on a CPU; mlx-lm's loader is wrapped to dequantize the same way) and the sa
 BLAS, one after the other on the same machine. One JSON line per server, a summary line
 with the ratios, and a plot of memory over time (``--plot``).
 
-    python benchmarks/server.py --turns 20 --plot benchmarks/results/server.png \
-        --out benchmarks/results/server.jsonl   # 4 clients x 20 turns
+    python benchmarks/server.py --turns 20 --plot benchmarks/results/server/server.png \
+        --out benchmarks/results/server/server.jsonl   # 4 clients x 20 turns
     python benchmarks/server.py --quick         # a smoke test
 """
 

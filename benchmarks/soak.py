@@ -15,9 +15,9 @@ consumed against the checkpoint), so a soak can run in legs: each leg is a new p
 and its lines (``leg`` 1, 2, ...) continue the run's lines in ``--out``.
 
     OPENBLAS_NUM_THREADS=1 nice python benchmarks/soak.py --tokens 1000000 --window 1024 \
-        --checkpoint soak.safetensors --out results/soak.jsonl --plot results/soak.png
+        --checkpoint soak.safetensors --out results/soak/soak.jsonl --plot results/soak/soak.png
     python benchmarks/soak.py --quick                          # 4k tokens, window 64
-    python benchmarks/soak.py --replot results/soak.jsonl --plot results/soak.png  # + summary
+    python benchmarks/soak.py --replot results/soak/soak.jsonl --plot results/soak/soak.png  # + summary
 """
 
 from __future__ import annotations

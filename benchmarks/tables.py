@@ -1,4 +1,4 @@
-"""Markdown tables (for the README) from the JSON lines under ``benchmarks/results``.
+"""Markdown tables (for the README) from the JSON lines under ``benchmarks/results/<benchmark>/``.
 
 python benchmarks/tables.py                       # every results file of a known kind
 python benchmarks/tables.py --results other/dir
@@ -271,12 +271,12 @@ def main(argv: list[str] | None = None) -> str:
         ("quantized", "Quantized cache", quantized_tables),
     )
     parts = []
-    for path in sorted(args.results.glob("*.jsonl")):
+    for path in sorted(args.results.rglob("*.jsonl")):  # results/<benchmark>/*.jsonl
         for prefix, title, render in renderers:
             if path.name.startswith(prefix):
                 text = render(read(path))
                 if text:
-                    parts.append(f"### {title} (`{path.name}`)\n\n{text}\n")
+                    parts.append(f"### {title} (`{path.relative_to(args.results)}`)\n\n{text}\n")
     output = "\n".join(parts)
     print(output)
     return output
