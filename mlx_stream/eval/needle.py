@@ -30,13 +30,13 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.defaults import DEFAULT_STRIDE
 from mlx_stream.eval.passkey import FILLER, SYSTEM, answer
+from mlx_stream.generate.prefill import feed_prompt
 
 KINDS = ("passkey", "word", "fact")
 CACHES = ("window", "recall", "full")
@@ -211,14 +211,7 @@ def needle_eval(
 
 def _prefill(model, cache: list, tokens: list[int]) -> None:
     """Feed ``tokens`` as the start of a stream (no prompt end: the prompt goes on)."""
-    from mlx_stream.cache.sink import max_call_tokens
-
-    tokens = mx.array(tokens)
-    while tokens.size:
-        k = min(max_call_tokens(cache) or 512, 512, tokens.size)
-        model(tokens[None, :k], cache=cache)
-        mx.eval([c.state for c in cache])
-        tokens = tokens[k:]
+    feed_prompt(model, cache, tokens)
 
 
 def _ask(model, tokenizer, name: str, cache: list, asks: list, answer_tokens, inspect):
