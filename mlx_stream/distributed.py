@@ -392,7 +392,7 @@ def _watch_peers(cluster: Cluster, sockets: list[socket.socket]) -> None:
     main = threading.main_thread().ident
 
     def where():
-        frame = sys._current_frames().get(main)
+        frame = sys._current_frames().get(main)  # noqa: SLF001 - the stdlib's only frame reader
         return None if frame is None else (frame.f_code, frame.f_lasti)
 
     def watch():

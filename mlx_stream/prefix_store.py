@@ -230,7 +230,7 @@ class PrefixStore:
         except OSError:
             self.misses += 1
             return None
-        caches = self._read(path, key, model)
+        caches = self.read(path, key, model)
         if caches is None:
             self.misses += 1
             self.rejected += 1
@@ -241,7 +241,9 @@ class PrefixStore:
         self.hits += 1
         return caches
 
-    def _read(self, path: Path, key: PrefixKey, model: Any) -> list | None:
+    def read(self, path: Path, key: PrefixKey, model: Any) -> list | None:
+        """The caches of the entry at ``path``, or ``None`` where it is not a valid
+        entry for ``key`` (unreadable, another key, a digest or policy mismatch)."""
         from mlx_stream.cache.sink import load_cache
 
         try:
