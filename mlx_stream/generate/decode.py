@@ -32,7 +32,9 @@ from mlx_stream.defaults import (
 )
 from mlx_stream.errors import UserError
 from mlx_stream.generate.interrupt import StopOnInterrupt  # noqa: F401 - re-exported
+from mlx_stream.generate.model_config import Sampling
 from mlx_stream.generate.prefill import feed_steps
+from mlx_stream.generate.sampler import make_sampling
 from mlx_stream.generate.speculative import speculative
 from mlx_stream.generate.steps import (
     HISTORY_TOKENS,  # noqa: F401 - re-exported
@@ -305,8 +307,12 @@ def stream_generate(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
     prompt = as_tokens(prompt)
-    if seed is not None and sampler is None:
-        mx.random.seed(seed)
+    if sampler is None:
+        sample = Sampling(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repetition_penalty=repetition_penalty)  # fmt: skip
+        sampler, processors = make_sampling(sample, seed)
+    else:
+        processors = make_logits_processors(repetition_penalty=repetition_penalty)
     if prompt_cache is None:
         if cache_spec is None:  # slack: rollback only, a verify block's under drafts
             cache_spec = CacheSpec(sinks, window, slack)
@@ -319,8 +325,7 @@ def stream_generate(
     state = state if state is not None else DecodeState()
     tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
-        sampler or make_sampler(temp, top_p, min_p, top_k=top_k),
-        make_logits_processors(repetition_penalty=repetition_penalty) + list(logits_processors or []),
+        sampler, processors + list(logits_processors or []),
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
         prompt_progress_callback=prompt_progress_callback, state=state,
