@@ -454,10 +454,9 @@ def chat(
         )
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     cache = cache.replace(recall=recall_policy)
-    if seed is not None:
-        import mlx.core as mx
+    from mlx_stream.generate.sampler import seed_random
 
-        mx.random.seed(seed)
+    seed_random(seed)  # once: every reply's sampler (make_sampling) draws on from it
     from mlx_stream.generate.model_config import end_of_turn_tokens
     from mlx_stream.generate.session import ChatSession, Settings
 

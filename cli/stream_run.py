@@ -208,12 +208,12 @@ def evaluate(
 
 def answer(
     model: Any, tokenizer: Any, caches: list, pending: int | None, prompt: str, max_tokens: int,
-    write: Any, processors: list | None = None, sample: Any = None,
+    write: Any, processors: list | None = None, sample: Any = None, seed: int | None = None,
 ) -> tuple[str, str | None]:  # fmt: skip
     """Ask ``prompt`` of what the window holds (the document's last token, still
     pending, goes first) and stream the reply through ``write`` (``processors``: e.g.
-    a ``--json-schema`` constraint; ``sample``: a ``Sampling``, default greedy). The
-    reply ends at any token that ends a turn (``end_of_turn_tokens``).
+    a ``--json-schema`` constraint; ``sample``: a ``Sampling``, default greedy, drawn
+    after seeding ``mx.random`` with ``seed`` when given). The reply ends at any token that ends a turn (``end_of_turn_tokens``).
 
     Returns:
         ``(text, finish_reason)``: ``"stop"`` at an end-of-turn token, ``"length"`` at
@@ -221,6 +221,7 @@ def answer(
     """
     from mlx_stream.generate.decode import stream_generate
     from mlx_stream.generate.model_config import Sampling, end_of_turn_tokens
+    from mlx_stream.generate.sampler import make_sampling
 
     sample = sample or Sampling()
     if getattr(tokenizer, "chat_template", None):
@@ -237,10 +238,10 @@ def answer(
         tokenizer.encode(text, add_special_tokens=False)
     )
     parts, finish = [], None
+    sampler, penalty = make_sampling(sample, seed)
     for r in stream_generate(
-        model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches,
-        logits_processors=processors, temp=sample.temp, top_p=sample.top_p,
-        top_k=sample.top_k, min_p=sample.min_p, repetition_penalty=sample.repetition_penalty,
+        model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches, sampler=sampler,
+        logits_processors=penalty + list(processors or []),
         stop_tokens=end_of_turn_tokens(tokenizer),
     ):  # fmt: skip
         parts.append(r.text)
@@ -471,14 +472,10 @@ def stream_run(
             if not json_out:
                 print(text, end="", flush=True)
 
-        if seed is not None:
-            import mlx.core as mx
-
-            mx.random.seed(seed)
         extra["answer"], extra["finish_reason"] = answer(
             target, tokenizer, caches, tokens.last, prompt, max_tokens, write,
             [constraint] if constraint is not None else None,
-            sampling(model_path, temp, top_p, top_k, repetition_penalty),
+            sampling(model_path, temp, top_p, top_k, repetition_penalty), seed,
         )  # fmt: skip
         if not json_out:
             print(flush=True)

@@ -1,21 +1,10 @@
 """Stream-run checkpoints: what they belong to, and proof their arrays are intact.
 
-A checkpoint is a ``save_cache`` file (safetensors) whose metadata also holds:
-
-- the evaluation state (stream position, pending token, NLL sums per segment);
-- its *identity*: the model, the weights' dtype, every cache setting and the segment
-  size, plus ``text_sha256``, a digest of the token ids consumed so far;
-- ``checksum``: a sha256 over every array of the cache, computed before saving.
-
-A cache with a recall tier also has its store beside the file (``X.recall/``, see
-``mlx_stream.recall.persist``): every file listed with its sha256 in a manifest whose
-own sha256 the checkpoint's metadata holds, so the checksums cover the store too. The
-identity then holds the recall settings (:func:`recall_identity`).
-
-Resuming checks the identity against the new run (any difference is a
-:class:`~mlx_stream.errors.UserError` naming the field), the checksum against the
-arrays loaded, and the digest against the first tokens of the new stream, so a
-checkpoint never continues another document, other settings or corrupted data.
+Contract: a checkpoint is a ``save_cache`` file whose metadata adds the evaluation
+state, an identity (model, dtype, cache and recall settings, segment size, a digest
+of the tokens consumed) and a checksum over every array (and a recall store's
+manifest). Resuming refuses any identity, checksum or token-digest mismatch with a
+:class:`~mlx_stream.errors.UserError` naming the field.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Run one model sharded over several processes with MLX distributed (``mlx.launch``).
 
-The contract: every rank runs the same command on the same inputs and so takes the
-same steps; rank 0 alone talks to the world. Rank 0 reads the terminal or the file
-and hands each piece to the other ranks with MLX's own collectives
-(:meth:`Cluster.share_bytes`), so the ranks never disagree on what they compute.
-The other ranks print nothing: their stdout goes nowhere, their errors reach stderr
-as one ``rank N:`` line, and a lost peer (the rank that failed already said why) is
-silent.
-
-The model is sharded by mlx-lm: tensor parallel with ``model.shard(group)`` (each rank
-holds ``1/N`` of every layer's heads, so its sink cache holds ``1/N`` of the KV heads)
-or pipeline with ``model.model.pipeline(group)`` (each rank holds a run of layers and
-their caches). The shard is cut while the weights are still lazy, so a rank only
-materialises its own part. A model with neither, or heads that do not divide the
-group, is refused with one line before a weight is read.
-
-Ending: Ctrl-C ends every rank (a stopped reply on one rank only would leave the
-ranks out of step); a rank that dies breaks the ring, and the others' next collective
-fails within seconds (``[ring] connection to a peer was lost``) instead of hanging.
-MLX 0.32's ring does not always fail a collective already waiting on a peer that
-left (ml-explore/mlx#3862, fixed by #4060): each rank watches its ring connections and
-ends itself, with the same line, when a peer closed its side while this rank is stuck
-(:func:`_watch_peers`). Under ``mlx.launch`` a rank that fails makes the launcher send
-SIGTERM to the others, which ends them at once (no Python handler: one would never run
-while the rank waits inside MLX).
+Contract: every rank runs the same command on the same inputs and takes the same
+steps; rank 0 alone reads input and talks to the world, handing each piece to the
+others over MLX's collectives (:meth:`Cluster.share_bytes`). The model is sharded by
+mlx-lm (tensor parallel or pipeline) while its weights are lazy; a model that cannot
+be sharded is refused before a weight is read. Ctrl-C ends every rank, and a rank
+whose peer left ends itself instead of hanging (:func:`_watch_peers`).
 """
 
 from __future__ import annotations
@@ -385,14 +367,15 @@ def _watch_peers(cluster: Cluster, sockets: list[socket.socket]) -> None:
     MLX raises in the rank's own thread when it notices (the usual case, with the usual
     error line); this is for a collective that waits forever instead. "Stopped
     moving": the main thread's Python frame stayed the same for ``PEER_GRACE``
-    seconds, so a rank still printing its last output is left to finish.
+    seconds, so a rank still printing its last output is left to finish. (MLX's ring
+    does not always fail a collective waiting on a peer that left: ml-explore/mlx#3862.)
     """
     if not sockets:
         return
     main = threading.main_thread().ident
 
     def where():
-        frame = sys._current_frames().get(main)
+        frame = sys._current_frames().get(main)  # noqa: SLF001 - the stdlib's only frame reader
         return None if frame is None else (frame.f_code, frame.f_lasti)
 
     def watch():

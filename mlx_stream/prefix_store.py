@@ -1,28 +1,10 @@
 """A prefix store on disk: the cache state after a prefix, shared by every process.
 
-Contract:
-- An entry is the prompt cache right after a prefix went in (a pinned system prompt
-  with its tools as rendered, or any prefix a session fed), in ``save_cache``'s format
-  (safetensors). It is addressed by a :class:`PrefixKey`: a digest of the model's
-  weights (:func:`weights_digest`), their dtypes, the cache policy
-  (``CacheSpec.to_json``: sinks, window, slack, kv bits...), the prefill call size and
-  the prefix's token ids. An entry is only ever read back for an equal key: the key is
-  the file's name *and* is stored inside it, checked on read, so another model, dtype,
-  policy or prefix never reads it.
-- Written atomically: a temporary file beside the entry (``files.temp_prefix``: a
-  killed writer's leftovers are removed later), ``fsync``, ``os.replace``, then the
-  folder is synced. Two processes writing the same prefix at once each rename a
-  whole file; a reader holds the old file or the new one, never a mix.
-- Verified on read: a sha256 over every cache's settings, counters and written arrays
-  (:func:`state_digest`) is stored with the entry and recomputed from what was loaded.
-  A corrupt, truncated or foreign entry is a miss: it is removed (unless another
-  writer replaced it meanwhile) and the caller computes the prefix again.
-- Bounded in bytes (``max_bytes``): after each write the least recently used entries
-  (file mtime, bumped on every hit) go until the folder fits.
-- A store that cannot be written (a full disk, a read-only folder) turns itself off
-  for the process with one log line (logger ``mlx_stream``); requests go on without it.
-
-Engine code: imports neither the CLI nor anything above ``cache``/``models``.
+Contract: an entry (``save_cache``'s format) is read back only for an equal
+:class:`PrefixKey` (weights digest, dtypes, cache policy, prefill call size, token
+ids), written atomically, verified on read (:func:`state_digest`; a bad entry is a
+miss and removed), and the folder is bounded in bytes (least recently used go first).
+A store that cannot be written turns itself off with one log line.
 """
 
 from __future__ import annotations
@@ -230,7 +212,7 @@ class PrefixStore:
         except OSError:
             self.misses += 1
             return None
-        caches = self._read(path, key, model)
+        caches = self.read(path, key, model)
         if caches is None:
             self.misses += 1
             self.rejected += 1
@@ -241,7 +223,9 @@ class PrefixStore:
         self.hits += 1
         return caches
 
-    def _read(self, path: Path, key: PrefixKey, model: Any) -> list | None:
+    def read(self, path: Path, key: PrefixKey, model: Any) -> list | None:
+        """The caches of the entry at ``path``, or ``None`` where it is not a valid
+        entry for ``key`` (unreadable, another key, a digest or policy mismatch)."""
         from mlx_stream.cache.sink import load_cache
 
         try:

@@ -260,10 +260,11 @@ def test_stop_on_interrupt_turns_sigint_into_a_flag():
 
 
 def _no_eos(tokenizer):
-    """A generation long enough to see the text: greedy tokens without eos."""
+    """A generation long enough to see the text: greedy tokens without eos (the
+    fixture's tokenizer, made afresh)."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    return TokenizerWrapper(tokenizer._tokenizer, eos_token_ids=[])
+    return TokenizerWrapper(tiny.make_hf_tokenizer(), eos_token_ids=[])
 
 
 def test_stream_generate_ends_with_length_after_max_tokens(tiny_llama, tokenizer):

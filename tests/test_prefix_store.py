@@ -269,15 +269,15 @@ def test_a_reader_during_a_writers_delay_sees_nothing_then_the_whole_entry(
     other.prefill(head)
     other_key = other.prefix_key(head)
     store.put(other_key, other.caches)
-    real_read = ps.PrefixStore._read
+    real_read = ps.PrefixStore.read
 
     def delayed_read(self, path, k, m):
         real_replace(self.path(other_key), path)  # swapped in during the delay
         return real_read(self, path, k, m)
 
-    monkeypatch.setattr(ps.PrefixStore, "_read", delayed_read)
+    monkeypatch.setattr(ps.PrefixStore, "read", delayed_read)
     assert store.lookup(key, model) is None
-    monkeypatch.setattr(ps.PrefixStore, "_read", real_read)
+    monkeypatch.setattr(ps.PrefixStore, "read", real_read)
     # It was replaced after the reader looked: the reader leaves it for the next one.
     assert store.path(key).exists()
     assert store.lookup(key, model) is None and not store.path(key).exists()

@@ -1,25 +1,9 @@
 """How far a bounded cache drifts from the full cache, on one text.
 
-Two measurements, both against the model's own full cache (mlx-lm ``KVCache``s, within
-the model's context so the reference is the model as trained):
-
-* Teacher-forced: the text is fed through the full cache and through every policy in
-  lockstep, in chunks (exact: a SinkCache call never crosses a stride boundary, see
-  ``mlx_stream.cache``). For every token: KL(full || policy) of the next-token
-  distributions, whether the top-1 tokens agree, and both negative log-likelihoods.
-* Free generation: at sampled points of the text every cache (a copy) continues the
-  text greedily for ``generate`` tokens; the first position where a policy's tokens
-  leave the full cache's and the share of positions that differ from there on.
-
-Policies are sink + window caches (:func:`mlx_stream.cache.make_sink_cache`, with
-``positions="cache"`` or ``"absolute"``, optionally quantized) or mlx-lm's own
-``RotatingKVCache(max_size=sinks + window, keep=sinks)`` (``positions="rotating"``),
-which mlx-lm feeds in chunks the same way: its plain sliding mask drops the sinks for
-the later rows of a chunk, and that is part of what it is measured on. A sink cache may
-carry the recall tier (``Policy.recall``, cache positions only): evicted blocks stored
-and brought back by the queries, refreshed at block boundaries as the text streams in
-(what recall changes on ordinary text). Its free runs go on a copy that shares the
-tier's store; the tier is rewound to the uncopied cache afterwards (``Recall.rewind``).
+Contract: against the model's own full cache, every policy (sink + window caches,
+optionally quantized or with the recall tier, or mlx-lm's ``RotatingKVCache``) is fed
+the text in lockstep and measured per token (KL, top-1 agreement, NLL); at sampled
+points each continues greedily on a copy and the first divergence is recorded.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Needles in long haystacks: what the window, the window with recall and the full
 cache can still find, at contexts past the model's trained length.
 
-A chat prompt (the model's template) holds ``length`` tokens of haystack (a book, or
-filler sentences) with one needle sentence at a ``depth`` (0.1 = near the start, 0.9
-= near the question), then asks for it:
-
-* ``passkey``: a random five-digit pass key;
-* ``word``: a word fact ("the secret word is <word>") with a word from a fixed list;
-* ``fact``: one sentence about a character and a place (the town from a fixed list),
-  nothing repeated.
-
-The question is ``primed`` (it ends with the needle's own words, "The pass key is",
-for the answer to continue) or one of the kind's plain phrasings ``q0``, ``q1``,
-``q2`` (a question and nothing after the chat template's assistant header).
-
-Each prompt is answered greedily through every cache asked for: ``window`` (sinks +
-window), ``recall`` (the same with the recall tier) and ``full`` (mlx-lm's KVCache,
-only where the prompt fits the trained context). An answer counts when it contains
-the needle's value (case-insensitive).
+Contract: a chat prompt holds ``length`` tokens of haystack with one needle (a pass
+key, a word or a fact) at a ``depth``, then asks for it (``primed`` or a plain
+phrasing). Each prompt is answered greedily through every cache asked for
+(``window``, ``recall``, ``full``); an answer counts when it contains the needle's
+value (case-insensitive).
 """
 
 from __future__ import annotations
@@ -30,13 +18,13 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.defaults import DEFAULT_STRIDE
 from mlx_stream.eval.passkey import FILLER, SYSTEM, answer
+from mlx_stream.generate.prefill import feed_prompt
 
 KINDS = ("passkey", "word", "fact")
 CACHES = ("window", "recall", "full")
@@ -211,14 +199,7 @@ def needle_eval(
 
 def _prefill(model, cache: list, tokens: list[int]) -> None:
     """Feed ``tokens`` as the start of a stream (no prompt end: the prompt goes on)."""
-    from mlx_stream.cache.sink import max_call_tokens
-
-    tokens = mx.array(tokens)
-    while tokens.size:
-        k = min(max_call_tokens(cache) or 512, 512, tokens.size)
-        model(tokens[None, :k], cache=cache)
-        mx.eval([c.state for c in cache])
-        tokens = tokens[k:]
+    feed_prompt(model, cache, tokens)
 
 
 def _ask(model, tokenizer, name: str, cache: list, asks: list, answer_tokens, inspect):

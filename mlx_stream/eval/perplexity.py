@@ -36,6 +36,7 @@ from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
 from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.generate.prefill import feed_prompt
 
 DEFAULT_BLOCK_CHARS = 1 << 16
 # Last place in a block where a word ends and whitespace begins.
@@ -368,11 +369,8 @@ def recompute_perplexity(
         lo = max(0, i - window)
         context = tokens[: min(sinks, lo)] + tokens[lo:i]
         cache = make_prompt_cache(model)
-        if len(context) > 1:
-            # Only the cache is evaluated: the lazy logits of the prefix (a fifth of the
-            # work at window 1024, through the vocabulary head) are never computed.
-            model(mx.array(context[:-1])[None], cache=cache)
-            mx.eval([c.state for c in cache])
+        if len(context) > 1:  # one call; only the cache is evaluated, never its logits
+            feed_prompt(model, cache, context[:-1], step=len(context) - 1)
         logits = model(mx.array(context[-1:])[None], cache=cache)[0, -1:]
         total += _token_nll(logits, mx.array([tokens[i]])).item()
         n += 1

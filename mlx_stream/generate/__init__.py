@@ -1,8 +1,8 @@
 """Generation: turning a model and a cache into tokens.
 
-Lives here: the decode loops (``decode``: ``generate_step``, ``stream_generate``,
-speculative decoding), the chat session with its checkpoints (``session``:
-``ChatSession``) and batched decode over many sessions (``batch``).
+Lives here: the decode loops (``decode``, ``speculative``, ``steps``), prompt feeding
+(``prefill``), the chat session (``session``, with ``transcript`` and ``saving``),
+edit repair (``repair``) and batched decode (``batch``).
 
 May import: ``cache``, ``models`` and the package's base modules; never ``serve`` or
 ``eval``, nor typer or rich (``tests/test_layering.py`` checks).

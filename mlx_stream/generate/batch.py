@@ -1,27 +1,10 @@
 """Batched decode: every session with decode work steps in one model call.
 
-Contract: a :class:`Batch` holds the rows of one model. A row is a session's prompt
-cache (its SinkCaches) plus what it still has to do. :meth:`Batch.step` does one round:
-every newcomer feeds one prefill chunk on its own cache (so running rows keep
-streaming while a long prompt goes in), a newcomer whose prompt is in joins the
-batch (its caches copied into the :class:`~mlx_stream.cache.batched.BatchSinkCache`
-rows), then every batched row feeds its pending token in ONE model call and samples
-its next token with its own parameters (temperature, top-p, seed). Pipelined like
-mlx-lm's loops: a step's call is built on the previous step's tokens before they are
-read, so a sampled token reaches the row's ``inbox`` one step later, already fed; it
-waits there until the row's consumer takes it.
-
-:func:`Batch.tokens` is a token source with :func:`mlx_stream.generate.decode.generate_step`'s
-signature, so :func:`mlx_stream.generate.decode.stream_generate` (detokenizing, stop strings,
-eos) and a session's turn bookkeeping run unchanged on top of a batch. When the source
-stops (finished or closed), the row leaves the batch: its caches are copied back out
-and hold the prompt and every token its inbox received (every yielded token, as
-mlx-stream's own decode loop leaves them; ``ChatSession`` trims a received token that
-was not yielded). Only a row that sampled its ``max_tokens`` leaves without feeding
-the last one, which is then the session's pending token.
-
-Each row gives what the same session gives alone on its SinkCaches: the same greedy
-tokens, logits within float tolerance (tests/test_batch.py).
+Contract: a :class:`Batch` holds the rows of one model; :meth:`Batch.step` feeds each
+newcomer one prefill chunk, joins those whose prompt is in, then decodes every row in
+one call with its own sampling. :meth:`Batch.tokens` is a ``generate_step``-compatible
+token source; a row that leaves holds what the same session would hold alone (same
+greedy tokens, logits within float tolerance).
 """
 
 from __future__ import annotations
@@ -39,9 +22,9 @@ from mlx_lm.sample_utils import apply_top_p
 
 from mlx_stream.cache.batched import BatchSinkCache, batch_refusal, check_batchable
 from mlx_stream.cache.reclaim import ReclaimSchedule
-from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.errors import Unsupported
-from mlx_stream.generate.decode import DecodeState, _as_tokens, extend_history
+from mlx_stream.generate.prefill import feed_steps
+from mlx_stream.generate.steps import DecodeState, as_tokens, extend_history
 
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens a newcomer feeds per round
 
@@ -195,10 +178,8 @@ class Batch:
         caches; join the batch when only the last token is left."""
         rest = len(row.prompt) - 1
         if rest > 0:
-            n = min(rest, self.prefill_chunk, max_call_tokens(row.caches) or rest)
-            self.model(mx.array(row.prompt[:n])[None], cache=row.caches)
-            mx.eval([c.state for c in row.caches])
-            row.prompt = row.prompt[n:]
+            chunks = feed_steps([(self.model, row.caches)], row.prompt[:rest], self.prefill_chunk)
+            row.prompt = row.prompt[next(chunks) :]  # one chunk
             if len(row.prompt) > 1:
                 return
         self.waiting.remove(row)
@@ -267,7 +248,7 @@ class Batch:
                    **_: Any):  # fmt: skip
             if model is not self.model or draft_model is not None:
                 raise Unsupported("a batch decodes its own model only, without a draft model")
-            prompt = _as_tokens(prompt).tolist()
+            prompt = as_tokens(prompt).tolist()
             state = state if state is not None else DecodeState()
             state.prompt_tokens = len(prompt)
             tic = time.perf_counter()

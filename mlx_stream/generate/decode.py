@@ -1,31 +1,18 @@
-"""The decode engine: chunked prefill, pipelined decode and speculative decoding.
+"""The decode engine: :func:`generate_step` (prompt, then token by token or
+speculative) and :func:`stream_generate` (text, stop strings, sampling) on top.
 
-Contract: the engine knows tokens, models and prompt caches; the tokenizer appears only
-in :func:`stream_generate`. Every model call feeds at most
-``cache.max_call_tokens(prompt_cache)`` tokens (a SinkCache changes its sink/rebase
-layout only at stride boundaries), so chunked prefill, token-by-token decode and
-speculative verify blocks mean exactly the same thing and give the same greedy tokens.
-One :class:`~mlx_stream.cache.reclaim.ReclaimSchedule` clears MLX's buffer pool on the
-crossing rule, for prefill chunks, decode steps and speculative rounds alike.
-
-Cache after a generator stops (finished, ``close()``-d, or abandoned by a consumer that
-raised, e.g. ``KeyboardInterrupt`` in the loop body, once it is closed): the target
-cache (and the draft cache) hold exactly the prompt plus every token the generator
-yielded, the eos or stop token included, and nothing else. A chat feeds only its next
-turn. Rejected drafts are trimmed and a yielded token not yet fed is fed (one short
-model call) in ``finally:``. The one exception is an exception raised *inside* the
-generator while a model call was being built (a Ctrl-C that lands there, not in the
-consumer): then ``DecodeState.consistent`` is False and the cache must be rebuilt. Use
-:class:`StopOnInterrupt` in a terminal loop so Ctrl-C always lands between tokens.
+Contract: every model call feeds at most ``max_call_tokens(prompt_cache)`` tokens, so
+chunked prefill, decode steps and verify blocks give the same greedy tokens. However a
+generator stops, the caches hold exactly the prompt plus every yielded token, unless an
+exception inside a model call left ``DecodeState.consistent`` False (rebuild them; use
+:class:`StopOnInterrupt` so Ctrl-C lands between tokens).
 """
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -35,7 +22,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_stream.cache.reclaim import ReclaimSchedule, set_wired_limit
-from mlx_stream.cache.sink import SinkCache, max_call_tokens
+from mlx_stream.cache.sink import SinkCache
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import (
     DEFAULT_MAX_TOKENS,
@@ -44,97 +31,19 @@ from mlx_stream.defaults import (
     DEFAULT_WINDOW,
 )
 from mlx_stream.errors import UserError
+from mlx_stream.generate.interrupt import StopOnInterrupt  # noqa: F401 - re-exported
+from mlx_stream.generate.model_config import Sampling
+from mlx_stream.generate.prefill import feed_steps
+from mlx_stream.generate.sampler import make_sampling
+from mlx_stream.generate.speculative import speculative
+from mlx_stream.generate.steps import (
+    HISTORY_TOKENS,  # noqa: F401 - re-exported
+    DecodeState,
+    as_tokens,
+    extend_history,
+    sample,
+)
 from mlx_stream.recall.tier import prompt_end as recall_prompt_end
-
-# Logits processors (repetition penalty...) look back a few dozen tokens; mlx-lm keeps
-# the whole history, which grows forever in a stream: keep the most recent ones only.
-HISTORY_TOKENS = 1024
-
-
-@dataclass
-class DecodeState:
-    """Progress of one :func:`generate_step` call, updated as it runs.
-
-    Attributes:
-        prompt_tokens: Tokens in the prompt.
-        prompt_processed: Prompt tokens fed so far.
-        generated: Tokens yielded so far.
-        drafted: Draft tokens proposed (speculative decoding).
-        accepted: Draft tokens accepted.
-        cache_tokens: Tokens of this call (prompt + generated) the target cache holds;
-            ``prompt_tokens + generated`` once the generator has stopped.
-        last_token: The last token yielded.
-        consistent: False only if an exception inside the generator interrupted a
-            model call; the caches must then be rebuilt.
-        prompt_time: Seconds until the first token was ready.
-    """
-
-    prompt_tokens: int = 0
-    prompt_processed: int = 0
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    cache_tokens: int = 0
-    last_token: int | None = None
-    consistent: bool = True
-    prompt_time: float = 0.0
-
-
-@dataclass
-class _Track:
-    """What one cache holds relative to the yielded stream: ``extra`` tokens it holds
-    past the stream (drafts, verified or not yet), ``pending`` stream tokens it lacks."""
-
-    pending: list[int] = field(default_factory=list)
-    extra: list[int] = field(default_factory=list)
-
-    def emitted(self, token: int) -> None:
-        if not self.pending and self.extra and self.extra[0] == token:
-            self.extra.pop(0)
-        else:
-            self.pending.append(token)
-
-
-def _as_tokens(prompt: mx.array | list[int]) -> mx.array:
-    tokens = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
-    return tokens.reshape(-1).astype(mx.uint32)
-
-
-def _call_size(cache: list, limit: int, n: int) -> int:
-    """Tokens the next call may feed: ``n`` capped by ``limit`` and the cache."""
-    bound = max_call_tokens(cache)
-    size = min(n, limit) if bound is None else min(n, limit, bound)
-    assert size >= 1, f"the cache admits no token (max_call_tokens={bound})"
-    return size
-
-
-def _rewind(cache: list, n: int) -> None:
-    """Trim ``n`` tokens from every layer, or raise if a layer cannot."""
-    if n <= 0:
-        return
-    for c in cache:
-        if not c.is_trimmable():
-            raise UserError(
-                f"cannot rewind a {type(c).__name__} by {n} tokens (mlx-lm's "
-                "RotatingKVCache stops being trimmable once it wraps); use SinkCache"
-            )
-        trimmed = c.trim(n)
-        assert trimmed == n, f"{type(c).__name__} trimmed {trimmed} of {n} tokens"
-
-
-def _sample(logits, history, sampler, processors):
-    """Process and sample one row of logits (1, V); returns (token (1,), logprobs (1, V))."""
-    for processor in processors:
-        logits = processor(history, logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs), logprobs
-
-
-def extend_history(history, tokens):
-    """``history`` (or none) and ``tokens``: the last ``HISTORY_TOKENS`` a logits processor reads."""
-    if history is None:
-        return tokens[-HISTORY_TOKENS:]
-    return mx.concatenate([history, tokens])[-HISTORY_TOKENS:]
 
 
 def generate_step(
@@ -181,7 +90,7 @@ def generate_step(
         tuple[int, mx.array, bool]: The token, its logprobs (V,), and whether it was a
         draft token the target accepted (``None`` between prefill chunks with ``poll``).
     """
-    prompt = _as_tokens(prompt)
+    prompt = as_tokens(prompt)
     if prompt.size == 0:
         raise UserError("the prompt must hold at least one token")
     if max_tokens == 0:
@@ -203,25 +112,20 @@ def generate_step(
 
     tic = time.perf_counter()
     # Prefill all but the last prompt token, every model in the same chunks.
-    total, done, rest = prompt.size, 0, prompt[:-1]
+    total, before = prompt.size, 0
     progress(0, total)
-    while rest.size:
-        with mx.stream(stream):  # entered per chunk: a poll yields outside of it
-            n = min(_call_size(c, prefill_step_size, rest.size) for _, c in models)
-            for m, c in models:
-                m(rest[None, :n], cache=c)
-            mx.eval([[layer.state for layer in c] for _, c in models])
-        rest = rest[n:]
-        state.prompt_processed = state.cache_tokens = done = done + n
+    for done in feed_steps(models, prompt[:-1], prefill_step_size, stream):
+        state.prompt_processed = state.cache_tokens = done
         progress(done, total)
-        reclaim.step(done - n, done)
-        if poll:
+        reclaim.step(before, done)
+        before = done
+        if poll:  # feed_steps enters the stream per chunk: a poll yields outside of it
             yield None
     with mx.stream(stream):
         for m, c in models:  # recall: the prompt's own queries choose what its end recalls
             recall_prompt_end(m, c, prompt[:-1])
 
-    run = _speculative if draft_model is not None else _plain
+    run = speculative if draft_model is not None else _plain
     yield from run(
         prompt[-1:], models, sampler, processors, history, max_tokens, num_draft_tokens,
         prefill_step_size, reclaim, state, stream, lambda: progress(total, total), tic,
@@ -237,7 +141,7 @@ def _plain(y, models, sampler, processors, history, max_tokens, _, step_size, re
     def _step(y, history):
         with mx.stream(stream):
             logits = model(y[None], cache=cache)[:, -1, :]
-            return _sample(logits, history, sampler, processors)
+            return sample(logits, history, sampler, processors)
 
     try:
         y, logprobs = _step(y, history)
@@ -268,109 +172,6 @@ def _plain(y, models, sampler, processors, history, max_tokens, _, step_size, re
         safe = True
     finally:
         state.consistent = safe
-
-
-def _speculative(y, models, sampler, processors, history, max_tokens, num_draft_tokens,
-                 step_size, reclaim, state, stream, prompt_done, tic):  # fmt: skip
-    """Draft with the small model, verify with the target in one call per round."""
-    (model, cache), (draft_model, draft_cache) = models
-    first = y.item()
-    target, draft = _Track(pending=[first]), _Track(pending=[first])
-    count = state.prompt_tokens
-    safe = True  # True while the caches match the tracks (at a yield, between rounds)
-
-    def _feed(m, c, track, tokens=None):
-        """Trim what ``c`` holds past the stream, then feed its pending tokens and
-        ``tokens`` in calls it admits; returns the logits of the last call."""
-        _rewind(c, len(track.extra))
-        todo = mx.array(track.pending, mx.uint32)
-        if tokens is not None:
-            todo = mx.concatenate([todo, tokens])
-        track.pending, track.extra = [], []
-        logits = None
-        while todo.size:
-            n = _call_size(c, step_size, todo.size)
-            logits = m(todo[None, :n], cache=c)
-            todo = todo[n:]
-        return logits
-
-    def _draft(k, history):
-        """``k`` draft tokens, each a (1,) array, from the draft model."""
-        drafts, inputs = [], None
-        for _ in range(k):
-            logits = _feed(draft_model, draft_cache, draft, inputs)[:, -1, :]
-            inputs, _ = _sample(logits, history, sampler, processors)
-            mx.async_eval(inputs)
-            drafts.append(inputs)
-            if processors:
-                history = extend_history(history, inputs)
-        return drafts
-
-    def _verify(drafts, history):
-        """The target's tokens (k+1,) and logprobs (k+1, V) after the pending token
-        and after every draft, from one call."""
-        logits = _feed(model, cache, target, mx.concatenate(drafts) if drafts else None)[0]
-        assert logits.shape[0] == len(drafts) + 1, "the verify block was split"
-        if not processors:
-            return _sample(logits, None, sampler, [])
-        rows = []
-        for i in range(len(drafts) + 1):
-            rows.append(_sample(logits[i : i + 1], history, sampler, processors))
-            if i < len(drafts):
-                history = extend_history(history, drafts[i])
-        return mx.concatenate([t for t, _ in rows]), mx.concatenate([lp for _, lp in rows])
-
-    try:
-        remaining = max_tokens
-        while remaining != 0:
-            safe = False
-            with mx.stream(stream):
-                _rewind(cache, len(target.extra))
-                target.extra = []
-                # Verify block = pending token + k drafts, within what the cache admits.
-                k = num_draft_tokens if remaining < 0 else min(num_draft_tokens, remaining - 1)
-                bound = max_call_tokens(cache)
-                if bound is not None:
-                    k = max(0, min(k, bound - len(target.pending)))
-                drafts = _draft(k, history)
-                tokens, logprobs = _verify(drafts, history)
-                mx.eval(tokens, drafts)
-            tokens = tokens.tolist()
-            drafts = [d.item() for d in drafts]
-            target.extra = drafts
-            draft.extra = drafts[:-1]  # the last draft was sampled, never fed
-            safe = True
-            if state.generated == 0:
-                state.prompt_time = time.perf_counter() - tic
-                prompt_done()
-            n = 0
-            while n < k and tokens[n] == drafts[n]:
-                n += 1
-            state.drafted += k
-            state.accepted += n
-            out = [(t, True) for t in drafts[:n]] + [(tokens[n], False)]
-            for i, (token, from_draft) in enumerate(out):
-                target.emitted(token)
-                draft.emitted(token)
-                if processors:
-                    history = extend_history(history, mx.array([token], mx.uint32))
-                state.generated += 1
-                state.cache_tokens = state.prompt_tokens + state.generated - len(target.pending)
-                state.last_token = token
-                yield token, logprobs[i], from_draft
-            remaining -= len(out)
-            reclaim.step(count, count + len(out))
-            count += len(out)
-    finally:
-        state.consistent = safe
-        if safe:
-            # Trim rejected drafts, feed yielded tokens a cache lacks (at most two).
-            with mx.stream(stream):
-                for m, c, track in ((model, cache, target), (draft_model, draft_cache, draft)):
-                    if track.pending or track.extra:
-                        _feed(m, c, track)
-                mx.eval([c.state for c in cache + draft_cache])
-            state.cache_tokens = state.prompt_tokens + state.generated
 
 
 @dataclass
@@ -505,9 +306,13 @@ def stream_generate(
         prompt = tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
-    prompt = _as_tokens(prompt)
-    if seed is not None and sampler is None:
-        mx.random.seed(seed)
+    prompt = as_tokens(prompt)
+    if sampler is None:
+        sample = Sampling(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repetition_penalty=repetition_penalty)  # fmt: skip
+        sampler, processors = make_sampling(sample, seed)
+    else:
+        processors = make_logits_processors(repetition_penalty=repetition_penalty)
     if prompt_cache is None:
         if cache_spec is None:  # slack: rollback only, a verify block's under drafts
             cache_spec = CacheSpec(sinks, window, slack)
@@ -520,8 +325,7 @@ def stream_generate(
     state = state if state is not None else DecodeState()
     tokens = (steps or generate_step)(
         prompt, model, prompt_cache,
-        sampler or make_sampler(temp, top_p, min_p, top_k=top_k),
-        make_logits_processors(repetition_penalty=repetition_penalty) + list(logits_processors or []),
+        sampler, processors + list(logits_processors or []),
         max_tokens=max_tokens, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
         prefill_step_size=prefill_step_size, reclaim=reclaim,
         prompt_progress_callback=prompt_progress_callback, state=state,
@@ -581,48 +385,3 @@ def stream_generate(
         if wired is not None:
             mx.synchronize()  # never change the wired limit under a running eval
             mx.set_wired_limit(wired)
-
-
-class StopOnInterrupt:
-    """Turn Ctrl-C (and any other ``signals``) into a flag while a loop runs, so it
-    stops between model calls.
-
-    A ``KeyboardInterrupt`` raised inside a model call can leave a prompt cache torn;
-    in the main thread this context manager records the signal instead, and the loop
-    checks ``interrupted`` after each step and breaks (which closes a generator and
-    leaves the cache consistent). A second signal raises ``KeyboardInterrupt`` at once.
-    Elsewhere it does nothing.
-
-    Args:
-        signals (tuple): The signals to catch. Default: ``(SIGINT,)``; add
-            ``SIGTERM`` for a batch job that should save its work when killed politely.
-
-    Example:
-        with StopOnInterrupt() as ctrl_c:
-            for r in stream_generate(...):
-                print(r.text, end="", flush=True)
-                if ctrl_c.interrupted:
-                    break
-    """
-
-    def __init__(self, signals: tuple = (signal.SIGINT,)):
-        self.interrupted = False
-        self.signals = signals
-        self._previous: dict = {}
-
-    def __enter__(self) -> StopOnInterrupt:
-        current = signal.getsignal(signal.SIGINT)
-        if getattr(current, "final", False):  # e.g. distributed: Ctrl-C ends every rank
-            return self
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.interrupted:  # a second signal stops at once
-            raise KeyboardInterrupt
-        self.interrupted = True
-
-    def __exit__(self, *exc) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)

@@ -103,7 +103,7 @@ def end_of_turn_tokens(tokenizer: Any) -> tuple[int, ...]:
     names (``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``), which a
     tokenizer converted from GGUF may list as neither (SmolLM2's is its unk token).
     """
-    from mlx_stream.generate.session import special_texts
+    from mlx_stream.generate.transcript import special_texts
 
     ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
     for name in ("eos_token_id", "pad_token_id"):

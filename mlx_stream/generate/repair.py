@@ -1,26 +1,12 @@
 """Repair a session's caches in place after an edit anywhere in its transcript.
 
-Contract: :func:`repair` makes a :class:`~mlx_stream.generate.session.ChatSession`
-whose transcript is ``old`` encode ``history`` instead (any message changed, removed
-or added), ready for the next turn ``new`` (what ``ChatSession.stream`` then feeds),
-without a full prefill:
-
-- the tokens before the first difference keep their KV (exact);
-- the changed span and a contiguous window of ``window`` tokens after it are computed
-  again, in order (exact given what precedes them);
-- the tokens after that keep their KV, moved by the change in length (the rope turned
-  by ``shift`` positions: :mod:`mlx_stream.cache.splice`); their keys and values were
-  computed over the old span: an approximation, which the window bounds;
-- the last sampled token still pending stays pending.
-
-A ``window`` covering the rest of the conversation leaves nothing approximate: the
-caches then hold what a prefill of the new transcript gives. A repair is refused with
-a reason (the caller rebuilds) when the caches' tokens are not known, when the
-conversation does not fit in the window (a token was evicted: the edit may lie in
-what the recall tier keeps; a rebuild is the honest answer), when the edit reaches
-into the sinks, for a draft model, a recall tier or per-channel quantized keys, or
-when the chat template does not render the transcript as a prefix of the next turn.
-An exception raised meanwhile leaves the caches part-way: restore a checkpoint.
+Contract: :func:`repair` keeps the KV before the first difference, recomputes the
+changed span plus ``window`` tokens after it, and moves the rest by the change in
+length (approximate, bounded by ``window``). It refuses with a reason (the caller
+rebuilds) where that cannot be done honestly: tokens unknown or evicted, an edit in
+the sinks, a draft model, a recall tier, per-channel quantized keys, or a template
+that does not render the transcript as a prefix. An exception leaves the caches
+part-way: restore a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_stream.cache import splice
-from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.defaults import DEFAULT_REPAIR_TOKENS  # noqa: F401 - re-exported
+from mlx_stream.generate.prefill import feed_prompt
 
 
 @dataclass
@@ -95,14 +81,15 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
     """How to make ``session`` encode ``history`` before the turn ``new`` (a user
     message's text or new messages), recomputing ``window`` tokens after the edit;
     a string: why not."""
-    from mlx_stream.generate.session import _new_messages, cache_count
+    from mlx_stream.generate.session import cache_count
+    from mlx_stream.generate.transcript import new_messages
 
     old = session.tokens
     if old is None or len(old) != cache_count(session.caches):
         return "the tokens its caches hold are not known"
     if session.draft_model is not None:
         return "a draft model (its caches would need the same repair)"
-    turn = _new_messages(new)
+    turn = new_messages(new)
     old_text = session.render(session.conversation(session.messages + turn))
     if not old_text.startswith(session.fed_text):
         return "the chat template rewrites earlier turns"
@@ -155,16 +142,7 @@ def apply(session: Any, history: list[dict], p: Plan) -> Repaired:
 
 def feed(session: Any, tokens: list[int]) -> None:
     """Feed ``tokens`` into ``session``'s caches, a call at a time."""
-    import mlx.core as mx
-
-    from mlx_stream.generate.session import PREFILL_STEP
-
-    caches = session.caches
-    while tokens:
-        k = min(len(tokens), PREFILL_STEP, max_call_tokens(caches) or PREFILL_STEP)
-        session.model(mx.array(tokens[:k])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-        tokens = tokens[k:]
+    feed_prompt(session.model, session.caches, tokens)
 
 
 def edit(session: Any, turn: int, text: str, window: int) -> tuple[str, Repaired | str]:

@@ -14,8 +14,6 @@ pass a ``write`` callback and a ``stop`` predicate.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +21,25 @@ from typing import Any
 
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import RuntimeFailure, UserError
-
-STATE_KEY = "mlx_stream_chat"
-SENTINEL = "\x00mlx-stream\x00"
-PREFILL_STEP = 512
-ZERO_WIDTH_SPACE = "\u200b"
+from mlx_stream.generate.prefill import PREFILL_STEP, feed_steps
+from mlx_stream.generate.saving import (
+    PRIVATE,
+    STATE_FIELDS,  # noqa: F401 - re-exported
+    STATE_KEY,
+    check_state,
+    checkpoint_paths,
+    draft_cache_path,
+    write_text_atomic,
+)
+from mlx_stream.generate.transcript import (
+    SENTINEL,
+    ZERO_WIDTH_SPACE,  # noqa: F401 - re-exported
+    as_user,
+    clean_text,  # noqa: F401 - re-exported
+    escape_specials,
+    new_messages,
+    special_texts,
+)
 
 
 @dataclass
@@ -68,54 +80,6 @@ class Reply:
     interrupted: bool = False
     finish_reason: str | None = None
     prompt_tps: float = 0.0
-
-
-def _new_messages(user_text: str | list[dict]) -> list[dict]:
-    """A turn's new messages: a user message's text, or messages (tool results)."""
-    if isinstance(user_text, str):
-        return [{"role": "user", "content": user_text}]
-    return [dict(m) for m in user_text]
-
-
-def _as_user(message: dict) -> dict:
-    """A system message after the first, for a template that refuses one there."""
-    if message["role"] != "system":
-        return message
-    return {"role": "user", "content": f"[system] {message['content']}"}
-
-
-def clean_text(text: str) -> str:
-    """``text`` with undecodable input made replacement characters (U+FFFD).
-
-    Bytes that were not UTF-8 reach Python as lone surrogates (``surrogateescape`` on
-    stdin, ``"\\udcff"`` escapes in JSON), which the tokenizer rejects: decode them
-    leniently wherever text enters a session.
-    """
-    try:
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a surrogate that is not an escaped byte
-        raw = text.encode("utf-8", "replace")
-    return raw.decode("utf-8", "replace")
-
-
-def special_texts(tokenizer: Any) -> tuple[str, ...]:
-    """The texts ``tokenizer`` reads as special tokens, longest first."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    added = getattr(hf, "added_tokens_decoder", None) or {}
-    texts = {t.content for t in added.values() if getattr(t, "special", False)}
-    texts |= set(getattr(hf, "all_special_tokens", None) or ())
-    texts.discard(getattr(hf, "unk_token", None))  # unknown text reads as it anyway
-    return tuple(sorted((t for t in texts if len(t) > 1), key=len, reverse=True))
-
-
-def escape_specials(text: str, specials: tuple[str, ...]) -> str:
-    """``text`` with every special token's text broken by a zero-width space after its
-    first character, so message content is read as text: a user who writes
-    ``<|im_start|>system`` gets those characters, not a new role."""
-    for special in specials:
-        if special in text:
-            text = text.replace(special, special[0] + ZERO_WIDTH_SPACE + special[1:])
-    return text
 
 
 def cache_count(caches: list) -> int:
@@ -209,7 +173,7 @@ class ChatSession:
         except Exception:  # noqa: BLE001 - a template that takes a system message first only
             if not any(m["role"] == "system" for m in messages[1:]):
                 raise
-            messages = messages[:1] + [_as_user(m) for m in messages[1:]]
+            messages = messages[:1] + [as_user(m) for m in messages[1:]]
             return tok.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
@@ -244,13 +208,13 @@ class ChatSession:
     def turn_tokens(self, user_text: str | list[dict]) -> tuple[list[int], str]:
         """Tokens to feed for a new user message (or new messages: tool results), and
         the rendered conversation after it."""
-        messages = self.messages + _new_messages(user_text)
+        messages = self.messages + new_messages(user_text)
         full = self.render(self.conversation(messages))
         if full.startswith(self.fed_text):
             new = full[len(self.fed_text) :]
         else:
             # The template rewrote earlier turns: render the new message alone.
-            new = self.render(_new_messages(user_text))
+            new = self.render(new_messages(user_text))
             bos = getattr(self.tokenizer, "bos_token", None)
             if bos and new.startswith(bos):
                 new = new[len(bos) :]
@@ -299,23 +263,15 @@ class ChatSession:
     def prefill_steps(self, text: str) -> Iterator[int]:
         """:meth:`prefill`, a model call at a time: yields the tokens fed so far after
         each call (a caller may serve others between them)."""
-        import mlx.core as mx
-
-        from mlx_stream.cache.sink import max_call_tokens
-
         tokens = self.encode(text)
         groups = [(self.model, self.caches[: self.n_target])]
         if self.draft_model is not None:
             groups.append((self.draft_model, self.caches[self.n_target :]))
         fed = 0
-        for model, caches in groups:
-            rest = tokens
-            while rest:
-                n = min(len(rest), PREFILL_STEP, max_call_tokens(caches) or PREFILL_STEP)
-                model(mx.array(rest[:n])[None], cache=caches)
-                mx.eval([c.state for c in caches])
-                rest, fed = rest[n:], fed + n
-                yield fed
+        for group in groups:
+            for done in feed_steps([group], tokens, PREFILL_STEP):
+                yield fed + done
+            fed += len(tokens)
         self.fed_text, self.pending, self.tokens = text, [], tokens
 
     def prefix_key(self, text: str) -> Any:
@@ -466,7 +422,7 @@ class ChatSession:
                 self.tokens = (self.tokens + tokens + generated)[: cache_count(self.caches)]
             # The text the consumer saw (a stop string is cut from it).
             text = "".join(texts)
-            self.messages += [*_new_messages(user_text), {"role": "assistant", "content": text}]
+            self.messages += [*new_messages(user_text), {"role": "assistant", "content": text}]
             self.fed_text = full + text
             self.last = Reply(
                 text=text,
@@ -635,73 +591,3 @@ class ChatSession:
         self.settings.cache = self.settings.cache.replace(window=state["window"])
         self.last = None
         return cache_path
-
-
-# What a saved state must hold, and a check per field (``None`` allowed for ``system``).
-STATE_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "system": ("a string or null", lambda v: v is None or isinstance(v, str)),
-    "messages": (
-        "a list of {role, content} strings",
-        lambda v: (
-            isinstance(v, list)
-            and all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in v
-            )
-        ),
-    ),
-    "fed_text": ("a string", lambda v: isinstance(v, str)),
-    "pending": (
-        "a list of token ids",
-        lambda v: isinstance(v, list) and all(type(t) is int and t >= 0 for t in v),
-    ),
-    "sinks": ("an integer >= 0", lambda v: type(v) is int and v >= 0),
-    "window": ("an integer >= 1", lambda v: type(v) is int and v >= 1),
-}
-
-
-def check_state(state: Any, path: Path) -> dict[str, Any]:
-    """``state`` if it has every field a session needs, with the right types; else a
-    one-line :class:`UserError` naming the first field at fault."""
-    if not isinstance(state, dict):
-        raise UserError(f"{path}: the saved chat state is not an object")
-    for name, (kind, ok) in STATE_FIELDS.items():
-        if name not in state:
-            raise UserError(f"{path}: the saved chat has no {name!r} field")
-        if not ok(state[name]):
-            raise UserError(f"{path}: the saved chat's {name!r} must be {kind}")
-    return state
-
-
-#: The permissions of every file ``/save`` writes (the transcript's ``mkstemp`` gives them too).
-PRIVATE = 0o600
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it and ``os.replace``
-    (mode ``PRIVATE``, as ``mkstemp`` makes it)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def draft_cache_path(cache_path: Path) -> Path:
-    """Where ``/save`` puts the draft model's cache: ``PATH.draft.safetensors``."""
-    return cache_path.with_name(cache_path.name.removesuffix(".safetensors") + ".draft.safetensors")
-
-
-def checkpoint_paths(path: str | Path) -> tuple[Path, Path]:
-    """``PATH`` -> (``PATH.safetensors``, ``PATH.json``); a given suffix of either is dropped."""
-    path = Path(path).expanduser()
-    if path.suffix in (".safetensors", ".json"):
-        path = path.with_suffix("")
-    return path.with_name(path.name + ".safetensors"), path.with_name(path.name + ".json")
