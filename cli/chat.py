@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cli import options as opt
-from cli.common import (
+from . import options as opt
+from .common import (
     check_cache,
     check_output_path,
     check_positive,
@@ -241,7 +241,7 @@ def make_reader(interactive: bool) -> Callable[[], str]:
     """What reads the next message: the line editor when both ends are a terminal
     (a paste is one message), else :func:`read_line` (a line is one message)."""
     if interactive and is_interactive(sys.stdout):
-        from cli.line_editor import LineEditor, history_path
+        from .line_editor import LineEditor, history_path
         from mlx_stream.generate.session import clean_text
 
         editor = LineEditor(PROMPT, history_path())
@@ -337,7 +337,7 @@ def run(session: ChatSession, interactive: bool, console, per_reply=None, source
     ``per_reply()`` gives each reply's extra ``stream_generate`` arguments; ``source``
     says where the sampling defaults came from (``/show``).
     """
-    from cli.line_editor import quiet_keys
+    from .line_editor import quiet_keys
 
     def write(text: str) -> None:
         print(text, end="", flush=True)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cli.failures import fail
+from .failures import fail
 
 SNIFF_BYTES = 1 << 16
 

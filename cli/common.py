@@ -9,7 +9,7 @@ so ``mlx-stream --help`` stays instant.
 
 from __future__ import annotations
 
-from cli.checks import (
+from .checks import (
     SNIFF_BYTES,
     check_cache,
     check_choice,
@@ -22,7 +22,7 @@ from cli.checks import (
     same_file,
     sampling,
 )
-from cli.failures import (
+from .failures import (
     DEBUG_ENV,
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -35,11 +35,11 @@ from cli.failures import (
     handle_errors,
     silence_stdout,
 )
-from cli.help import (
+from .help import (
     reflow,
     tidy_help,
 )
-from cli.loading import (
+from .loading import (
     cache_spec,
     load_for_cache,
     load_model,
@@ -48,7 +48,7 @@ from cli.loading import (
     recall_spec,
     sizes,
 )
-from cli.streams import (
+from .streams import (
     atomic_path,
     atomic_write_csv,
     atomic_write_text,

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import handle_errors
+from .common import handle_errors
 
 # A float32 matmul slower than this fraction of numpy's means a reference BLAS.
 SLOW_FRACTION = 0.5

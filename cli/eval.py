@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
-from cli import options as opt
-from cli.common import (
+from . import options as opt
+from .common import (
     cache_spec,
     check_cache,
     check_choice,
@@ -262,7 +262,7 @@ def _divergence_table(rows: list[dict], tokens: int, generate: int) -> None:
     from rich import box
     from rich.table import Table
 
-    from cli.stream_run import fmt_ppl
+    from .stream_run import fmt_ppl
 
     console = _console()
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cli.checks import check_positive
-from cli.failures import fail
-from cli.streams import stderr_console
+from .checks import check_positive
+from .failures import fail
+from .streams import stderr_console
 
 
 def load_model(
@@ -195,7 +195,7 @@ def prefix_store(folder: Path | None, mb: int, off: bool) -> Any:
 def _given(param: str) -> bool:
     """Whether the running command's ``param`` came from the command line (or the
     environment), not its default; ``True`` outside a command."""
-    from cli.options import command_context
+    from .options import command_context
 
     ctx = command_context()
     if ctx is None:
@@ -208,7 +208,7 @@ def _registry_recall() -> dict:
     """The ``recall:`` defaults of the registry entry the running command's ``--model``
     names (the default model without one); ``{}`` for a folder, a file, a name the
     registry does not know (loading says why) or outside a command."""
-    from cli.options import command_context
+    from .options import command_context
 
     ctx = command_context()
     if ctx is None:

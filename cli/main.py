@@ -45,7 +45,7 @@ def root(
     """mlx-stream: a fixed-memory streaming runtime for MLX language models."""
 
 
-from cli import chat, profile, serve, stream_run  # noqa: E402 - typer-only modules
+from . import chat, profile, serve, stream_run  # noqa: E402 - typer-only modules
 
 app.command("chat")(chat.chat)
 app.command("serve")(serve.serve)
@@ -53,19 +53,19 @@ app.command("stream-run")(stream_run.stream_run)
 app.command("profile")(profile.profile)
 
 
-from cli.models import app as models_app  # noqa: E402 - typer-only module
+from .models import app as models_app  # noqa: E402 - typer-only module
 
 app.add_typer(models_app, name="models")
 
-from cli.eval import app as eval_app  # noqa: E402 - typer-only module
+from .eval import app as eval_app  # noqa: E402 - typer-only module
 
 app.add_typer(eval_app, name="eval")
 
-from cli.doctor import doctor  # noqa: E402 - typer-only module
+from .doctor import doctor  # noqa: E402 - typer-only module
 
 app.command("doctor")(doctor)
 
-from cli.help import tidy_help  # noqa: E402 - typer-only module
+from .help import tidy_help  # noqa: E402 - typer-only module
 
 tidy_help(app)  # docstrings reflowed to the terminal, flags without <bool>
 

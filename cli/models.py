@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
-from cli import options as opt
-from cli.common import handle_errors, stderr_console
+from . import options as opt
+from .common import handle_errors, stderr_console
 
 app = typer.Typer(
     help=(
@@ -44,7 +44,7 @@ def _progress(console) -> Iterator[tuple[Any, Any]]:
     """``(progress, log)`` callbacks drawing one rich bar per stage on stderr
     (``cli.common.pull_bars``: bytes as bytes, steps as steps, finished steps ``done``);
     on failure only the one-line error stays."""
-    from cli.common import pull_bars
+    from .common import pull_bars
 
     bars, progress = pull_bars(console)
 
@@ -198,7 +198,7 @@ def list_models(
     from rich.console import Console
     from rich.table import Table
 
-    from cli.common import print_table
+    from .common import print_table
     from mlx_stream.cache.estimate import human
 
     table = Table(box=None, pad_edge=False)
@@ -427,7 +427,7 @@ def pull(
     as --dtype)."""
     import time
 
-    from cli.common import check_positive
+    from .common import check_positive
     from mlx_stream.models import hub, loader, registry
 
     check_positive(sinks, "--sinks", 0)
@@ -531,7 +531,7 @@ def check(
     """
     from mlx_lm.models import cache as mlx_cache
 
-    from cli.common import load_model
+    from .common import load_model
     from mlx_stream.cache.positions import check_model, model_type
     from mlx_stream.cache.sink import make_sink_cache
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import typer
 
-from cli import options as opt
-from cli.common import (
+from . import options as opt
+from .common import (
     EXIT_RUNTIME,
     atomic_path,
     atomic_write_csv,

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from cli import options as opt
-from cli.common import (
+from . import options as opt
+from .common import (
     check_cache,
     check_positive,
     check_sampling,

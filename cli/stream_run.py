@@ -15,8 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
-from cli import options as opt
-from cli.common import (
+from . import options as opt
+from .common import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
     atomic_write_csv,

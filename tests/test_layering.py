@@ -262,8 +262,6 @@ MAX_LINES = 600
 OVER_MAX_LINES = {
     "mlx_stream/cache/sink.py",
     "mlx_stream/recall/tier.py",
-    "mlx_stream/generate/session.py",
-    "mlx_stream/generate/decode.py",
 }
 
 

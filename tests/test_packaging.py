@@ -51,11 +51,6 @@ def test_wheel_has_no_top_level_cli(wheel):
     assert "mlx-stream = mlx_stream_cli.main:main" in wheel.read(entry_points).decode()
 
 
-@pytest.mark.xfail(
-    reason="cli/ modules still import each other as `cli.` (from cli.common import ...): "
-    "installed as mlx_stream_cli they need relative imports (from .common import ...)",
-    strict=False,
-)
 def test_installed_cli_imports_without_the_checkout(wheel, tmp_path):
     wheel.extractall(tmp_path / "site")
     code = (
