@@ -241,8 +241,9 @@ def make_reader(interactive: bool) -> Callable[[], str]:
     """What reads the next message: the line editor when both ends are a terminal
     (a paste is one message), else :func:`read_line` (a line is one message)."""
     if interactive and is_interactive(sys.stdout):
-        from .line_editor import LineEditor, history_path
         from mlx_stream.generate.session import clean_text
+
+        from .line_editor import LineEditor, history_path
 
         editor = LineEditor(PROMPT, history_path())
         return lambda: clean_text(editor.read())

@@ -198,8 +198,9 @@ def list_models(
     from rich.console import Console
     from rich.table import Table
 
-    from .common import print_table
     from mlx_stream.cache.estimate import human
+
+    from .common import print_table
 
     table = Table(box=None, pad_edge=False)
     if available:
@@ -427,8 +428,9 @@ def pull(
     as --dtype)."""
     import time
 
-    from .common import check_positive
     from mlx_stream.models import hub, loader, registry
+
+    from .common import check_positive
 
     check_positive(sinks, "--sinks", 0)
     check_positive(window, "--window")
@@ -531,9 +533,10 @@ def check(
     """
     from mlx_lm.models import cache as mlx_cache
 
-    from .common import load_model
     from mlx_stream.cache.positions import check_model, model_type
     from mlx_stream.cache.sink import make_sink_cache
+
+    from .common import load_model
 
     net, _, spec = load_model(model)
     caches = mlx_cache.make_prompt_cache(net)

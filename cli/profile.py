@@ -20,6 +20,8 @@ from typing import Any
 
 import typer
 
+from mlx_stream.defaults import RECLAIM_MODES
+
 from . import options as opt
 from .common import (
     EXIT_RUNTIME,
@@ -39,7 +41,6 @@ from .common import (
     load_model,
     recall_spec,
 )
-from mlx_stream.defaults import RECLAIM_MODES
 
 CACHES = ("sink", "full", "rotating")
 DEFAULT_PROMPT = "Once upon a time, in a small town by the sea, there lived"

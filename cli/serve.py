@@ -10,6 +10,12 @@ from typing import Annotated
 
 import typer
 
+from mlx_stream.defaults import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_REPAIR_TOKENS,
+    DEFAULT_SERVE_MAX_TOKENS,
+)
+
 from . import options as opt
 from .common import (
     check_cache,
@@ -23,11 +29,6 @@ from .common import (
     recall_spec,
     sampling,
     stderr_console,
-)
-from mlx_stream.defaults import (
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_REPAIR_TOKENS,
-    DEFAULT_SERVE_MAX_TOKENS,
 )
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
