@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 for q, question in enumerate(QUESTIONS[: 1 if args.quick else None]):
                     asked = [*messages, {"role": "user", "content": question}]
                     got = ask(engine, asked, tools, args.max_tokens)
-                    engine.call(engine._publish).result()
+                    engine.call(engine.publish).result()
                     s = engine.stats["sessions"][-1]
                     emit(base_record(
                         "agent-prompt", args.model, weights, cache=name, window=cache.window,

@@ -15,7 +15,7 @@ tokens the server says it had cached (``prompt_tokens_details.cached_tokens``, w
 reports them) and the time to the first streamed token. One JSON line per server, a
 summary with the ratios of total time to first token (turns, edits).
 
-    python benchmarks/agent_replay.py --out benchmarks/results/agent_replay.jsonl
+    python benchmarks/agent_replay.py    # appends to benchmarks/results/agent_replay/
     python benchmarks/agent_replay.py --quick     # a smoke test
 """
 

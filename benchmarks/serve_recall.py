@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                     reply = ask(engine, messages[name], "s")
                     seconds = time.perf_counter() - tic
                     messages[name].append({"role": "assistant", "content": reply})
-                    engine.call(engine._publish).result()
+                    engine.call(engine.publish).result()
                     (s,) = engine.stats["sessions"]
                     last = turn == len(turns)
                     emit(base_record(

@@ -57,7 +57,7 @@ def test_batched_sessions_reply_what_they_reply_alone_over_two_turns(loaded, tmp
                 for c, (t, _) in zip(CONVERSATIONS, first, strict=True)
             ]
             second = run_all(e, follow, max_tokens=30)
-            stats = e.call(lambda e=e: (e._publish(), e.stats)[1]).result()
+            stats = e.call(lambda e=e: (e.publish(), e.stats)[1]).result()
         finally:
             e.stop()
         results[batching] = (first, second, stats["batch"])
@@ -77,16 +77,16 @@ def test_batching_is_refused_with_a_reason_for_quantized_kv_and_a_draft_model(lo
     model, tokenizer = loaded
     quantized = Settings(CacheSpec(sinks=2, window=24, kv_bits=8))
     e = Engine(model, tokenizer, quantized, "tiny", state_dir=tmp_path)
-    e._make_batch()
-    assert e._batch is None and "kv_bits" in e.batch_refusal
+    e.make_batch()
+    assert e.current_batch is None and "kv_bits" in e.batch_refusal
     e = Engine(
         model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path, draft_model=model
     )
-    e._make_batch()
-    assert e._batch is None and "draft model" in e.batch_refusal
+    e.make_batch()
+    assert e.current_batch is None and "draft model" in e.batch_refusal
     e = Engine(model, tokenizer, Settings(CacheSpec(2, 24)), "tiny", state_dir=tmp_path)
-    e._make_batch()
-    assert e._batch is not None and e.batch_refusal is None
+    e.make_batch()
+    assert e.current_batch is not None and e.batch_refusal is None
 
 
 def test_a_served_batch_streams_to_concurrent_clients_and_reports_itself(tiny_model_dir):
@@ -138,7 +138,7 @@ def test_sessions_decoding_in_a_batch_report_their_device_bytes(loaded, tmp_path
             box.put(event)
             count[0] += event[0] == "text"
             if count[0] == 10:  # mid-reply, on the worker thread: the rows are batched
-                e._publish()
+                e.publish()
                 busy = {s["id"]: s["device_bytes"] for s in e.stats["sessions"] if s["busy"]}
                 seen.append(busy)
 
@@ -150,7 +150,7 @@ def test_sessions_decoding_in_a_batch_report_their_device_bytes(loaded, tmp_path
         for box in boxes:
             while box.get(timeout=60)[0] not in ("end", "error"):
                 pass
-        stats = e.call(lambda: (e._publish(), e.stats)[1]).result()
+        stats = e.call(lambda: (e.publish(), e.stats)[1]).result()
     finally:
         e.stop()
     assert stats["batch"]["steps"] > 0 and seen and len(seen[0]) >= 2

@@ -239,7 +239,7 @@ def test_served_sessions_report_their_policy(tiny_model_dir, tmp_path):
         while (event := box.get(timeout=60))[0] not in ("end", "error"):
             pass
         assert event[0] == "end", event
-        stats = e.call(lambda: (e._publish(), e.stats)[1]).result()
+        stats = e.call(lambda: (e.publish(), e.stats)[1]).result()
     finally:
         e.stop()
     (session,) = stats["sessions"]

@@ -417,7 +417,7 @@ def test_a_restarted_server_takes_its_system_prompt_from_the_store(loaded, tmp_p
         e.start()
         try:
             replies.append(ask_turn(e, messages)[0])
-            stats = e.call(lambda e=e: (e._publish(), e.stats)[1]).result()
+            stats = e.call(lambda e=e: (e.publish(), e.stats)[1]).result()
         finally:
             e.stop()
         assert stats["prefix_store"]["hits"] == run

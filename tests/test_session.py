@@ -257,7 +257,7 @@ def test_evicted_sessions_stay_in_the_state_folder_whatever_their_id(engine, tmp
     assert {p.parent for p in tmp_path.rglob("*") if p.is_file()} <= {tmp_path}
     for session_id in ids[:3]:
         assert e.entries[("", session_id)].path.parent == tmp_path
-        e._drop(e.entries[("", session_id)])
+        e.drop(e.entries[("", session_id)])
     assert victim.read_text() == "{}"
 
 

@@ -151,7 +151,7 @@ class Engine(Scheduler, Sessions):
         for entry in self.store.load(discard=self.cluster is not None):
             self.entries[entry.key] = entry  # on disk: loaded on its next request
         self._start_worker()
-        self.call(self._make_batch).result()
+        self.call(self.make_batch).result()
         sinks = self.settings.cache.sinks
         need = self.call(lambda: self.weights + self.session_bytes(sinks)).result()
         self.call(self.publish).result()
@@ -225,7 +225,7 @@ class Engine(Scheduler, Sessions):
         turn = session.turn_tokens(user)  # with an unfed head: the head too
         if len(turn[0]) > self.max_prompt_tokens:
             if mode in ("rebuild", "new"):  # its caches would not encode its transcript
-                self._drop(entry)
+                self.drop(entry)
             raise TooLarge(
                 f"the prompt has {len(turn[0]):,} tokens to feed; this server takes at most "
                 f"{self.max_prompt_tokens:,} per request (--max-prompt-tokens)"
@@ -255,18 +255,18 @@ class Engine(Scheduler, Sessions):
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
             )
         except BaseException:
-            self._drop(entry)
+            self.drop(entry)
             raise
         entry.session, entry.bytes = session, self.admission.single_bytes(session.sinks)
         tokens = list(self.tokenizer.encode(clean_text(request.prompt or "")))
         if not tokens:
-            self._drop(entry)
+            self.drop(entry)
             raise BadRequest("prompt: must not be empty")
         box: list = []
         try:
             planned = self.planner.plan(request)
         except BaseException:
-            self._drop(entry)
+            self.drop(entry)
             raise
         request = planned.request
         steps = self._steps(request, box)
@@ -386,8 +386,6 @@ class Engine(Scheduler, Sessions):
             },
             "prefix_store": self._prefix_stats(),
         }
-
-    _publish = publish  # the name other callers still use
 
     def _prefix_stats(self) -> dict[str, Any] | None:
         """The prefix store's folder and counters (``None`` without one)."""

@@ -133,7 +133,12 @@ class Scheduler:
         self._queue.put((fn, future))
         return future
 
-    def _make_batch(self) -> None:
+    @property
+    def current_batch(self) -> Any:
+        """The batch every session decodes in (``None``: each decodes alone)."""
+        return self._batch
+
+    def make_batch(self) -> None:
         """The batch every session decodes in, or the reason there is none."""
         from mlx_stream.errors import Unsupported
         from mlx_stream.generate.batch import Batch
@@ -400,7 +405,7 @@ class Scheduler:
         entry.busy = False
         entry.last_used = time.monotonic()
         if entry.transient:
-            self._drop(entry)
+            self.drop(entry)
             return
         if rollback and entry.checkpoint is not None:
             entry.session.restore(entry.checkpoint)  # its recall tier too

@@ -105,7 +105,7 @@ class Sessions:
         self.evictions += 1
         stored = [e for e in self.entries.values() if e.session is None]
         if len(stored) > MAX_STORED:
-            self._drop(min(stored, key=lambda e: e.last_used))
+            self.drop(min(stored, key=lambda e: e.last_used))
 
     def evict(self, entry: Entry) -> Path | None:
         """Save the idle resident session of ``entry`` to the state folder now and free
@@ -123,7 +123,8 @@ class Sessions:
         finally:
             recalled.release(session)
 
-    def _drop(self, entry: Entry) -> None:
+    def drop(self, entry: Entry) -> None:
+        """Forget ``entry``: its caches released, its saved files removed."""
         self.entries.pop(entry.key, None)
         self._dropped.discard(entry.key)
         recalled.release(entry.session)
@@ -274,7 +275,7 @@ class Sessions:
                 mode = "rebuild"
         except BaseException:
             if entry.session is None and entry.path is None:  # refused before it began
-                self._drop(entry)
+                self.drop(entry)
             raise
         session, repaired = entry.session, None
         if mode == "repair":
