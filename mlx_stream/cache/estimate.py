@@ -275,19 +275,6 @@ def check_spec(model: Any, spec: Any) -> None:
     check_fits(need, f"the KV cache (sinks {spec.sinks} + window {spec.window})")
 
 
-def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any) -> list:
-    """``make_sink_cache(model, sinks, window, **options)`` after checking that the
-    full cache fits in memory: ``CacheSpec(sinks, window, **options).build(model)``.
-
-    Raises:
-        UserError: Impossible sizes, or a cache larger than the memory available
-            (with both figures), before anything is allocated.
-    """
-    from mlx_stream.cache.spec import CacheSpec
-
-    return CacheSpec(sinks, window, **options).build(model)
-
-
 def activation_bytes(folder: str | os.PathLike, dtype: str) -> int:
     """Bytes per element of keys and values for a folder loaded under ``dtype``: the
     float dtype, or for ``"quantized"`` the dtype of its float tensors (scales)."""
@@ -327,21 +314,9 @@ def describe(estimate: dict) -> str:
     return f"{line} ({verdict} {human(available)} available)"
 
 
-def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT_STRIDE,
-                 bits: int | None = None, group: int = 64, sink_copy: bool = True) -> dict:  # fmt: skip
-    """What the recall tier adds: its fixed device region (``blocks * block`` slots per
-    layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement), the
-    bytes the store uses per 1,000 evicted tokens (host memory, then disk; block
-    summaries included: ``3 * kv_heads * key_dim`` float32 numbers per block and layer)
-    and the room it reserves at a time (``store_segment_bytes``: a segment of every
-    layer)."""
-    from mlx_stream.recall.store import SEGMENT, bytes_per_token
+def recall_bytes(layout: KVLayout, sinks: int, blocks: int, *args, **options) -> dict:
+    """What the recall tier adds to a cache of ``layout`` (its extension's estimate:
+    ``mlx_stream.recall.store.recall_bytes``; the recall package must be imported)."""
+    from mlx_stream.cache import extension
 
-    slots = (sinks if sink_copy else 0) + blocks * block
-    region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
-    per_token = bytes_per_token(layout.layers, layout.kv_heads, layout.key_dim,
-                                layout.value_dim, layout.dtype_bytes, bits, group)  # fmt: skip
-    summaries = layout.layers * 3 * layout.kv_heads * layout.key_dim * 4 / block
-    return {"region_bytes": region * layout.dtype_bytes,
-            "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries)),
-            "store_segment_bytes": int(SEGMENT * block * per_token)}  # fmt: skip
+    return extension.get("recall").bytes(layout, sinks, blocks, *args, **options)

@@ -43,8 +43,8 @@ import numpy as np
 
 from mlx_stream import files
 from mlx_stream.errors import UserError
+from mlx_stream.recall.names import KEY  # noqa: F401  (persist.KEY: the metadata key)
 
-KEY = "mlx_stream_recall"  # the cache file's metadata: its sidecar and the manifest's sha256
 MANIFEST = "manifest.json"
 VERSION = 1
 CHUNK = 1 << 20  # bytes per read or write when streaming a file

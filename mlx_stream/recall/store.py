@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_stream.cache import storage as kvstore
+from mlx_stream.defaults import DEFAULT_STRIDE
 from mlx_stream.errors import RuntimeFailure, UserError
 
 SEGMENT = 32  # blocks per segment (one allocation, or one file, per layer and tensor)
@@ -87,6 +88,24 @@ def bytes_per_token(
         return dim * bits // 8 + 2 * (dim // group) * dtype_bytes
 
     return layers * kv_heads * (one(key_dim) + one(value_dim))
+
+
+def recall_bytes(layout, sinks: int, blocks: int, block: int = DEFAULT_STRIDE,
+                 bits: int | None = None, group: int = 64, sink_copy: bool = True) -> dict:  # fmt: skip
+    """What the recall tier adds: its fixed device region (``blocks * block`` slots per
+    layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement), the
+    bytes the store uses per 1,000 evicted tokens (host memory, then disk; block
+    summaries included: ``3 * kv_heads * key_dim`` float32 numbers per block and layer)
+    and the room it reserves at a time (``store_segment_bytes``: a segment of every
+    layer)."""
+    slots = (sinks if sink_copy else 0) + blocks * block
+    region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
+    per_token = bytes_per_token(layout.layers, layout.kv_heads, layout.key_dim,
+                                layout.value_dim, layout.dtype_bytes, bits, group)  # fmt: skip
+    summaries = layout.layers * 3 * layout.kv_heads * layout.key_dim * 4 / block
+    return {"region_bytes": region * layout.dtype_bytes,
+            "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries)),
+            "store_segment_bytes": int(SEGMENT * block * per_token)}  # fmt: skip
 
 
 class FileArray:

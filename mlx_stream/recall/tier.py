@@ -1,64 +1,8 @@
-"""The recall tier: evicted blocks stored, chosen by the queries, attended again.
-
-Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
-
-* **Store.** Block ``j`` is tokens ``[j * block, (j + 1) * block)`` (the sinks left
-  out). At the first call at or after each multiple of ``block``, each block that no
-  row can see any more (its last token ``<= boundary - window``) is copied out of
-  every layer's ring (in that layer's own hook, in that call's layout) before its
-  slots are reused, keys moved to block-relative positions with the layer's own
-  rope, into the host store (``mlx_stream.recall.store``), and summarised
-  (``mlx_stream.recall.select``). ``block`` is the cache's stride, and the slack is
-  raised so a block is always still in the ring when it is copied.
-* **Selection.** Refreshed only at token indices that are multiples of ``block`` (calls
-  of our decode loop never cross one) from the queries of the ``block`` tokens before
-  it, and at the end of each prompt fed by ``generate_step`` (so the question's
-  queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
-  then rolled back and fed again under that selection, so the question's own tokens
-  see what it recalls; candidates are then only blocks no re-fed row can see in its
-  window; a prompt's end scores with ``spec.prompt_selector``, a boundary with
-  ``spec.selector``). Candidates are the blocks every layer stored at earlier
-  boundaries (a block joins them one boundary after it is stored); ``k`` winners, in
-  stream order, one selection for all layers. So the result does not depend on how a
-  prompt is split into calls: chunked prefill,
-  token-by-token decode and speculative verify blocks see the same selection at every
-  token. What does differ: a stream fed as several prompts (chat turns) also refreshes
-  at each prompt's end.
-* **Region.** Each layer has a fixed device buffer of ``k * block`` slots; at the start
-  of a call whose selection or sink position changed it is rebuilt from the store:
-  ``placement="stream"`` keeps stream order: a copy of the sinks moved back by the
-  region (the ring's own sink slots are masked), then the selected blocks (each keeps
-  its token spacing, the last one adjacent to the window); ``"before"`` puts the blocks
-  right before the sinks, which stay where the ring has them; ``"fixed"`` puts every
-  retrieved token at the one position right before the sinks (InfLLM); ``"near"``
-  puts the blocks, in stream order, right before the token the selection was
-  refreshed at, so the queries of the block after a refresh read them as their most
-  recent context (a small model copies from a few hundred tokens back, not from
-  the far end of its window). All are bounded: no key sits more than ``k * block``
-  positions beyond where the sinks alone would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
-  model's mask extended by the region's valid slots (``mlx_stream.recall.hook``).
-  Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer
-  (``stream`` adds a moved copy of the sinks; the slack covers the prompt-end
-  rollback); the concatenation is a per-call temporary, and for ``slack + 2`` tokens
-  after each rebase the cache keeps a copy of the moved keys so that rollback is exact.
-* **Rollback.** ``trim`` forgets the queries of the trimmed tokens, stored blocks
-  holding a trimmed token and selections refreshed after the point trimmed back to
-  (a stored block a row can see again is no candidate until it is evicted again).
-* **Saving.** :meth:`Recall.export` / :meth:`Recall.restore` carry everything the
-  next calls read: the store (every layer, as stored), the summaries, ``first``, the
-  selection history, the recent queries the next refresh reads and ``scale``; the
-  regions are rebuilt from the store at the next call. So feeding, saving, loading
-  into a fresh cache and feeding on gives the logits and selections of a run that
-  never stopped, bit for bit (same calls). ``save_cache``/``load_cache`` write and
-  check the files (``mlx_stream.recall.persist``).
-* **A full disk.** At the start of a call the first layer allocates every store
-  segment the call will fill (:meth:`Recall.reserve`); a store that cannot grow raises
-  a ``RuntimeFailure`` naming its folder there, before any layer has stored or written
-  anything of the call, so the cache stays as it was before it.
-
-Supported: batch 1, ``positions="cache"``, layers whose keys carry the rope on all of
-their dims (or no position); anything else is refused with one line before the first
-token.
+"""The recall tier's runtime (one ``Recall`` per model cache, shared by its SinkCache
+layers): evicted blocks stored, selected by the queries at block boundaries and at a
+prompt's end, attended again from a fixed device region; exact under rollback, save
+and load. Supported: batch 1, ``positions="cache"``, keys roped on all dims.
+Design: docs/recall.md.
 """
 
 from __future__ import annotations
@@ -71,10 +15,13 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
+import mlx_stream.recall.hook as hook
+import mlx_stream.recall.score as score
+import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move, model_type
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
-from mlx_stream.recall import hook, score, select, tier_of
+from mlx_stream.recall.names import tier_of
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
 
