@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +24,27 @@ from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
 
 POSITIONS = ("cache", "absolute")
+
+
+class Layout(NamedTuple):
+    """Where the stored tensors' positions are: ``base`` (the rebase) and
+    ``sink_start`` (where the sinks were moved to)."""
+
+    base: int
+    sink_start: int
+
+
+class Undo(NamedTuple):
+    """What a rebase replaced (kept while a rollback can reach back across it): the
+    ``token`` it happened at, the ``layout`` and ``stride`` index before, and the
+    ``moved`` buffer as it was."""
+
+    token: int
+    layout: Layout
+    stride: int
+    moved: object
+
+
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 64
@@ -30,7 +52,7 @@ DEFAULT_SLACK = 0
 UNKNOWN_STRIDE = 2**62  # a loaded layout's stride when the file does not say
 
 
-class SinkCache(mlx_cache._BaseCache):
+class SinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
     """A fixed-size KV cache keeping ``sinks`` first tokens and a ``window`` of recent ones.
 
     A thin glue of three parts: the slot layout (``mlx_stream.cache.ring.Ring``), the
@@ -111,12 +133,12 @@ class SinkCache(mlx_cache._BaseCache):
         self.keys = None
         self.values = None
         self.sink_copy = None  # the moved slot's sinks as first written (full precision)
-        self._layout_applied = (0, 0)  # (base, sink_start) the stored tensors are in
+        self._layout_applied = Layout(0, 0)  # the layout the stored tensors are in
         self._layout_stride = -1  # stride index (token // stride) the layout was set for
-        self._undo = None  # (token, layout, layout stride, moved buffer) before a rebase
+        self._undo: Undo | None = None  # the layout before the last rebase, to trim back
         # Keep that copy only once the cache has been rolled back (speculative decoding):
         # plain decoding never trims and keeps its memory flat.
-        self._rolls_back = False
+        self.rolls_back = False  # keep what a rebase moved, for an exact trim back
         self._last_fetched = 0  # slots the last update_and_fetch returned
         self._recent_slots = None  # per-channel keys: value slot of each residual column
         self._shared = False  # another layer reads keys_and_values (kv-shared layers)
@@ -250,8 +272,22 @@ class SinkCache(mlx_cache._BaseCache):
     # ----- moving positions ---------------------------------------------------------
 
     @property
-    def _moving(self) -> bool:
+    def moving(self) -> bool:
+        """Whether this layer moves its sinks and rebases (cache positions that move)."""
         return self.positions == "cache" and (self.move is None or self.move.moves)
+
+    @property
+    def layout(self) -> Layout:
+        """The sink move and rebase the stored tensors are in."""
+        return self._layout_applied
+
+    def needs_layout(self, n: int) -> bool:
+        """Whether a call starting at token ``n`` first moves the sinks or rebases."""
+        return self.moving and n // self.stride != self._layout_stride
+
+    def forget_fetched(self) -> None:
+        """What the last ``update_and_fetch`` returned is stale (its buffers changed)."""
+        self._last_fetched = 0
 
     def _bits(self, slot: int) -> int | None:
         """Bits of the slot-wise storage of ``slot`` (per-channel keys keep sinks float)."""
@@ -277,11 +313,11 @@ class SinkCache(mlx_cache._BaseCache):
         x = kvstore.unpack(kvstore.get(buf, start, stop), bits, g)
         return kvstore.pack(self._shift(x, d), bits, g)
 
-    def _apply_layout(self, n: int, N: int) -> None:
+    def apply_layout(self, n: int, N: int) -> None:
         """Bring stored tensors into the layout of an ``N``-token call at token ``n``
         (and write the spare sinks of the later layouts a crossing call spans)."""
         ring, S, C = self.ring, self.sinks, self.capacity
-        if not self._moving:
+        if not self.moving:
             if not ring.in_order(N) and ring.in_place:
                 for k in range(1, len(ring.sink_layouts(N))):  # unmoved sink copies
                     lo = C + (k - 1) * S
@@ -295,8 +331,8 @@ class SinkCache(mlx_cache._BaseCache):
             base, sink_start = ring.layout(n)
             old = self._layout_applied
             if base != old[0]:
-                keep = self._rolls_back  # the moved tensors, for an exact trim back
-                self._undo = (n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
+                keep = self.rolls_back  # the moved tensors, for an exact trim back
+                self._undo = Undo(n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
                 if isinstance(buf, kvquant.ChannelKeys):
                     buf.shift_ring(lambda x, d=old[0] - base: self._shift(x, d))
                 else:
@@ -306,7 +342,7 @@ class SinkCache(mlx_cache._BaseCache):
                 # accumulate rounding or quantization error, and undo exactly.
                 moved = self._shift(self.sink_copy, sink_start - base)
                 kvstore.put(buf, 0, S, kvstore.pack(moved, bits, g))
-            self._layout_applied = (base, sink_start)
+            self._layout_applied = Layout(base, sink_start)
             self._layout_stride = n // self.stride
         if ring.in_order(N) or not ring.in_place:
             return  # a concatenating call gets its spare sinks as columns (_spare_sinks)
@@ -329,7 +365,7 @@ class SinkCache(mlx_cache._BaseCache):
         out = []
         for start in starts[1:]:
             pair = [kvstore.get(b, 0, S) for b in self._buffers()]
-            if self._moving:
+            if self.moving:
                 slot = self.move.slot if self.move is not None else 0
                 moved = self._shift(self.sink_copy, start - base)
                 pair[slot] = kvstore.pack(moved, self._bits(slot), g)
@@ -381,7 +417,7 @@ class SinkCache(mlx_cache._BaseCache):
         self.values = kvstore.zeros(
             B, values.shape[1], L, values.shape[-1], values.dtype, self.value_bits, g
         )
-        if self.sinks > 0 and self._moving:
+        if self.sinks > 0 and self.moving:
             slot = self.move.slot if self.move is not None else 0
             x = (keys, values)[slot]
             self.sink_copy = mx.zeros((B, x.shape[1], self.sinks, x.shape[-1]), x.dtype)
@@ -399,7 +435,7 @@ class SinkCache(mlx_cache._BaseCache):
             raise Unsupported("recall serves one sequence per cache (batch 1)")
         if self.keys is None:
             self._allocate(keys, values)
-        self._apply_layout(n, N)
+        self.apply_layout(n, N)
         if self.recall is not None:  # store what leaves the window before it is overwritten
             self.recall.before_write(self, n, N)
         L = ring.fetched(N)
@@ -426,7 +462,7 @@ class SinkCache(mlx_cache._BaseCache):
             self._recent_slots = self._residual_slots(n, N)
             L = ring.slots_total
         ring.write(N)
-        self._expire_undo()
+        self.expire_undo()
         self._last_fetched = L
         self._concatenated = concat is not None
         if concat is not None:
@@ -458,7 +494,7 @@ class SinkCache(mlx_cache._BaseCache):
             self._packed
             and self.keys is not None
             and not self.ring.in_order(1)
-            and (not self._moving or n // self.ring.stride == self._layout_stride)
+            and (not self.moving or n // self.ring.stride == self._layout_stride)
         )
 
     def _decode_step(self, keys: mx.array, values: mx.array, n: int):
@@ -470,13 +506,13 @@ class SinkCache(mlx_cache._BaseCache):
         self.keys.write_one(keys, n)
         self._recent_slots = self._residual_slots(n, 1)
         ring.write(1)
-        self._expire_undo()
+        self.expire_undo()
         self._last_fetched, self._concatenated, self._returned = ring.slots_total, False, None
         return self._fetch(ring.slots_total, packed=True)
 
-    def _expire_undo(self) -> None:
+    def expire_undo(self) -> None:
         """Drop the copy kept to undo a rebase once no rollback can reach back across it."""
-        if self._undo is not None and self.ring.tokens_seen >= self._undo[0] + self.slack + 2:
+        if self._undo is not None and self.ring.tokens_seen >= self._undo.token + self.slack + 2:
             self._undo = None
 
     def _fetch(self, L: int, packed: bool = False):
@@ -575,13 +611,13 @@ class SinkCache(mlx_cache._BaseCache):
                 "than that"
             )
         keep = ring.tokens_seen - n
-        self._rolls_back = self._rolls_back or n > 0
-        if n and self._moving and self.keys is not None:
+        self.rolls_back = self.rolls_back or n > 0
+        if n and self.moving and self.keys is not None:
             base = ring.layout(keep)[0]
             rebased = keep // self.stride < self._layout_stride and base != self._layout_applied[0]
             if rebased:  # back across a rebase that was applied: restore, never re-rotate
                 undo = self._undo
-                if undo is None or keep >= undo[0] or undo[1][0] != base:
+                if undo is None or keep >= undo.token or undo.layout.base != base:
                     raise Unsupported(
                         f"cannot trim {n} tokens exactly: the rollback crosses the rebase "
                         f"at token {ring.rebase_point(ring.tokens_seen)}, whose moved "
@@ -699,7 +735,7 @@ class SinkCache(mlx_cache._BaseCache):
         )  # fmt: skip
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
-        self._layout_applied = tuple(meta["layout_applied"])
+        self._layout_applied = Layout(*meta["layout_applied"])
         # The stride the layout was set for: a trim back across a rebase is refused
         # after a load as it is live. A file without it: unknown, above every stride,
         # so the next call re-derives the layout and any trim that changes it is refused.
@@ -714,5 +750,5 @@ class SinkCache(mlx_cache._BaseCache):
         for name in ("keys", "values", "sink_copy"):
             setattr(clone, name, kvstore.copy(getattr(self, name)))
         if self._undo is not None:  # a trim adopts this buffer and writes it in place
-            clone._undo = (*self._undo[:3], kvstore.copy(self._undo[3]))
+            clone._undo = self._undo._replace(moved=kvstore.copy(self._undo.moved))  # noqa: SLF001
         return clone

@@ -112,7 +112,7 @@ class Recall:
             )
         for i, c in enumerate(self.layers):
             c.recall, c.recall_index = self, i
-            c._rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
+            c.rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
         L = len(self.layers)
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size, spec.ram_bytes,
                                 spec.folder)  # fmt: skip
@@ -277,8 +277,8 @@ class Recall:
             lo, hi = max(j * bs, S), (j + 1) * bs
             first = min(lo - j * bs, bs)
             keys, values = self._gather(cache, lo, hi)
-            if cache._moving and cache.move is not None:
-                keys = cache.move(keys, cache._layout_applied[0] - j * bs)  # block-relative
+            if cache.moving and cache.move is not None:
+                keys = cache.move(keys, cache.layout.base - j * bs)  # block-relative
             if first:
                 keys, values = (_pad_front(x, first, bs) for x in (keys, values))
             self.store.put(i, j, keys, values, first)
@@ -373,7 +373,7 @@ class Recall:
             parts = []
             for anchor, *rows in runs:
                 x = mx.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
-                if c._moving and c.move is not None:
+                if c.moving and c.move is not None:
                     x = c.move(x, self.block - anchor)
                 parts.append(x)
             out.append(mx.concatenate(parts, axis=2)[0].astype(mx.float32) if parts else None)
@@ -416,7 +416,7 @@ class Recall:
         (``stream``, ``before``, ``fixed``), or for ``near`` the position of the token the
         selection was refreshed at (the blocks end right before it, so the queries of the
         block after a refresh see them as their most recent context)."""
-        if not cache._moving:
+        if not cache.moving:
             return 0
         if self.placement == "near":
             base, _ = cache.ring.layout(n)
@@ -456,7 +456,7 @@ class Recall:
             self.regions[i] = [kvstore.zeros(1, H, top + R, kd, dtype, bits, g),
                                kvstore.zeros(1, H, top + R, vd, dtype, bits, g)]  # fmt: skip
         rk, rv = self.regions[i]
-        move = cache.move if cache._moving and cache.move is not None else None
+        move = cache.move if cache.moving and cache.move is not None else None
         if lead:  # the sinks, moved back by the region so the blocks follow them
             cg = cache.kv_group_size
             sk = kvstore.unpack(kvstore.get(cache.keys, 0, lead), cache.key_bits, cg)
@@ -492,7 +492,7 @@ class Recall:
         """Attention of one layer over ``[region, ring]`` (the hook calls it)."""
         i, N = cache.recall_index, queries.shape[2]
         n0 = cache.tokens_seen - N
-        anchor = self.anchor(cache, n0) if cache._moving else 0
+        anchor = self.anchor(cache, n0) if cache.moving else 0
         kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
         self.queries[i] = [*kept, (n0, queries, anchor)]
         anchor = self._region_anchor(cache, n0)
