@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,31 +17,14 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_stream.cache import kvquant, qattend
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move
+from mlx_stream.cache.relayout import Layout, Relayout, Undo  # noqa: F401
 from mlx_stream.cache.ring import Ring
 from mlx_stream.cache.settings import validate_sizes
 from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.cache.stored import Stored
 from mlx_stream.errors import Unsupported
 
 POSITIONS = ("cache", "absolute")
-
-
-class Layout(NamedTuple):
-    """Where the stored tensors' positions are: ``base`` (the rebase) and
-    ``sink_start`` (where the sinks were moved to)."""
-
-    base: int
-    sink_start: int
-
-
-class Undo(NamedTuple):
-    """What a rebase replaced (kept while a rollback can reach back across it): the
-    ``token`` it happened at, the ``layout`` and ``stride`` index before, and the
-    ``moved`` buffer as it was."""
-
-    token: int
-    layout: Layout
-    stride: int
-    moved: object
 
 
 DEFAULT_SINKS = 4
@@ -52,7 +34,7 @@ DEFAULT_SLACK = 0
 UNKNOWN_STRIDE = 2**62  # a loaded layout's stride when the file does not say
 
 
-class SinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
+class SinkCache(Relayout, Stored, mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
     """A fixed-size KV cache keeping ``sinks`` first tokens and a ``window`` of recent ones.
 
     A thin glue of three parts: the slot layout (``mlx_stream.cache.ring.Ring``), the
@@ -269,108 +251,9 @@ class SinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base s
         out[:, splice : splice + hi - lo] |= mask[:, L:]
         return out
 
-    # ----- moving positions ---------------------------------------------------------
-
-    @property
-    def moving(self) -> bool:
-        """Whether this layer moves its sinks and rebases (cache positions that move)."""
-        return self.positions == "cache" and (self.move is None or self.move.moves)
-
-    @property
-    def layout(self) -> Layout:
-        """The sink move and rebase the stored tensors are in."""
-        return self._layout_applied
-
-    def needs_layout(self, n: int) -> bool:
-        """Whether a call starting at token ``n`` first moves the sinks or rebases."""
-        return self.moving and n // self.stride != self._layout_stride
-
     def forget_fetched(self) -> None:
         """What the last ``update_and_fetch`` returned is stale (its buffers changed)."""
         self._last_fetched = 0
-
-    def _bits(self, slot: int) -> int | None:
-        """Bits of the slot-wise storage of ``slot`` (per-channel keys keep sinks float)."""
-        return None if slot == 0 and self.channel_keys else (self.key_bits, self.value_bits)[slot]
-
-    def _buffers(self) -> list:
-        return [self.keys, self.values]
-
-    def _shift(self, x: mx.array, d: int) -> mx.array:
-        """Move the positioned tensor ``x`` (B, H, L, D) by ``d`` positions."""
-        if d == 0:
-            return x
-        if self.move is None:
-            raise Unsupported(
-                "SinkCache needs to know where the layer's positions live to move them "
-                "(build it with make_sink_cache, or use positions='absolute')"
-            )
-        return self.move(x, d)
-
-    def _moved(self, buf, start: int, stop: int, d: int, bits: int | None):
-        """Slots ``start:stop`` of ``buf`` moved by ``d`` positions, in storage form."""
-        g = self.kv_group_size
-        x = kvstore.unpack(kvstore.get(buf, start, stop), bits, g)
-        return kvstore.pack(self._shift(x, d), bits, g)
-
-    def apply_layout(self, n: int, N: int) -> None:
-        """Bring stored tensors into the layout of an ``N``-token call at token ``n``
-        (and write the spare sinks of the later layouts a crossing call spans)."""
-        ring, S, C = self.ring, self.sinks, self.capacity
-        if not self.moving:
-            if not ring.in_order(N) and ring.in_place:
-                for k in range(1, len(ring.sink_layouts(N))):  # unmoved sink copies
-                    lo = C + (k - 1) * S
-                    for b in self._buffers():
-                        kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
-            return
-        slot = self.move.slot if self.move is not None else 0
-        bits, g = self._bits(slot), self.kv_group_size
-        buf = self._buffers()[slot]
-        if n // self.stride != self._layout_stride:  # it only changes at stride multiples
-            base, sink_start = ring.layout(n)
-            old = self._layout_applied
-            if base != old[0]:
-                keep = self.rolls_back  # the moved tensors, for an exact trim back
-                self._undo = Undo(n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
-                if isinstance(buf, kvquant.ChannelKeys):
-                    buf.shift_ring(lambda x, d=old[0] - base: self._shift(x, d))
-                else:
-                    kvstore.put(buf, S, C, self._moved(buf, S, C, old[0] - base, bits))
-            if S > 0 and sink_start - base != old[1] - old[0]:
-                # Re-derived from the full-precision first-written copy: moves never
-                # accumulate rounding or quantization error, and undo exactly.
-                moved = self._shift(self.sink_copy, sink_start - base)
-                kvstore.put(buf, 0, S, kvstore.pack(moved, bits, g))
-            self._layout_applied = Layout(base, sink_start)
-            self._layout_stride = n // self.stride
-        if ring.in_order(N) or not ring.in_place:
-            return  # a concatenating call gets its spare sinks as columns (_spare_sinks)
-        base = ring.layout(n)[0]
-        for k, start in enumerate(ring.sink_layouts(N)[1:], 1):
-            lo = C + (k - 1) * S
-            for b in self._buffers():
-                kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
-            moved = self._shift(self.sink_copy, start - base)
-            kvstore.put(buf, lo, lo + S, kvstore.pack(moved, bits, g))
-
-    def _spare_sinks(self, n: int, N: int) -> list[list]:
-        """Storage-form [keys, values] of the sinks of each later layout the next call
-        spans (a concatenating call appends them as columns after the buffer)."""
-        ring, S, g = self.ring, self.sinks, self.kv_group_size
-        starts = ring.sink_layouts(N)
-        if len(starts) < 2:
-            return []
-        base = ring.layout(n)[0]
-        out = []
-        for start in starts[1:]:
-            pair = [kvstore.get(b, 0, S) for b in self._buffers()]
-            if self.moving:
-                slot = self.move.slot if self.move is not None else 0
-                moved = self._shift(self.sink_copy, start - base)
-                pair[slot] = kvstore.pack(moved, self._bits(slot), g)
-            out.append(pair)
-        return out
 
     def _attended(self, keys, values):
         """Storage-form keys and values as attention takes them (mixed bits: floats)."""
@@ -510,11 +393,6 @@ class SinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base s
         self._last_fetched, self._concatenated, self._returned = ring.slots_total, False, None
         return self._fetch(ring.slots_total, packed=True)
 
-    def expire_undo(self) -> None:
-        """Drop the copy kept to undo a rebase once no rollback can reach back across it."""
-        if self._undo is not None and self.ring.tokens_seen >= self._undo.token + self.slack + 2:
-            self._undo = None
-
     def _fetch(self, L: int, packed: bool = False):
         """The first ``L`` slots of keys and values, as attention takes them (``packed``:
         per-channel keys as ``qattend``'s packed form)."""
@@ -613,23 +491,7 @@ class SinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base s
         keep = ring.tokens_seen - n
         self.rolls_back = self.rolls_back or n > 0
         if n and self.moving and self.keys is not None:
-            base = ring.layout(keep)[0]
-            rebased = keep // self.stride < self._layout_stride and base != self._layout_applied[0]
-            if rebased:  # back across a rebase that was applied: restore, never re-rotate
-                undo = self._undo
-                if undo is None or keep >= undo.token or undo.layout.base != base:
-                    raise Unsupported(
-                        f"cannot trim {n} tokens exactly: the rollback crosses the rebase "
-                        f"at token {ring.rebase_point(ring.tokens_seen)}, whose moved "
-                        "tensors were not kept (they are, once a cache has been trimmed)"
-                    )
-                _, self._layout_applied, self._layout_stride, saved = undo
-                slot = self.move.slot if self.move is not None else 0
-                if slot == 0:
-                    self.keys = saved
-                else:
-                    self.values = saved
-                self._undo = None
+            self._trim_layout(keep, n)
         ring.forget(n)
         if self.recall is not None:
             self.recall.trimmed(self, ring.tokens_seen)
@@ -645,65 +507,6 @@ class SinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base s
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for _, a in tree_flatten(self.state))
-
-    @property
-    def state(self):
-        if self.keys is None:
-            return []
-        keys = self.keys.state if isinstance(self.keys, kvquant.ChannelKeys) else self.keys
-        arrays = [keys, self.values]
-        return arrays + ([self.sink_copy] if self.sink_copy is not None else [])
-
-    @property
-    def used_state(self):
-        """``state`` with only the slots ever written (``ring.filled``): what
-        ``save_cache`` writes, so a chat of 400 tokens in a 2k window saves 400 slots.
-        The setter pads the rest with zeros, as they were before any write (spare sink
-        slots after the ring are rewritten by every call that reads them); per-channel
-        keys are kept whole."""
-        if self.keys is None:
-            return []
-        n = max(1, self.ring.filled)
-
-        def used(buf):
-            if isinstance(buf, kvquant.ChannelKeys) or n >= kvstore.length(buf):
-                return buf
-            return kvstore.get(buf, 0, n)
-
-        keys, *rest = self.state
-        return [keys if isinstance(keys, dict) else used(keys), used(rest[0]), *rest[1:]]
-
-    @state.setter
-    def state(self, v):
-        v = list(v)
-        if self.channel_keys and not isinstance(v[0], dict):
-            raise Unsupported(
-                f"this cache was saved with per-token {self.key_bits}-bit keys, which "
-                f"mlx-stream no longer reads ({self.key_bits}-bit keys are now per "
-                "channel): start the session again"
-            )
-        if self.channel_keys:
-            keys = kvquant.ChannelKeys.from_state(v[0], self.sinks, self.key_bits)
-        else:
-            keys = tuple(v[0]) if self.key_bits else v[0]
-        values = tuple(v[1]) if self.value_bits else v[1]
-        self.keys, self.values = (self._pad(x) for x in (keys, values))
-        self.sink_copy = v[2] if len(v) > 2 else None
-
-    def _pad(self, buf):
-        """A buffer saved before spare sink slots existed, given them (zeros); one saved
-        while they were slots (before calls concatenated them), without them (they are
-        rewritten by every call that needs them)."""
-        missing = self.ring.slots_total - kvstore.length(buf)
-        if missing < 0 and not isinstance(buf, kvquant.ChannelKeys):
-            return kvstore.get(buf, 0, self.ring.slots_total)
-        if missing <= 0:
-            return buf
-
-        def pad(b):
-            return mx.concatenate([b, mx.zeros((*b.shape[:2], missing, b.shape[3]), b.dtype)], 2)
-
-        return tuple(pad(b) for b in buf) if isinstance(buf, tuple) else pad(buf)
 
     @property
     def spec(self) -> CacheSpec:

@@ -328,7 +328,8 @@ def restore(path: str | os.PathLike, binding: str, model: Any, raw: list, verdic
         UserError: A missing, changed or foreign file, or other settings.
     """
     from mlx_stream.cache.sink import SinkCache
-    from mlx_stream.recall.tier import Recall, check
+    from mlx_stream.recall.checks import check
+    from mlx_stream.recall.tier import Recall
 
     path = Path(path)
     folder, manifest = _manifest(path, binding)

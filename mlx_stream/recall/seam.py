@@ -15,7 +15,7 @@ class RecallExtension:
     key = KEY
 
     def check(self, model, caches: list, verdict, spec) -> Any:
-        from mlx_stream.recall.tier import check
+        from mlx_stream.recall.checks import check
 
         r = spec.recall
         slack = check(model, caches, verdict, r, spec.window, spec.stride, spec.positions,
