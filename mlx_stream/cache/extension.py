@@ -40,9 +40,6 @@ class Extension(Protocol):
                 setting: Any) -> None:  # fmt: skip
         """Give the loaded ``caches`` the saved state."""
 
-    def bytes(self, layout, sinks: int, blocks: int, *args, **options) -> dict:
-        """What it adds to a cache of ``layout`` (an estimate)."""
-
 
 _REGISTRY: dict[str, Extension] = {}
 

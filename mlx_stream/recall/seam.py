@@ -53,8 +53,3 @@ class RecallExtension:
         from mlx_stream.recall.persist import restore
 
         restore(path, binding, model, raw, verdict, caches, setting)
-
-    def bytes(self, layout, sinks: int, blocks: int, *args, **options) -> dict:
-        from mlx_stream.recall.store import recall_bytes
-
-        return recall_bytes(layout, sinks, blocks, *args, **options)

@@ -33,10 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_stream.cache import storage as kvstore
-from mlx_stream.defaults import DEFAULT_STRIDE
+from mlx_stream.cache.estimate import RECALL_SEGMENT as SEGMENT
+from mlx_stream.cache.estimate import bytes_per_token  # noqa: F401  (store.bytes_per_token)
 from mlx_stream.errors import RuntimeFailure, UserError
-
-SEGMENT = 32  # blocks per segment (one allocation, or one file, per layer and tensor)
 
 _RAW = {mx.bfloat16: (mx.uint16, np.uint16), mx.float16: (mx.float16, np.float16),
         mx.float32: (mx.float32, np.float32), mx.uint32: (mx.uint32, np.uint32)}  # fmt: skip
@@ -74,38 +73,6 @@ def _parts(H: int, block: int, D: int, dtype, bits: int | None, group: int) -> l
         return [((H, block, D), dtype)]
     return [((H, block, D * bits // 32), mx.uint32), ((H, block, D // group), dtype),
             ((H, block, D // group), dtype)]  # fmt: skip
-
-
-def bytes_per_token(
-    layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype_bytes: int,
-    bits: int | None = None, group: int = 64,
-) -> int:  # fmt: skip
-    """Store bytes one token costs over all layers (keys and values; summaries apart)."""
-
-    def one(dim: int) -> int:
-        if bits is None:
-            return dim * dtype_bytes
-        return dim * bits // 8 + 2 * (dim // group) * dtype_bytes
-
-    return layers * kv_heads * (one(key_dim) + one(value_dim))
-
-
-def recall_bytes(layout, sinks: int, blocks: int, block: int = DEFAULT_STRIDE,
-                 bits: int | None = None, group: int = 64, sink_copy: bool = True) -> dict:  # fmt: skip
-    """What the recall tier adds: its fixed device region (``blocks * block`` slots per
-    layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement), the
-    bytes the store uses per 1,000 evicted tokens (host memory, then disk; block
-    summaries included: ``3 * kv_heads * key_dim`` float32 numbers per block and layer)
-    and the room it reserves at a time (``store_segment_bytes``: a segment of every
-    layer)."""
-    slots = (sinks if sink_copy else 0) + blocks * block
-    region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
-    per_token = bytes_per_token(layout.layers, layout.kv_heads, layout.key_dim,
-                                layout.value_dim, layout.dtype_bytes, bits, group)  # fmt: skip
-    summaries = layout.layers * 3 * layout.kv_heads * layout.key_dim * 4 / block
-    return {"region_bytes": region * layout.dtype_bytes,
-            "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries)),
-            "store_segment_bytes": int(SEGMENT * block * per_token)}  # fmt: skip
 
 
 class FileArray:
