@@ -400,7 +400,7 @@ def test_trim_back_across_a_rebase_is_exact(bits):
     expected = copy.deepcopy(cache)
     model(mx.array([TOKENS[r - 1 : r]]), cache=cache)
     model(mx.array([TOKENS[r : r + 2]]), cache=cache)  # this call rebases the buffer
-    assert cache[0]._layout_applied[0] != expected[0]._layout_applied[0]
+    assert cache[0].layout.base != expected[0].layout.base
     assert mlx_cache.trim_prompt_cache(cache, 3) == 3
     for c, e in zip(cache, expected):
         held = c.ring.slots >= 0  # slots the trimmed tokens wrote are masked out
@@ -512,7 +512,7 @@ def test_trim_back_across_a_rebase_is_exact_for_mla():
     expected = copy.deepcopy(cache)
     model(mx.array([tokens[r - 1 : r + 2]]), cache=cache)  # crosses into the rebase
     model(mx.array([tokens[r + 2 : r + 3]]), cache=cache)  # this call rebases
-    assert cache[0]._layout_applied[0] != expected[0]._layout_applied[0]
+    assert cache[0].layout.base != expected[0].layout.base
     assert mlx_cache.trim_prompt_cache(cache, 4) == 4
     nxt = mx.array([tokens[r - 1 : r + 3]])
     assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=expected)).item()

@@ -9,11 +9,11 @@ from mlx_stream.cache.estimate import (
     check_fits,
     config_layout,
     folder_estimate,
-    make_checked_sink_cache,
     model_layout,
     weights_bytes,
 )
 from mlx_stream.cache.sink import make_sink_cache
+from mlx_stream.cache.spec import make_checked_sink_cache
 from mlx_stream.errors import UserError
 from tests import tiny
 

@@ -152,7 +152,7 @@ def test_rollback_across_a_filled_group_is_bit_exact(model):
     end = kvquant.group_start(start, S) + kvquant.GROUP
     n = end - start + 3
     for c in cache:  # as after a first rollback: a rebase's moved tensors are kept
-        c._rolls_back = True
+        c.rolls_back = True
     expected = copy.deepcopy(cache)
     block = mx.array([TOKENS[start : start + n]])
     first = model(block, cache=cache)

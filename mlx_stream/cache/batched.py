@@ -40,7 +40,7 @@ from mlx_stream.errors import Unsupported
 TOLERANCE = 1e-3
 
 
-class BatchSinkCache(mlx_cache._BaseCache):
+class BatchSinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
     """One layer's KV cache for several sessions, one row each (mlx-lm's cache protocol
     for one-token calls)."""
 
@@ -73,7 +73,7 @@ class BatchSinkCache(mlx_cache._BaseCache):
         """Take row ``i`` out: its keys and values copied back to its SinkCache, the
         other rows unchanged (later rows move up by one)."""
         row = self.rows.pop(i)
-        row._last_fetched = 0  # what it fetched alone is stale: keys_and_values recounts
+        row.forget_fetched()  # what it fetched alone is stale: keys_and_values recounts
         T = row.ring.slots_total
         row.keys = mx.contiguous(self.keys[i : i + 1, :, :T])
         row.values = mx.contiguous(self.values[i : i + 1, :, :T])
@@ -120,7 +120,7 @@ class BatchSinkCache(mlx_cache._BaseCache):
         for b, row in enumerate(self.rows):
             n = row.ring.tokens_seen
             row.ring.check_call(1)
-            if row._moving and n // row.stride != row._layout_stride:
+            if row.needs_layout(n):
                 self._relayout(b, row, n)
             slots.append(row.ring.slot(n))
         index = mx.array(slots, dtype=mx.int32).reshape(B, 1, 1, 1)
@@ -139,14 +139,14 @@ class BatchSinkCache(mlx_cache._BaseCache):
                 slot = row.move.slot if row.move is not None and row.move.moves else 0
                 row.sink_copy[..., n : n + 1, :] = (keys, values)[slot][b : b + 1]
             row.ring.write(1)
-            row._expire_undo()
+            row.expire_undo()
         return self.keys, self.values
 
     def _relayout(self, b: int, row: SinkCache, n: int) -> None:
         """Row ``b``'s sink move or rebase, done by its own SinkCache on its slice."""
         T = row.ring.slots_total
         row.keys, row.values = self.keys[b : b + 1, :, :T], self.values[b : b + 1, :, :T]
-        row._apply_layout(n, 1)
+        row.apply_layout(n, 1)
         self.keys[b : b + 1, :, :T] = row.keys
         self.values[b : b + 1, :, :T] = row.values
         row.keys = row.values = None

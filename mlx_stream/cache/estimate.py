@@ -27,6 +27,8 @@ from typing import Any
 from mlx_stream.defaults import DEFAULT_SLACK, DEFAULT_STRIDE
 from mlx_stream.errors import UserError
 
+RECALL_SEGMENT = 32  # blocks per recall store segment (one allocation or file per layer)
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2,
                "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "U16": 2, "I16": 2}  # fmt: skip
 
@@ -275,19 +277,6 @@ def check_spec(model: Any, spec: Any) -> None:
     check_fits(need, f"the KV cache (sinks {spec.sinks} + window {spec.window})")
 
 
-def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any) -> list:
-    """``make_sink_cache(model, sinks, window, **options)`` after checking that the
-    full cache fits in memory: ``CacheSpec(sinks, window, **options).build(model)``.
-
-    Raises:
-        UserError: Impossible sizes, or a cache larger than the memory available
-            (with both figures), before anything is allocated.
-    """
-    from mlx_stream.cache.spec import CacheSpec
-
-    return CacheSpec(sinks, window, **options).build(model)
-
-
 def activation_bytes(folder: str | os.PathLike, dtype: str) -> int:
     """Bytes per element of keys and values for a folder loaded under ``dtype``: the
     float dtype, or for ``"quantized"`` the dtype of its float tensors (scales)."""
@@ -327,6 +316,20 @@ def describe(estimate: dict) -> str:
     return f"{line} ({verdict} {human(available)} available)"
 
 
+def bytes_per_token(
+    layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype_bytes: int,
+    bits: int | None = None, group: int = 64,
+) -> int:  # fmt: skip
+    """Store bytes one token costs over all layers (keys and values; summaries apart)."""
+
+    def one(dim: int) -> int:
+        if bits is None:
+            return dim * dtype_bytes
+        return dim * bits // 8 + 2 * (dim // group) * dtype_bytes
+
+    return layers * kv_heads * (one(key_dim) + one(value_dim))
+
+
 def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT_STRIDE,
                  bits: int | None = None, group: int = 64, sink_copy: bool = True) -> dict:  # fmt: skip
     """What the recall tier adds: its fixed device region (``blocks * block`` slots per
@@ -335,8 +338,6 @@ def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT
     summaries included: ``3 * kv_heads * key_dim`` float32 numbers per block and layer)
     and the room it reserves at a time (``store_segment_bytes``: a segment of every
     layer)."""
-    from mlx_stream.recall.store import SEGMENT, bytes_per_token
-
     slots = (sinks if sink_copy else 0) + blocks * block
     region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
     per_token = bytes_per_token(layout.layers, layout.kv_heads, layout.key_dim,
@@ -344,4 +345,4 @@ def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT
     summaries = layout.layers * 3 * layout.kv_heads * layout.key_dim * 4 / block
     return {"region_bytes": region * layout.dtype_bytes,
             "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries)),
-            "store_segment_bytes": int(SEGMENT * block * per_token)}  # fmt: skip
+            "store_segment_bytes": int(RECALL_SEGMENT * block * per_token)}  # fmt: skip

@@ -145,7 +145,7 @@ def candidates(ropes: list[nn.Module]) -> list[Move]:
 # ----------------------------------------------------------------------------- probe
 
 
-class Probe(mlx_cache._BaseCache):
+class Probe(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
     """A growing cache whose first token sits at ``offset`` and whose array masks hide
     key 0 from later rows (so a misread mask changes the logits). It records what the
     layer stored."""

@@ -234,8 +234,8 @@ def _wrap(original):
         if not isinstance(keys, PackedKeys):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)  # fmt: skip
-        if getattr(cache, "_qattend_probe", False):
-            cache._qattend_seen = True
+        if getattr(cache, "qattend_probe", False):
+            cache.qattend_seen = True
         if sinks is not None:  # attention sinks: mlx's fast attention on floats
             keys, values = unpack(keys, values)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
@@ -276,12 +276,12 @@ def install(model, caches: list) -> bool:
             setattr(module, NAME, _wrap(fn))
     probe = copy.deepcopy(caches)
     for i in channel:
-        probe[i].fast_route, probe[i]._qattend_probe = True, True
+        probe[i].fast_route, probe[i].qattend_probe = True, True
     try:
         model(mx.array([[0]]), cache=probe)  # lazy: builds the graph, computes nothing
     except Exception:  # noqa: BLE001 - a model that cannot take the route keeps floats
         return False
-    if not all(getattr(probe[i], "_qattend_seen", False) for i in channel):
+    if not all(getattr(probe[i], "qattend_seen", False) for i in channel):
         return False
     for i in channel:
         caches[i].fast_route = True

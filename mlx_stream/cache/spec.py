@@ -5,7 +5,7 @@ Contract: a :class:`CacheSpec` holds the eight settings a SinkCache is built fro
 valid once constructed: ``__post_init__`` refuses impossible settings with one line
 (:class:`CacheSettingError`, an ``Unsupported``: exit 2), naming the Python field, or
 the CLI flag when it was built from the user's options (:meth:`CacheSpec.for_model`).
-It is the one place those settings are checked (``sink.validate_sizes`` and the CLI
+It is the one place those settings are checked (``settings.validate_sizes`` and the CLI
 delegate here), turned into bytes (:meth:`CacheSpec.bytes`), into JSON (the form
 checkpoints, ``/v1/sessions``, ``--json`` outputs and cache files carry) and into a
 prompt cache (:meth:`CacheSpec.build`).
@@ -20,71 +20,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_stream.cache.settings import (  # noqa: F401  (FLAGS, CacheSettingError: spec's names)
+    FIELDS,
+    FLAGS,
+    CacheSettingError,
+    refusal,
+)
 from mlx_stream.defaults import (
     DEFAULT_SINKS,
     DEFAULT_SLACK,
     DEFAULT_STRIDE,
     DEFAULT_WINDOW,
-    KV_BITS,
-    KV_GROUP_SIZES,
-    POSITIONS,
 )
 from mlx_stream.errors import Unsupported
-
-#: The CLI flag of each setting a user chooses (slack and stride have none).
-FLAGS = {
-    "sinks": "--sinks",
-    "window": "--window",
-    "positions": "--positions",
-    "kv_bits": "--kv-bits",
-    "kv_group_size": "--kv-group-size",
-    "key_bits": "--kv-key-bits",
-}
-FIELDS = ("sinks", "window", "slack", "stride", "positions", "kv_bits", "kv_group_size", "key_bits")
-
-
-class _Names(dict):
-    """Field -> the name shown to the user; a field without one is shown as itself."""
-
-    def __missing__(self, key: str) -> str:
-        return key
-
-
-class CacheSettingError(Unsupported):
-    """A cache setting a SinkCache cannot have: one line naming it (as a field or as
-    the CLI flag) and what it must be. Exit code 2; also a ``ValueError``."""
-
-    def __init__(self, setting: str, requirement: str, names: dict | None = None):
-        self.setting, self.requirement = setting, requirement
-        super().__init__(f"{{{setting}}} {requirement}".format_map(_Names(names or {})))
-
-    def flagged(self) -> CacheSettingError:
-        """The same refusal naming the CLI flags."""
-        return CacheSettingError(self.setting, self.requirement, FLAGS)
-
-
-def _refusal(s: CacheSpec) -> tuple[str, str] | None:
-    """The first setting of ``s`` a SinkCache cannot have, with what it must be (other
-    settings named as ``{field}``), or ``None``."""
-    bits = " or ".join(map(str, KV_BITS))
-    if s.window < 1:
-        return "window", f"must be at least 1 (got {s.window})"
-    if s.sinks < 0:
-        return "sinks", f"must be 0 or more (got {s.sinks})"
-    if s.slack < 0:
-        return "slack", f"must be 0 or more (got {s.slack})"
-    if s.stride < 1:
-        return "stride", f"must be at least 1 (got {s.stride})"
-    if s.positions not in POSITIONS:
-        return "positions", f"must be one of {', '.join(POSITIONS)} (got {s.positions!r})"
-    if s.kv_bits not in (None, *KV_BITS):
-        return "kv_bits", f"must be {bits} (got {s.kv_bits})"
-    if s.key_bits not in (None, *KV_BITS) or (s.key_bits is not None and s.kv_bits is None):
-        return "key_bits", f"must be {bits}, with {{kv_bits}} set (got {s.key_bits})"
-    if s.kv_group_size not in KV_GROUP_SIZES:
-        sizes = ", ".join(map(str, KV_GROUP_SIZES[:-1])) + f" or {KV_GROUP_SIZES[-1]}"
-        return "kv_group_size", f"must be {sizes} (got {s.kv_group_size})"
-    return None
 
 
 @dataclass(frozen=True)
@@ -126,9 +74,9 @@ class CacheSpec:
     def __post_init__(self) -> None:
         if self.slack is None:  # make_sink_cache's rule: slack serves rollback only
             object.__setattr__(self, "slack", DEFAULT_SLACK)
-        refusal = _refusal(self)
-        if refusal is not None:
-            raise CacheSettingError(*refusal)
+        found = refusal(self)
+        if found is not None:
+            raise CacheSettingError(*found)
         if self.key_bits is None:  # one spelling per policy: 8-bit keys of an 8-bit cache
             object.__setattr__(self, "key_bits", self.kv_bits)
 
@@ -234,7 +182,7 @@ class CacheSpec:
             model: An mlx-lm model.
             check_memory (bool): First refuse a cache larger than the memory available
                 or a group size that does not divide the head dimension, with one line
-                (``estimate.make_checked_sink_cache``). Default: ``True``.
+                (:func:`make_checked_sink_cache`). Default: ``True``.
 
         Raises:
             UserError: The cache would not fit (bytes needed and available).
@@ -244,6 +192,17 @@ class CacheSpec:
             from mlx_stream.cache.estimate import check_spec
 
             check_spec(model, self)
-        from mlx_stream.cache.sink import build_sink_cache
+        from mlx_stream.cache.build import build_sink_cache
 
         return build_sink_cache(model, self)
+
+
+def make_checked_sink_cache(model: Any, sinks: int, window: int, **options: Any) -> list:
+    """``make_sink_cache(model, sinks, window, **options)`` after checking that the
+    full cache fits in memory: ``CacheSpec(sinks, window, **options).build(model)``.
+
+    Raises:
+        UserError: Impossible sizes, or a cache larger than the memory available
+            (with both figures), before anything is allocated.
+    """
+    return CacheSpec(sinks, window, **options).build(model)

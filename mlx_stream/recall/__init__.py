@@ -8,15 +8,16 @@ model cache). Turn it on with ``make_sink_cache(model, ..., recall=RecallSpec())
 ``CacheSpec(..., recall=RecallSpec())``.
 
 May import: ``cache`` and the package's base modules; never ``models``, ``generate``,
-``eval`` or ``serve`` (``tests/test_layering.py`` checks). ``cache.sink`` reaches it only
-lazily, to build a cache that asked for it; ``generate.decode`` calls it at a prompt's end.
+``eval`` or ``serve`` (``tests/test_layering.py`` checks). The cache never imports it:
+importing this package registers the tier as the cache's extension (``seam``), so a
+``RecallSpec`` always finds it; ``generate.decode`` calls it at a prompt's end.
 """
 
+from mlx_stream.cache import extension
+from mlx_stream.recall.names import tier_of
+from mlx_stream.recall.seam import RecallExtension
 from mlx_stream.recall.spec import RecallSpec
 
+extension.register(RecallExtension())
+
 __all__ = ["RecallSpec", "tier_of"]
-
-
-def tier_of(caches: list):
-    """The recall tier (``tier.Recall``) a prompt cache's layers share, or ``None``."""
-    return next((c.recall for c in caches if getattr(c, "recall", None) is not None), None)

@@ -43,8 +43,8 @@ import numpy as np
 
 from mlx_stream import files
 from mlx_stream.errors import UserError
+from mlx_stream.recall.names import KEY  # noqa: F401  (persist.KEY: the metadata key)
 
-KEY = "mlx_stream_recall"  # the cache file's metadata: its sidecar and the manifest's sha256
 MANIFEST = "manifest.json"
 VERSION = 1
 CHUNK = 1 << 20  # bytes per read or write when streaming a file
@@ -328,7 +328,8 @@ def restore(path: str | os.PathLike, binding: str, model: Any, raw: list, verdic
         UserError: A missing, changed or foreign file, or other settings.
     """
     from mlx_stream.cache.sink import SinkCache
-    from mlx_stream.recall.tier import Recall, check
+    from mlx_stream.recall.checks import check
+    from mlx_stream.recall.tier import Recall
 
     path = Path(path)
     folder, manifest = _manifest(path, binding)

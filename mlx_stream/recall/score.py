@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream.recall import select
+import mlx_stream.recall.select as select
 from mlx_stream.recall.select import _gqa
 
 

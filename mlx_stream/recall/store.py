@@ -33,9 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.estimate import RECALL_SEGMENT as SEGMENT
+from mlx_stream.cache.estimate import bytes_per_token  # noqa: F401  (store.bytes_per_token)
 from mlx_stream.errors import RuntimeFailure, UserError
-
-SEGMENT = 32  # blocks per segment (one allocation, or one file, per layer and tensor)
 
 _RAW = {mx.bfloat16: (mx.uint16, np.uint16), mx.float16: (mx.float16, np.float16),
         mx.float32: (mx.float32, np.float32), mx.uint32: (mx.uint32, np.uint32)}  # fmt: skip
@@ -73,20 +73,6 @@ def _parts(H: int, block: int, D: int, dtype, bits: int | None, group: int) -> l
         return [((H, block, D), dtype)]
     return [((H, block, D * bits // 32), mx.uint32), ((H, block, D // group), dtype),
             ((H, block, D // group), dtype)]  # fmt: skip
-
-
-def bytes_per_token(
-    layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype_bytes: int,
-    bits: int | None = None, group: int = 64,
-) -> int:  # fmt: skip
-    """Store bytes one token costs over all layers (keys and values; summaries apart)."""
-
-    def one(dim: int) -> int:
-        if bits is None:
-            return dim * dtype_bytes
-        return dim * bits // 8 + 2 * (dim // group) * dtype_bytes
-
-    return layers * kv_heads * (one(key_dim) + one(value_dim))
 
 
 class FileArray:

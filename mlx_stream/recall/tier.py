@@ -1,64 +1,8 @@
-"""The recall tier: evicted blocks stored, chosen by the queries, attended again.
-
-Contract (one ``Recall`` per model cache, shared by its SinkCache layers):
-
-* **Store.** Block ``j`` is tokens ``[j * block, (j + 1) * block)`` (the sinks left
-  out). At the first call at or after each multiple of ``block``, each block that no
-  row can see any more (its last token ``<= boundary - window``) is copied out of
-  every layer's ring (in that layer's own hook, in that call's layout) before its
-  slots are reused, keys moved to block-relative positions with the layer's own
-  rope, into the host store (``mlx_stream.recall.store``), and summarised
-  (``mlx_stream.recall.select``). ``block`` is the cache's stride, and the slack is
-  raised so a block is always still in the ring when it is copied.
-* **Selection.** Refreshed only at token indices that are multiples of ``block`` (calls
-  of our decode loop never cross one) from the queries of the ``block`` tokens before
-  it, and at the end of each prompt fed by ``generate_step`` (so the question's
-  queries choose what the answer attends to; the prompt's last ``refeed`` blocks are
-  then rolled back and fed again under that selection, so the question's own tokens
-  see what it recalls; candidates are then only blocks no re-fed row can see in its
-  window; a prompt's end scores with ``spec.prompt_selector``, a boundary with
-  ``spec.selector``). Candidates are the blocks every layer stored at earlier
-  boundaries (a block joins them one boundary after it is stored); ``k`` winners, in
-  stream order, one selection for all layers. So the result does not depend on how a
-  prompt is split into calls: chunked prefill,
-  token-by-token decode and speculative verify blocks see the same selection at every
-  token. What does differ: a stream fed as several prompts (chat turns) also refreshes
-  at each prompt's end.
-* **Region.** Each layer has a fixed device buffer of ``k * block`` slots; at the start
-  of a call whose selection or sink position changed it is rebuilt from the store:
-  ``placement="stream"`` keeps stream order: a copy of the sinks moved back by the
-  region (the ring's own sink slots are masked), then the selected blocks (each keeps
-  its token spacing, the last one adjacent to the window); ``"before"`` puts the blocks
-  right before the sinks, which stay where the ring has them; ``"fixed"`` puts every
-  retrieved token at the one position right before the sinks (InfLLM); ``"near"``
-  puts the blocks, in stream order, right before the token the selection was
-  refreshed at, so the queries of the block after a refresh read them as their most
-  recent context (a small model copies from a few hundred tokens back, not from
-  the far end of its window). All are bounded: no key sits more than ``k * block``
-  positions beyond where the sinks alone would, whatever the stream's length. Attention runs over ``[region, ring]`` with the
-  model's mask extended by the region's valid slots (``mlx_stream.recall.hook``).
-  Persistent device bytes: ``sinks + k * block + window + slack`` slots per layer
-  (``stream`` adds a moved copy of the sinks; the slack covers the prompt-end
-  rollback); the concatenation is a per-call temporary, and for ``slack + 2`` tokens
-  after each rebase the cache keeps a copy of the moved keys so that rollback is exact.
-* **Rollback.** ``trim`` forgets the queries of the trimmed tokens, stored blocks
-  holding a trimmed token and selections refreshed after the point trimmed back to
-  (a stored block a row can see again is no candidate until it is evicted again).
-* **Saving.** :meth:`Recall.export` / :meth:`Recall.restore` carry everything the
-  next calls read: the store (every layer, as stored), the summaries, ``first``, the
-  selection history, the recent queries the next refresh reads and ``scale``; the
-  regions are rebuilt from the store at the next call. So feeding, saving, loading
-  into a fresh cache and feeding on gives the logits and selections of a run that
-  never stopped, bit for bit (same calls). ``save_cache``/``load_cache`` write and
-  check the files (``mlx_stream.recall.persist``).
-* **A full disk.** At the start of a call the first layer allocates every store
-  segment the call will fill (:meth:`Recall.reserve`); a store that cannot grow raises
-  a ``RuntimeFailure`` naming its folder there, before any layer has stored or written
-  anything of the call, so the cache stays as it was before it.
-
-Supported: batch 1, ``positions="cache"``, layers whose keys carry the rope on all of
-their dims (or no position); anything else is refused with one line before the first
-token.
+"""The recall tier's runtime (one ``Recall`` per model cache, shared by its SinkCache
+layers): evicted blocks stored, selected by the queries at block boundaries and at a
+prompt's end, attended again from a fixed device region; exact under rollback, save
+and load. Supported: batch 1, ``positions="cache"``, keys roped on all dims.
+Design: docs/recall.md.
 """
 
 from __future__ import annotations
@@ -68,61 +12,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
+import mlx_stream.recall.score as score
+import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
-from mlx_stream.cache.positions import Move, model_type
+from mlx_stream.cache.positions import Move
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
-from mlx_stream.recall import hook, score, select, tier_of
+from mlx_stream.recall.names import tier_of
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
 
 HISTORY = 16  # selections kept for rollback (a rollback reaches slack + 1 tokens back)
-
-
-def min_slack(window: int, block: int) -> int:
-    """Slack that keeps a block in the ring until the first call that can store it:
-    a block is whole past the window ``block - 1 + window`` tokens after its start,
-    the next call start at a multiple of ``block`` comes at most ``(1 - window) % block``
-    tokens later, and its first token is overwritten ``window + slack`` tokens after it."""
-    return block - 1 + (1 - window) % block
-
-
-def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: int,
-          positions: str, slack: int) -> int:  # fmt: skip
-    """Refuse, with one line, what recall cannot serve; install the attention hook;
-    return the slack the cache needs."""
-    name = model_type(model)
-    if positions != "cache":
-        raise Unsupported("recall needs positions='cache' (bounded positions)")
-    if spec.block != stride:
-        raise Unsupported(
-            f"the recall block ({spec.block}) must equal the cache stride ({stride}): blocks "
-            "are cut and selections refreshed at stride boundaries"
-        )
-    layers = [i for i, c in enumerate(caches) if type(c) is mlx_cache.KVCache]
-    if not layers:
-        raise Unsupported(f"{name}: no layer keeps an unbounded cache: nothing to recall")
-    for i in layers:
-        move = verdict.moves.get(i)
-        if move is not None and move.moves and (move.slot != 0 or move.part != "all"):
-            raise Unsupported(
-                f"{name}: layer {i} keeps its positions in {move.describe()}; recall "
-                "supports keys roped on all of their dims"
-            )
-    if spec.bits is not None:
-        from mlx_stream.cache.estimate import model_layout
-
-        layout = model_layout(model)
-        for dim in (layout.key_dim, layout.value_dim):
-            if dim % spec.group_size:
-                raise Unsupported(
-                    f"the recall store's group size {spec.group_size} does not divide the "
-                    f"head dimension {dim}; use one that does"
-                )
-    hook.install(model, layers, name)
-    return max(slack, min_slack(window, spec.block), spec.refeed * spec.block)
 
 
 def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
@@ -165,7 +66,7 @@ class Recall:
             )
         for i, c in enumerate(self.layers):
             c.recall, c.recall_index = self, i
-            c._rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
+            c.rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
         L = len(self.layers)
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size, spec.ram_bytes,
                                 spec.folder)  # fmt: skip
@@ -330,8 +231,8 @@ class Recall:
             lo, hi = max(j * bs, S), (j + 1) * bs
             first = min(lo - j * bs, bs)
             keys, values = self._gather(cache, lo, hi)
-            if cache._moving and cache.move is not None:
-                keys = cache.move(keys, cache._layout_applied[0] - j * bs)  # block-relative
+            if cache.moving and cache.move is not None:
+                keys = cache.move(keys, cache.layout.base - j * bs)  # block-relative
             if first:
                 keys, values = (_pad_front(x, first, bs) for x in (keys, values))
             self.store.put(i, j, keys, values, first)
@@ -426,7 +327,7 @@ class Recall:
             parts = []
             for anchor, *rows in runs:
                 x = mx.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
-                if c._moving and c.move is not None:
+                if c.moving and c.move is not None:
                     x = c.move(x, self.block - anchor)
                 parts.append(x)
             out.append(mx.concatenate(parts, axis=2)[0].astype(mx.float32) if parts else None)
@@ -469,7 +370,7 @@ class Recall:
         (``stream``, ``before``, ``fixed``), or for ``near`` the position of the token the
         selection was refreshed at (the blocks end right before it, so the queries of the
         block after a refresh see them as their most recent context)."""
-        if not cache._moving:
+        if not cache.moving:
             return 0
         if self.placement == "near":
             base, _ = cache.ring.layout(n)
@@ -509,7 +410,7 @@ class Recall:
             self.regions[i] = [kvstore.zeros(1, H, top + R, kd, dtype, bits, g),
                                kvstore.zeros(1, H, top + R, vd, dtype, bits, g)]  # fmt: skip
         rk, rv = self.regions[i]
-        move = cache.move if cache._moving and cache.move is not None else None
+        move = cache.move if cache.moving and cache.move is not None else None
         if lead:  # the sinks, moved back by the region so the blocks follow them
             cg = cache.kv_group_size
             sk = kvstore.unpack(kvstore.get(cache.keys, 0, lead), cache.key_bits, cg)
@@ -545,7 +446,7 @@ class Recall:
         """Attention of one layer over ``[region, ring]`` (the hook calls it)."""
         i, N = cache.recall_index, queries.shape[2]
         n0 = cache.tokens_seen - N
-        anchor = self.anchor(cache, n0) if cache._moving else 0
+        anchor = self.anchor(cache, n0) if cache.moving else 0
         kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
         self.queries[i] = [*kept, (n0, queries, anchor)]
         anchor = self._region_anchor(cache, n0)
