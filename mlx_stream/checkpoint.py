@@ -208,6 +208,7 @@ def load(
         UserError: Another model, setting or segment size, or arrays that do not match
             their checksum.
     """
+    import mlx_stream.recall  # noqa: F401 - registers the recall tier a checkpoint may hold
     from mlx_stream.cache.sink import load_cache
 
     meta = read_metadata(path)

@@ -408,7 +408,7 @@ def test_a_restarted_server_takes_its_system_prompt_from_the_store(loaded, tmp_p
 
     model, tokenizer = loaded
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]
-    replies = []
+    replies, usages = [], []
     for run in range(2):
         store = ps.PrefixStore(tmp_path / "prefixes")
         settings = Settings(CacheSpec(sinks=4, window=window), max_tokens=8)
@@ -416,13 +416,19 @@ def test_a_restarted_server_takes_its_system_prompt_from_the_store(loaded, tmp_p
                    prefix_store=store, pin=pin)  # fmt: skip
         e.start()
         try:
-            replies.append(ask_turn(e, messages)[0])
+            reply, usage = ask_turn(e, messages)
+            replies.append(reply)
+            usages.append(usage)
             stats = e.call(lambda e=e: (e.publish(), e.stats)[1]).result()
         finally:
             e.stop()
         assert stats["prefix_store"]["hits"] == run
         assert stats["prefix_store"]["writes"] == 1 - run
     assert replies[0] == replies[1] and replies[0]
+    # read from the store, not computed: the restarted server reports them cached
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[1] >= len(tokenizer.encode(SYSTEM)), usages
+    assert usages[0]["prompt_tokens"] == usages[1]["prompt_tokens"]
 
 
 # ----------------------------------------------------------------- CLI

@@ -25,6 +25,7 @@ from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.recall import persist, tier_of
 from mlx_stream.recall.store import SEGMENT, BlockStore, FileArray
 from tests import tiny
+from tests.support.paths import REPO
 from tests.support.recall import BLOCK, SINKS, WINDOW, feed, recall_cache, spec
 
 
@@ -103,6 +104,22 @@ def saved_cache(model, tmp_path, tokens=120, **kw):
     path = tmp_path / "c.safetensors"
     save_cache(path, cache)
     return path, cache
+
+
+def test_a_tier_is_never_dropped_when_recall_was_not_imported(tiny_llama, tmp_path):
+    """A process that never imported mlx_stream.recall cannot restore a saved tier: the
+    load refuses in one line instead of giving the caches without it."""
+    path, _ = saved_cache(tiny_llama, tmp_path)
+    code = (
+        "import sys\n"
+        "from mlx_stream.cache.sink import load_cache\n"
+        "assert 'mlx_stream.recall' not in sys.modules\n"
+        f"load_cache({str(path)!r})\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)  # fmt: skip
+    assert run.returncode != 0
+    assert "import mlx_stream.recall before loading it" in run.stderr.splitlines()[-1]
 
 
 def test_a_changed_or_missing_file_is_one_line(tiny_llama, tmp_path):

@@ -42,6 +42,9 @@ class Extension(Protocol):
 
 
 _REGISTRY: dict[str, Extension] = {}
+# The cache-file keys of the extensions this package ships, by name: a file holding one
+# is refused, not loaded without it, in a process that never imported the extension.
+SHIPPED_KEYS = {"recall": "mlx_stream_recall"}
 
 
 def register(extension: Extension) -> None:

@@ -123,6 +123,11 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
     layers = json.loads(header.pop("mlx_stream"))["layers"]
     settings = {"recall": recall}
     bindings = {ext: header.pop(ext.key, None) for ext in extension.registered()}
+    missing = [n for n, key in extension.SHIPPED_KEYS.items() if key in header]
+    if missing:  # an extension's state this process cannot restore: never drop it silently
+        raise Unsupported(
+            f"{path} holds a {missing[0]} state: import mlx_stream.{missing[0]} before loading it"
+        )
     for ext, binding in bindings.items():
         ext.admit(path, binding, settings.get(ext.name, "saved"), model)
     raw = mlx_cache.make_prompt_cache(model) if model is not None else None

@@ -14,7 +14,7 @@ pass a ``write`` callback and a ``stop`` predicate.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,20 +289,21 @@ class ChatSession:
         spec = self.settings.cache_spec(self.sinks, drafting=False)
         return prefix_store.make_key(self.model, tokens, spec, PREFILL_STEP)
 
-    def prefill_stored(self, text: str, store: Any) -> Iterator[int]:
+    def prefill_stored(self, text: str, store: Any) -> Generator[int, None, bool]:
         """:meth:`prefill_steps` of ``text`` into empty caches, from ``store`` (a
         ``PrefixStore``) when it holds them (nothing is yielded then); on a miss the
-        prefilled caches go into the store."""
+        prefilled caches go into the store. Returns whether they came from the store."""
         key = self.prefix_key(text) if store is not None else None
         if key is not None:
             caches = store.lookup(key, self.model)
             if caches is not None and len(caches) == len(self.caches):
                 self.caches, self.fed_text, self.pending = caches, text, []
                 self.tokens = self.encode(text)
-                return
+                return True
         yield from self.prefill_steps(text)
         if key is not None:
             store.put(key, self.caches)
+        return False
 
     def _system_from_store(self, progress: Callable[[int, int], None] | None) -> None:
         """Before a first turn: the rendered system prompt from :attr:`prefix_store`

@@ -1,7 +1,9 @@
 """What every recall module may import without reaching the others: the cache file's
 metadata key and :func:`tier_of`."""
 
-KEY = "mlx_stream_recall"  # the cache file's metadata: its sidecar and the manifest's sha256
+from mlx_stream.cache.extension import SHIPPED_KEYS
+
+KEY = SHIPPED_KEYS["recall"]  # the cache file's metadata: its sidecar and the manifest's sha256
 
 
 def tier_of(caches: list):

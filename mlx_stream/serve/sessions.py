@@ -195,9 +195,18 @@ class Sessions:
         """``turn``'s token source, after ``head`` goes into ``session``'s empty caches a
         chunk per poll (``None``); the head is then shared as its system prompt's
         snapshot where the budget has room without evicting anything."""
-        for _ in session.prefill_stored(head, self.prefixes):
+        steps = session.prefill_stored(head, self.prefixes)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:  # its value: the prefix store held the head
+                stored = done.value
+                break
             yield None
-        job.head = len(session.encode(head))
+        if stored:  # read, not computed: cached tokens, as a snapshot's are
+            job.cached += len(session.encode(head))
+        else:
+            job.head = len(session.encode(head))
         admission, size = self.admission, self.admission.cache_bytes(session.sinks)
         room = admission.used_bytes() + size <= admission.budget
         if self.recall is None and head not in admission.snapshots and room:
