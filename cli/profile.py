@@ -44,7 +44,7 @@ from .common import (
 
 CACHES = ("sink", "full", "rotating")
 DEFAULT_PROMPT = "Once upon a time, in a small town by the sea, there lived"
-PLOT_INSTALL = 'pip install -e ".[plot]"'  # as the README says
+PLOT_INSTALL = 'pip install -e ".[plot]"'  # as docs/cli.md says
 SPARKS = "▁▂▃▄▅▆▇█"
 CHART_WIDTH = 60
 MB = 1e6

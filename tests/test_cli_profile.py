@@ -195,8 +195,8 @@ def test_estimate_in_the_summary_and_impossible_window(tiny_model_dir):
     assert_one_line_error(result, 2, "needs", "available", "--window")
 
 
-def test_matplotlib_hint_is_the_readme_command():
+def test_matplotlib_hint_is_the_documented_command():
     from cli.profile import PLOT_INSTALL
     from tests.support.paths import REPO
 
-    assert PLOT_INSTALL in (REPO / "README.md").read_text()
+    assert PLOT_INSTALL in (REPO / "docs" / "cli.md").read_text()
