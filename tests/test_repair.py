@@ -4,11 +4,13 @@ covers the rest, the session and its caches in step, serve's usage and rollbacks
 
 from __future__ import annotations
 
+import os
 import queue
 
 import mlx.core as mx
 import pytest
 
+from mlx_stream import blas
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate import repair as fix
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
@@ -37,6 +39,15 @@ def edited(messages: list[dict]) -> list[dict]:
     return out
 
 
+def same_logits(a: mx.array, b: mx.array) -> bool:
+    """Bit for bit under MLX's reference BLAS, which rounds a row alike in a call of any
+    size; an optimized one (OpenBLAS, Accelerate) blocks by the call's shape, so the
+    repair's other call sizes round a little apart there (OpenBLAS: 4.5e-5 in logits ~20)."""
+    if os.path.basename(blas.active_blas() or "").startswith("libblas"):
+        return mx.array_equal(a, b).item()
+    return mx.allclose(a, b, rtol=0, atol=1e-4).item()
+
+
 def next_logits(s: ChatSession, user: str) -> tuple[mx.array, list[int]]:
     tokens, _ = s.turn_tokens(user)
     return s.model(mx.array(tokens)[None], cache=s.caches)[0, -1], s.tokens + tokens
@@ -53,7 +64,7 @@ def test_an_exact_repair_equals_the_rebuild_bit_for_bit(loaded):
     a, fed_a = next_logits(s, "new question")
     b, fed_b = next_logits(rebuilt, "new question")
     assert fed_a == fed_b
-    assert mx.array_equal(a, b).item()
+    assert same_logits(a, b), mx.abs(a - b).max().item()
 
 
 def test_an_approximate_repair_keeps_the_caches_in_step_with_the_transcript(loaded):
