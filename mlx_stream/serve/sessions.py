@@ -203,10 +203,11 @@ class Sessions:
                 stored = done.value
                 break
             yield None
+        fed = len(session.tokens)  # the head's, set by prefill_stored: no second encode
         if stored:  # read, not computed: cached tokens, as a snapshot's are
-            job.cached += len(session.encode(head))
+            job.cached += fed
         else:
-            job.head = len(session.encode(head))
+            job.head = fed
         admission, size = self.admission, self.admission.cache_bytes(session.sinks)
         room = admission.used_bytes() + size <= admission.budget
         if self.recall is None and head not in admission.snapshots and room:
