@@ -14,6 +14,8 @@ from mlx_stream.defaults import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_REPAIR_TOKENS,
     DEFAULT_SERVE_MAX_TOKENS,
+    DEFAULT_STOP_LOOPS,
+    LOOP_REPEATS,
 )
 
 from . import options as opt
@@ -104,6 +106,15 @@ RepairTokens = Annotated[
         "a message rewritten), keep the KV before it, compute the edit and this many tokens "
         "after it again, and reuse the rest moved into place (approximate; a number "
         "covering the window is exact). 0: rebuild from the system prompt as before.",
+    ),
+]
+StopLoops = Annotated[
+    int,
+    typer.Option(
+        "--stop-loops",
+        help="End a reply whose last this-many tokens repeat one span at least 4 times "
+        "(a small model's loop would run to max_tokens, and an agent takes a reply cut "
+        "there as a failed turn); the reply ends as a finished one. 0: never.",
     ),
 ]
 NoUi = Annotated[
@@ -231,6 +242,7 @@ def serve(
     prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
     no_prefix_store: opt.NoPrefixStore = False,
     repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
+    stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -261,6 +273,8 @@ def serve(
     """
     check_positive(max_tokens, "--max-tokens")
     check_positive(max_tokens_ceiling, "--max-tokens-ceiling")
+    if stop_loops and stop_loops < LOOP_REPEATS:
+        fail(f"--stop-loops must be 0 (off) or at least {LOOP_REPEATS} tokens, not {stop_loops}")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
     check_positive(num_draft_tokens, "--num-draft-tokens")
     check_positive(max_sessions, "--max-sessions")
@@ -321,7 +335,8 @@ def serve(
     from mlx_stream.generate.model_config import end_of_turn_tokens
 
     settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
-                        stop_tokens=end_of_turn_tokens(tokenizer))  # fmt: skip
+                        stop_tokens=end_of_turn_tokens(tokenizer),
+                        stop_loops=stop_loops)  # fmt: skip
     engine = Engine(
         target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,

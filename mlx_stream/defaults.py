@@ -25,6 +25,11 @@ DEFAULT_MAX_TOKENS = 256
 # never stops.
 DEFAULT_SERVE_MAX_TOKENS = 4096
 DEFAULT_NUM_DRAFT_TOKENS = 3
+# chat and serve end a reply whose last this-many tokens repeat one span at least four
+# times (mlx_stream.generate.loops): a small model's loop would otherwise run to
+# max_tokens, and an agent client takes a reply cut there as a failed turn.
+DEFAULT_STOP_LOOPS = 256
+LOOP_REPEATS = 4  # the fewest times a span repeats in those tokens to count as a loop
 DEFAULT_CHUNK = 64
 DEFAULT_CHECKPOINT_EVERY = 4096
 

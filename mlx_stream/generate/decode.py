@@ -32,6 +32,7 @@ from mlx_stream.defaults import (
 )
 from mlx_stream.errors import UserError
 from mlx_stream.generate.interrupt import StopOnInterrupt  # noqa: F401 - re-exported
+from mlx_stream.generate.loops import LoopGuard
 from mlx_stream.generate.model_config import Sampling
 from mlx_stream.generate.prefill import feed_steps
 from mlx_stream.generate.sampler import make_sampling
@@ -193,7 +194,8 @@ class GenerationResponse:
         cache_fill: Tokens the target's next query sees / (sinks + window), from the
             first SinkCache of the target; None without one.
         reclaims: Pool reclaims so far (``ReclaimSchedule.reclaims``).
-        finish_reason: ``"stop"`` (eos or stop string), ``"length"``, or None.
+        finish_reason: ``"stop"`` (eos or stop string), ``"length"``, ``"loop"``
+            (``stop_loops``: the reply was repeating itself), or None.
         stop_string: The stop string that ended the text, on the last response.
     """
 
@@ -249,6 +251,7 @@ def stream_generate(
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable] | None = None,
     poll: bool = False,
+    stop_loops: int = 0,
 ) -> Generator[GenerationResponse | None, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
@@ -292,6 +295,9 @@ def stream_generate(
             repetition penalty's (each called once per sampled token, in order).
         poll (bool): Passed to the token generator: ``None`` is yielded (and passed
             on) while the prompt goes in, a chunk at a time, instead of blocking.
+        stop_loops (int): End the reply (``finish_reason="loop"``) once its last
+            ``stop_loops`` tokens repeat one span exactly
+            (:class:`~mlx_stream.generate.loops.LoopGuard`); 0 never does. Default: 0.
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
@@ -337,6 +343,7 @@ def stream_generate(
     machine = TextStateMachine({"normal": [(s, None) for s in stops]} if stops else None)
     text_state = machine.make_state("normal")
     eos = set(tokenizer.eos_token_ids) | set(stop_tokens or ())
+    guard = LoopGuard(stop_loops) if stop_loops else None
 
     def response(token, logprobs, from_draft, text, finish_reason=None):
         gen_time = max(time.perf_counter() - tic - state.prompt_time, 1e-9)
@@ -361,7 +368,8 @@ def stream_generate(
                 yield None
                 continue
             token, logprobs, from_draft = item
-            last = token in eos or state.generated == max_tokens
+            looping = guard is not None and token not in eos and guard.add(token)
+            last = token in eos or looping or state.generated == max_tokens
             if token not in eos:
                 detokenizer.add_token(token)
             if last:
@@ -375,7 +383,7 @@ def stream_generate(
                 return
             if last:
                 text_state, tail, _ = machine.flush(text_state)
-                reason = "stop" if token in eos else "length"
+                reason = "stop" if token in eos else "loop" if looping else "length"
                 yield response(token, logprobs, from_draft, text + tail, reason)
                 return
             emitted += len(text)

@@ -57,6 +57,7 @@ class Settings:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    stop_loops: int = 0  # end a reply that repeats itself (``stream_generate``'s); 0: never
     # Token ids besides eos that end a reply (``model_config.end_of_turn_tokens``).
     stop_tokens: tuple[int, ...] = ()
 
@@ -242,6 +243,8 @@ class ChatSession:
         if s.top_k or s.min_p or s.repetition_penalty or s.stop_tokens:
             kwargs.update(top_k=s.top_k, min_p=s.min_p, stop_tokens=s.stop_tokens,
                           repetition_penalty=s.repetition_penalty)  # fmt: skip
+        if s.stop_loops:
+            kwargs["stop_loops"] = s.stop_loops
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return stream_generate(
             self.model,

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 KEY = "access"  # the record's name in scope["state"]
 PROGRESS_EVERY = 10.0  # seconds between prefill progress lines of one request
+LOOP_NOTE = "stopped a loop: the reply repeated one span (--stop-loops)"
 
 
 def write(line: str) -> None:
@@ -65,6 +66,8 @@ class Record:
             self.first = now
         elif kind == "end":
             self.usage = event[1]
+            if event[2] == "loop":
+                self.notes.append(LOOP_NOTE)
         elif kind == "error":
             self.notes.append(f"error {event[1]}: {event[2]}")
         elif kind == "prefill" and now - self.progressed >= PROGRESS_EVERY and not self.done:

@@ -54,7 +54,8 @@ KINDS = {
     429: "rate_limit_error",
     529: "overloaded_error",
 }
-STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# a reply stopped as a loop (serve --stop-loops) ended its turn, as far as a client knows
+STOP = {"stop": "end_turn", "loop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -252,7 +253,7 @@ def _usage(usage: dict) -> dict[str, int]:
     }
 
 
-def _stop(finish: str, request: Any) -> dict[str, Any]:
+def stop_fields(finish: str, request: Any) -> dict[str, Any]:
     """``stop_reason`` and ``stop_sequence`` of a reply that ended with ``finish``."""
     if finish == "stop" and request.matched_stop is not None:
         return {"stop_reason": "stop_sequence", "stop_sequence": request.matched_stop}
@@ -312,7 +313,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         ]
         whole = {
             "id": ident, "type": "message", "role": "assistant", "model": engine.model_id,
-            "content": content, **_stop(reply.finish, request), "usage": _usage(reply.usage),
+            "content": content, **stop_fields(reply.finish, request), "usage": _usage(reply.usage),
         }  # fmt: skip
         return JSONResponse(whole, headers=headers)
 
@@ -393,7 +394,7 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
             elif event[0] == "end":
                 if text_open:
                     yield _sse("content_block_stop", {"index": index})
-                delta = _stop(event[2], request)
+                delta = stop_fields(event[2], request)
                 yield _sse("message_delta", {"delta": delta, "usage": _usage(event[1])})
                 yield _sse("message_stop", {})
                 break

@@ -452,6 +452,12 @@ def create_app(
     return app
 
 
+def openai_finish(finish: str | None) -> str | None:
+    """OpenAI's ``finish_reason`` for the engine's: a reply stopped as a loop
+    (``serve --stop-loops``) ended as a finished one."""
+    return "stop" if finish == "loop" else finish
+
+
 class _Shape:
     """OpenAI's response and chunk shapes for chat (``kind="chat"``) or text; with
     ``logprobs``, each choice carries its tokens' entries (chat: ``{"content": [...]}``,
@@ -500,7 +506,7 @@ class _Shape:
                 choice["logprobs"] = self._logprobs(logprobs)
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs)}
-        choice["finish_reason"] = finish
+        choice["finish_reason"] = openai_finish(finish)
         return {**self._head(False), "choices": [choice], "usage": usage}
 
     def chunk(
@@ -517,7 +523,7 @@ class _Shape:
         else:
             logprobs = self._logprobs(entries) if entries else None
             choice = {"index": 0, "text": text or "", "logprobs": logprobs}
-        choice["finish_reason"] = finish
+        choice["finish_reason"] = openai_finish(finish)
         return {**self._head(True), "choices": [choice]}
 
     def call_chunk(self, index: int, call: dict) -> dict[str, Any]:
