@@ -220,9 +220,17 @@ def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, m
 
 
 def test_serve_rebuilds_an_edit_of_a_conversation_past_its_window(engine):
+    from mlx_stream.serve.engine import Request
+
     e = engine(window=24, repair_tokens=4)
-    text, usage = ask_turn(e, edit_request(converse(e)))
-    assert text is not None and "repaired_tokens" not in usage
+    events: queue.Queue = queue.Queue()
+    e.submit(Request(emit=events.put, messages=edit_request(converse(e))))
+    start = events.get(timeout=60)
+    while (last := events.get(timeout=60))[0] not in ("end", "error"):
+        pass
+    assert last[0] == "end" and "repaired_tokens" not in last[1]
+    # why it was rebuilt goes to the access log with the request
+    assert start[1]["note"].startswith("edit rebuilt, not repaired: "), start
 
 
 def test_serve_refuses_a_negative_repair_window_in_one_line():

@@ -62,6 +62,8 @@ class Record:
         kind = event[0]
         if kind == "start":
             self.engine, self.session = True, event[1].get("session_id")
+            if event[1].get("note"):
+                self.notes.append(event[1]["note"])
         elif kind in ("text", "tool_call") and self.first is None:
             self.first = now
         elif kind == "end":

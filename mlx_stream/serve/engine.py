@@ -217,6 +217,8 @@ class Engine(Scheduler, Sessions):
         request, toolset, extra = planned.request, planned.toolset, planned.extra
         system, history, user = split_messages(request.messages)
         entry, mode, repaired = self._place(request, toolset, system, history, user)
+        note = f"edit rebuilt, not repaired: {repaired}" if isinstance(repaired, str) else None
+        repaired = None if note else repaired
         session = entry.session
         head = self._unfed_head(session)
         if head and self.recall is None and head in self.admission.snapshots:
@@ -237,7 +239,7 @@ class Engine(Scheduler, Sessions):
             temp=request.temp, top_p=request.top_p, stop=request.stop, seed=request.seed,
             steps=self._steps(request, box), **extra,
         )  # fmt: skip
-        job = self._start(request, entry, tokens, cached, batched=self._batch is not None)
+        job = self._start(request, entry, tokens, cached, self._batch is not None, note)
         job.prompt, job.repaired, job.origin = len(turn[0]), repaired, origin
         if head:
             job.tokens = self._head_first(job, session, head, tokens)
@@ -302,13 +304,16 @@ class Engine(Scheduler, Sessions):
             )
 
     def _start(
-        self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int, batched: bool
-    ) -> Job:
+        self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int, batched: bool,
+        note: str | None = None,
+    ) -> Job:  # fmt: skip
+        """Run ``request``'s ``tokens``; its start event carries ``note`` for the log."""
         entry.busy = True
         entry.last_used = time.monotonic()
         job = Job(request, entry, tokens, cached, batched=batched)
         self._active.append(job)
-        request.emit(("start", {"session_id": None if entry.transient else entry.id}))
+        info = {"session_id": None if entry.transient else entry.id}
+        request.emit(("start", {**info, "note": note} if note else info))
         return job
 
     # ----- inspection -------------------------------------------------------------------

@@ -269,7 +269,8 @@ class Sessions:
     ) -> tuple[Entry, str, Any]:
         """The session ``request`` continues (:func:`~mlx_stream.serve.matching.find`),
         resident and encoding exactly ``history`` (restored, repaired or rebuilt), its
-        checkpoint the state before the turn: ``(entry, mode, repaired)``."""
+        checkpoint the state before the turn: ``(entry, mode, repaired)``; ``repaired``
+        is the repair's counts, or why an edit could not be repaired (rebuilt)."""
         repairs = self.repair_tokens > 0 and self.recall is None and self.draft_model is None
         entry, mode, source = matching.find(
             self.entries, request, system, history, toolset,
@@ -291,7 +292,7 @@ class Sessions:
         if mode == "repair":
             fork = checkpoint if source is not entry else None
             repaired = self._repair(entry, fork, history, user)
-            mode = "rebuild" if repaired is None else mode
+            mode = "rebuild" if isinstance(repaired, str) else mode
         if mode == "restore":  # the checkpoint encodes exactly ``history``
             session.restore(checkpoint)
             entry.checkpoint = checkpoint
@@ -306,8 +307,8 @@ class Sessions:
     def _repair(self, entry: Entry, source: Checkpoint | None, history: list, user: Any) -> Any:
         """Repair ``entry``'s session to encode ``history`` (from ``source``, a copy of
         the session it forks, when given); its checkpoint is the state before (what a
-        failed turn goes back to). The ``Repaired`` counts, or ``None`` where a repair
-        cannot serve (the caller rebuilds)."""
+        failed turn goes back to). The ``Repaired`` counts, or why a repair cannot
+        serve (the caller rebuilds)."""
         from mlx_stream.generate import repair
 
         session = entry.session
@@ -315,7 +316,7 @@ class Sessions:
             session.restore(source)
         plan = repair.plan(session, history, user, self.repair_tokens)
         if isinstance(plan, str):
-            return None
+            return plan
         entry.checkpoint = session.checkpoint()
         try:
             return repair.apply(session, history, plan)
