@@ -64,6 +64,16 @@ def test_cited_results_files_exist():
         assert missing == [], f"{page.relative_to(REPO)} cites absent results: {missing}"
 
 
+def test_every_results_file_is_cited_by_the_benchmarks_readme():
+    cited = cited_results(BENCH_README.read_text())
+    files = {f"{p.parent.name}/{p.name}" for p in RESULTS.rglob("*") if p.is_file()}
+    uncited = sorted(files - cited)
+    assert uncited == [], (
+        f"results files benchmarks/README.md does not cite (superseded runs are removed: "
+        f"git keeps them): {uncited}"
+    )
+
+
 def test_results_cited_from_git_history_are_there():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
