@@ -48,10 +48,10 @@ ATTENTION_NAME = "scaled_dot_product_attention"
 #: wrappers take exactly these and pass them on by keyword.
 ATTENTION_PARAMETERS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
-#: Attribute names under which mlx-lm's rope modules keep their 1-D frequency table
-#: when they have no ``dims`` (private ``_freqs``: ``rope_utils.SuScaledRoPE``,
-#: ``Llama3RoPE``, ``YarnRoPE``, ``ProportionalRoPE``; ``_inv_freq`` and the public
-#: spellings for other model files), as of 0.32.2.
+#: Attribute names under which rope modules keep their 1-D frequency table (its length
+#: is half the dims they turn): mlx-lm's ``rope_utils`` ropes (``SuScaledRoPE``,
+#: ``Llama3RoPE``, ``YarnRoPE``, ``ProportionalRoPE``) use the private ``_freqs``, some
+#: model files ``_inv_freq``; the public spellings for others (0.32.2).
 ROPE_FREQ_NAMES = ("_freqs", "freqs", "inv_freq", "_inv_freq")
 
 
