@@ -98,7 +98,9 @@ class MlxLm:
         assert len(responses) == self.B, f"{len(responses)} of {self.B} sessions stepped"
 
     def kv_bytes(self) -> int:
-        return tree_bytes(self.gen._generation_batch.prompt_cache)
+        from mlx_stream.mlxlm import batch_caches
+
+        return tree_bytes(batch_caches(self.gen))
 
     def close(self) -> None:
         self.gen.close()

@@ -10,6 +10,7 @@ before MLX is imported, unless ``MLX_STREAM_BLAS=off``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -69,7 +70,7 @@ class _BenchParser(argparse.ArgumentParser):
 
 def _script_run_by_hand() -> Path | None:
     """The benchmark script that called base_parser, when it is the one run as __main__."""
-    caller = Path(sys._getframe(2).f_code.co_filename).resolve()
+    caller = Path(inspect.currentframe().f_back.f_back.f_code.co_filename).resolve()
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     if main and Path(main).resolve() == caller and caller.parent == REPO / "benchmarks":
         return caller

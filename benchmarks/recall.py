@@ -141,9 +141,9 @@ def dump(tier, point: int, prompt, folder: Path) -> Path:
     import mlx.core as mx
     import numpy as np
 
-    nb = min(tier.stored, tier._evicted_blocks(point))
+    nb = min(tier.stored, tier.evicted_blocks(point))
     arrays = {}
-    for i, q in enumerate(tier._recent(point)):
+    for i, q in enumerate(tier.recent_queries(point)):
         arrays[f"q{i}"] = q.astype(np.float16)
         arrays[f"k{i}"] = np.stack([np.asarray(tier.store.get(i, j)[0][0].astype(mx.float32))
                                     for j in range(nb)]).astype(np.float16)  # fmt: skip
@@ -186,10 +186,10 @@ def own_topk(tier, point: int, blocks: list[int]) -> dict:
 
     from mlx_stream.recall import select
 
-    nb = min(tier.stored, tier._evicted_blocks(point))
+    nb = min(tier.stored, tier.evicted_blocks(point))
     empty = np.array([f >= tier.block for f in tier.first[:nb]])
     k, layer_hits, head_hits, heads = tier.spec.blocks, 0, 0, 0
-    for i, q in enumerate(tier._recent(point)):
+    for i, q in enumerate(tier.recent_queries(point)):
         per_head = select.head_scores_summary(q, tier.summaries, i, nb, "quest", tier.scale,
                                               empty)  # fmt: skip
         chosen = set(select.top_k(per_head.max(0), k))

@@ -69,7 +69,7 @@ class Split:
         self.refresh_s = self.build_s = 0.0
         self.refreshes = self.builds = 0
         self.profile, self.profiled = None, 0  # cProfile of the refreshes from start_profile
-        refresh, build = tier.refresh, tier._build_region
+        refresh, build = tier.refresh, tier.build_region
 
         def timed_refresh(point, *rest):
             tic = time.perf_counter()
@@ -91,7 +91,7 @@ class Split:
                 self.build_s += time.perf_counter() - tic
                 self.builds += 1
 
-        tier.refresh, tier._build_region = timed_refresh, timed_build
+        tier.refresh, tier.build_region = timed_refresh, timed_build
 
     def snapshot(self) -> tuple:
         return self.refresh_s, self.build_s, self.refreshes, self.builds
@@ -102,7 +102,7 @@ class Split:
         self.profile = cProfile.Profile()
 
     def refresh_parts(self) -> dict:
-        """With ``profile``: ms per refresh in gathering the queries (``_recent``) and
+        """With ``profile``: ms per refresh in gathering the queries (``recent_queries``) and
         in scoring the blocks (``select``'s ``layer_scores_*``), from cProfile."""
         import pstats
 
@@ -110,7 +110,7 @@ class Split:
             return {}
         parts = {"gather_queries": 0.0, "score_blocks": 0.0}
         for (_, _, name), (_, _, _, cum, _) in pstats.Stats(self.profile).stats.items():
-            if name == "_recent":
+            if name == "recent_queries":
                 parts["gather_queries"] += cum
             elif name.startswith("layer_scores_"):
                 parts["score_blocks"] += cum
@@ -160,14 +160,14 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
     kr, vr = (mx.random.normal((1, H, ring, D)).astype(dtype) for _ in range(2))
     kp, vp = (mx.random.normal((1, H, plain, D)).astype(dtype) for _ in range(2))
     mr, mp = mx.zeros((1, 1, 1, ring), dtype), mx.zeros((1, 1, 1, plain), dtype)
-    total = tier.regions[0][0].shape[2] + ring - tier._lead(c)
+    total = tier.regions[0][0].shape[2] + ring - tier.lead_slots(c)
     ka, va = (mx.random.normal((1, H, total, D)).astype(dtype) for _ in range(2))
     ma = mx.zeros((1, 1, 1, total), dtype)
     mx.eval(q, kr, vr, kp, vp, ka, va, mr, mp, ma)
     scale = tier.scale or D**-0.5
     saved = list(tier.queries[0])
     n0 = c.tokens_seen - 1
-    if tier.applied[0] != (sel, tier._region_anchor(c, n0), tier.placement):
+    if tier.applied[0] != (sel, tier.region_anchor(c, n0), tier.placement):
         return {}
     times = {"recall": [], "window": [], "window-slack": [], "keys-only": []}
 

@@ -70,7 +70,7 @@ class BlasStatus:
 
 
 _status: BlasStatus | None = None
-_handle: ctypes.CDLL | None = None
+_loaded: tuple[str, ctypes.CDLL] | None = None  # the path and the library, kept referenced
 
 
 def find_openblas() -> str | None:
@@ -89,7 +89,7 @@ def find_openblas() -> str | None:
 
 
 def _load(path: str) -> BlasStatus:
-    global _handle
+    global _loaded
     try:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
@@ -97,7 +97,7 @@ def _load(path: str) -> BlasStatus:
     missing = [s for s in REQUIRED_SYMBOLS if not hasattr(lib, s)]
     if missing:
         return BlasStatus("failed", path, f"{path} lacks {', '.join(missing)}")
-    _handle = lib
+    _loaded = (path, lib)
     threads = lib.openblas_get_num_threads() if hasattr(lib, "openblas_get_num_threads") else None
     extra = f", {threads} threads" if threads else ""
     return BlasStatus("loaded", path, f"OpenBLAS {path}{extra}")
@@ -123,8 +123,8 @@ def preload(force: bool = False) -> BlasStatus:
 
 
 def _decide(setting: str) -> BlasStatus:
-    if _handle is not None:
-        return BlasStatus("loaded", _handle._name, f"OpenBLAS {_handle._name} (loaded before)")
+    if _loaded is not None:
+        return BlasStatus("loaded", _loaded[0], f"OpenBLAS {_loaded[0]} (loaded before)")
     if setting.lower() in OFF_VALUES:
         return BlasStatus("off", None, f"disabled by {ENV}={setting}")
     if not sys.platform.startswith("linux"):
@@ -139,6 +139,11 @@ def _decide(setting: str) -> BlasStatus:
         detail = "too late: mlx.core was imported before mlx_stream"
         return BlasStatus("late", path, detail)
     return _load(path)
+
+
+def loaded_openblas() -> str | None:
+    """The path of the OpenBLAS :func:`preload` loaded into this process, or ``None``."""
+    return _loaded[0] if _loaded is not None else None
 
 
 def status() -> BlasStatus | None:

@@ -90,7 +90,7 @@ def _settle() -> None:
     it yields a token; a collective of ours on another stream would run beside it and
     the ranks would pair up different collectives (seen: garbled input on rank 1).
     """
-    from mlx_lm.generate import generation_stream
+    from mlx_stream.mlxlm import generation_stream
 
     mx.synchronize(generation_stream)
     mx.synchronize()

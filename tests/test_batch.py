@@ -189,10 +189,10 @@ def test_the_model_check_refuses_a_batched_step_that_is_not_exact(monkeypatch):
     batch whose rows all took the first row's rope position is caught."""
     from mlx_stream.cache import batched as batch_cache
 
-    model = make_model("llama")
-    assert batch_cache._probe(model) is None
+    exact, wrong = make_model("llama"), make_model("llama")  # a verdict is kept per model
+    assert batch_cache.check_batchable(exact) is None
     monkeypatch.setattr(batch_cache.BatchSinkCache, "offset", property(lambda s: s.rows[0].offset))
-    assert "differs from single-session decoding" in batch_cache._probe(model)
+    assert "differs from single-session decoding" in batch_cache.check_batchable(wrong)
 
 
 def test_recall_rows_are_refused_by_the_batched_cache_itself():

@@ -22,6 +22,14 @@ needs_openblas = pytest.mark.skipif(
     reason="no OpenBLAS installed (apt-get install libopenblas0-pthread)",
 )
 
+
+@pytest.fixture
+def unloaded(monkeypatch):
+    """This process as one that has preloaded nothing yet (undone after the test)."""
+    monkeypatch.setattr(blas, "_loaded", None)
+    monkeypatch.setattr(blas, "_status", None)
+
+
 # Preloads (or not), then prints the preload state, the BLAS serving MLX, and saves the
 # last-position logits of `model` on `tokens` to `out`.
 CHILD = """
@@ -56,32 +64,28 @@ def test_off_is_a_no_op():
     assert "openblas" not in (result["active"] or "")
 
 
-def test_not_found_does_nothing_and_says_so(monkeypatch):
+def test_not_found_does_nothing_and_says_so(monkeypatch, unloaded):
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(blas, "_candidates", lambda: [])
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
-    monkeypatch.setattr(blas, "_handle", None)
-    monkeypatch.setattr(blas, "_status", None)
     monkeypatch.setenv(blas.ENV, "auto")
     status = blas.preload()
     assert status.state == "not-found" and not status.loaded
     assert "libopenblas0-pthread" in status.detail
     assert blas.status() is status
-    assert blas._handle is None
+    assert blas.loaded_openblas() is None
 
 
-def test_missing_explicit_path_is_not_found(monkeypatch, tmp_path):
+def test_missing_explicit_path_is_not_found(monkeypatch, tmp_path, unloaded):
     monkeypatch.setattr(sys, "platform", "linux")
-    monkeypatch.setattr(blas, "_handle", None)
     monkeypatch.setenv(blas.ENV, str(tmp_path / "libopenblas.so.0"))
     status = blas.preload(force=True)
     assert status.state == "not-found" and "does not exist" in status.detail
 
 
-def test_late_preload_is_reported(monkeypatch):
+def test_late_preload_is_reported(monkeypatch, unloaded):
     import mlx.core  # noqa: F401 - the test process has imported MLX already
 
-    monkeypatch.setattr(blas, "_handle", None)
     monkeypatch.setenv(blas.ENV, "auto")
     status = blas.preload(force=True)
     assert status.state in ("late", "not-found", "not-linux")

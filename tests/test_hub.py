@@ -393,7 +393,7 @@ def test_the_progress_class_reports_only_the_bytes_written(monkeypatch):
     """huggingface_hub makes a transfer bar and a reconstruction bar with the tqdm
     class it is given: only the second (bytes on disk) is reported."""
     seen = []
-    bar_class = hub.remote._progress_class(lambda d, t, s: seen.append((d, t, s)), "download x")
+    bar_class = hub.remote.progress_class(lambda d, t, s: seen.append((d, t, s)), "download x")
     transfer = bar_class(desc="Downloading bytes", total=100, unit="B", name="transfer")
     transfer.update(50)
     written = bar_class(desc="Reconstructing (incomplete total...)", total=100, unit="B")

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.models import gguf, loader, registry
@@ -15,8 +16,14 @@ from mlx_stream.models import gguf, loader, registry
 REPO = Path(__file__).resolve().parent.parent
 
 
+def float_parameters(model) -> list:
+    """The model's floating-point parameters (what a dtype policy casts)."""
+    return [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+
+
 def test_mlx_lm_contract():
-    """The mlx-lm version is in the pinned range and the APIs we use exist."""
+    """The mlx-lm version is in the pinned range and the public APIs we use exist (its
+    private and undocumented names: tests/test_mlxlm.py)."""
     import mlx_lm
     from packaging.specifiers import SpecifierSet
 
@@ -29,7 +36,6 @@ def test_mlx_lm_contract():
     from mlx_lm.utils import (
         DEFAULT_ALLOW_PATTERNS,
         MODEL_REMAPPING,
-        _get_classes,
         dequantize_model,
         load,
         quantize_model,
@@ -43,7 +49,7 @@ def test_mlx_lm_contract():
     assert callable(dequantize_model) and callable(load) and callable(save_config)
     # Hugging Face ids (mlx_stream.models.hub): mlx-lm's download patterns and classes.
     assert "model*.safetensors" in DEFAULT_ALLOW_PATTERNS and MODEL_REMAPPING["mistral"] == "llama"
-    assert callable(_get_classes) and callable(quantize_model)
+    assert callable(quantize_model)
 
 
 def test_dtype_policy_is_float32_on_cpu_and_reported(tiny_gguf_q4):
@@ -58,12 +64,12 @@ def test_dtype_policy_is_float32_on_cpu_and_reported(tiny_gguf_q4):
     )
     assert "auto: CPU backend" in info.describe()
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
-    assert {v.dtype for _, v in loader._flat(model)} == {mx.float32}
+    assert {v.dtype for v in float_parameters(model)} == {mx.float32}
     model, _, info = loader.load(folder, dtype="quantized", return_info=True)
     assert info.weights == "4/8-bit (group 32)"
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     model, _, info = loader.load(folder, dtype="bfloat16", return_info=True)
-    assert {v.dtype for _, v in loader._flat(model)} == {mx.bfloat16}
+    assert {v.dtype for v in float_parameters(model)} == {mx.bfloat16}
     with pytest.raises(UserError, match="unknown dtype 'int3'"):
         loader.load(folder, dtype="int3")
 

@@ -142,9 +142,7 @@ def test_models_check_refuses_in_one_line(tiny_model_dir, monkeypatch):
     from mlx_stream.cache import positions
 
     monkeypatch.setattr(positions, "rope_modules", lambda module: [])  # nothing to move with
-    positions._VERDICTS.clear()
-    result = CliRunner().invoke(app, ["models", "check", str(tiny_model_dir)])
-    positions._VERDICTS.clear()
+    result = CliRunner().invoke(app, ["models", "check", str(tiny_model_dir)])  # a new model
     assert_one_line_error(result, 2, "layer 0", "no rope module")
 
 

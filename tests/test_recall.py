@@ -13,12 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache import make_sink_cache
 from mlx_stream.cache.positions import Probe
 from mlx_stream.errors import Unsupported, UserError
 from mlx_stream.generate.decode import generate_step
+from mlx_stream.mlxlm import BaseCache
 from mlx_stream.recall import RecallSpec
 from mlx_stream.recall.select import top_k
 from mlx_stream.recall.store import BlockStore, bytes_per_token
@@ -33,7 +33,7 @@ def one_layer():
     return tiny.make_model("llama", seed=2, num_hidden_layers=1, scale=1.0)
 
 
-class Fixed(mlx_cache._BaseCache):
+class Fixed(BaseCache):
     """Hands attention a fixed list of keys and values plus the new token's."""
 
     def __init__(self, keys, values, offset):

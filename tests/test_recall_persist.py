@@ -26,7 +26,7 @@ from mlx_stream.recall import persist, tier_of
 from mlx_stream.recall.store import SEGMENT, BlockStore, FileArray
 from tests import tiny
 from tests.support.paths import REPO
-from tests.support.recall import BLOCK, SINKS, WINDOW, feed, recall_cache, spec
+from tests.support.recall import BLOCK, SINKS, WINDOW, feed, full_disk, recall_cache, spec
 
 
 def dead_pid() -> int:
@@ -258,16 +258,7 @@ def test_a_full_disk_stops_before_the_call_changes_anything(tiny_llama, tmp_path
     tokens = tiny.random_tokens(BLOCK * SEGMENT + 120, seed=31)
     folder = tmp_path / "spill"
     cache = recall_cache(tiny_llama, ram_bytes=0, folder=str(folder))
-    real = BlockStore._open_file
-    opened = []
-
-    def full(self, path, np_dtype, shape):
-        if ".seg1." in path.name:  # the second segment finds the disk full
-            raise self.failure(OSError(28, "No space left on device"))
-        opened.append(path)
-        return real(self, path, np_dtype, shape)
-
-    monkeypatch.setattr(BlockStore, "_open_file", full)
+    opened = full_disk(monkeypatch, ".seg1.")  # the second segment finds the disk full
     got, i = [], 0
     with pytest.raises(RuntimeFailure) as e:
         while i < len(tokens):

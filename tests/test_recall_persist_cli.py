@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from mlx_stream.recall.store import BlockStore
 from tests import tiny as tiny_mod
 from tests.support.cli import assert_one_line_error
+from tests.support.recall import full_disk
 
 runner = CliRunner()
 BASE = ["--window", "32", "--sinks", "4", "--segment", "100"]
@@ -84,14 +84,7 @@ def test_a_full_recall_disk_stops_with_the_checkpoint(tiny_model_dir, long_file,
     checkpoint holds the first 32 blocks and resumes to the uninterrupted figures."""
     args = recall_args(tmp_path, long_file, tiny_model_dir)
     whole = run_json(*args)
-    real = BlockStore._open_file
-
-    def full(self, path, np_dtype, shape):
-        if ".seg1." in path.name:
-            raise self.failure(OSError(28, "No space left on device"))
-        return real(self, path, np_dtype, shape)
-
-    monkeypatch.setattr(BlockStore, "_open_file", full)
+    full_disk(monkeypatch, ".seg1.")
     ckpt = tmp_path / "c.safetensors"
     result = run(*args, "--checkpoint", str(ckpt), "--json")
     folder = tmp_path / "store"
@@ -110,10 +103,7 @@ def test_a_full_recall_disk_stops_with_the_checkpoint(tiny_model_dir, long_file,
 
 def test_without_a_checkpoint_a_full_disk_says_nothing_was_saved(tiny_model_dir, text_file,
                                                                  tmp_path, monkeypatch):  # fmt: skip
-    def full(self, path, np_dtype, shape):
-        raise self.failure(OSError(28, "No space left on device"))
-
-    monkeypatch.setattr(BlockStore, "_open_file", full)
+    full_disk(monkeypatch)
     result = run(*recall_args(tmp_path, text_file, tiny_model_dir))
     assert_one_line_error(result, 1, "No space left on device", "nothing saved")
     assert "perplexity" in result.stdout  # the table of the figures so far

@@ -168,7 +168,7 @@ def test_the_server_evicts_a_recall_session_and_restores_it_after_a_restart(load
         follow = [*first, {"role": "assistant", "content": reply},
                   {"role": "user", "content": "what was said first"}]  # fmt: skip
         want, _ = ask(stayed, follow)
-        a.call(lambda: a._evict(a.entries[("", "s")])).result(timeout=120)
+        a.call(lambda: a.evict(a.entries[("", "s")])).result(timeout=120)
         assert list((tmp_path / "a").glob("session-*.recall/manifest.json"))
         b = engine(tmp_path / "a")  # no a.stop(): as after a kill -9
         try:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_stream.errors import UserError
+from mlx_stream.mlxlm import hf_tokenizer
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -155,7 +156,7 @@ def test_a_native_json_template_is_constrained_under_auto(native_tok):
 def native(tok, start: str, end: str, parser) -> SimpleNamespace:
     """``tok`` as a template with tool support in another call format."""
     return SimpleNamespace(has_tool_calling=True, tool_call_start=start, tool_call_end=end,
-                           tool_parser=parser, _tokenizer=tok._tokenizer)  # fmt: skip
+                           tool_parser=parser, _tokenizer=hf_tokenizer(tok))  # fmt: skip
 
 
 def test_a_template_whose_calls_are_not_json_is_left_unconstrained(bpe_tok):
@@ -326,13 +327,16 @@ def test_the_default_model_calls_get_weather_with_only_a_city(real_model_path):
     assert not accepts(tok, grammar, call("get_weather", {"city": "Paris", "temperature": 25}))
 
 
-def test_replies_of_one_grammar_get_their_own_copy_of_one_compiled_matcher(bpe_tok):
+def test_replies_of_one_grammar_get_their_own_copy_of_one_compiled_matcher(bpe_tok, monkeypatch):
     from mlx_stream.serve.structured import Grammars
 
     grammars, grammar = Grammars(bpe_tok), auto([CITY], bpe_tok)
     ll = grammars.ll_tokenizer()
-    one, two = grammars.constraint(grammar), grammars.constraint(grammar)
-    assert one.matcher is not two.matcher and len(grammars._compiled) == 1
+    compiled, matcher = [], llguidance.LLMatcher
+    with monkeypatch.context() as m:  # count the compilations
+        m.setattr(llguidance, "LLMatcher", lambda *a, **k: compiled.append(a) or matcher(*a, **k))
+        one, two = grammars.constraint(grammar), grammars.constraint(grammar)
+    assert one.matcher is not two.matcher and len(compiled) == 1
     assert all(one.matcher.consume_token(t) for t in ll.tokenize_str("<tool_call>\n"))
     assert all(two.matcher.consume_token(t) for t in ll.tokenize_str("plain text"))
     assert two.matcher.is_accepting() and not one.matcher.is_accepting()

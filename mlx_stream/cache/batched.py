@@ -30,17 +30,17 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache.sink import SinkCache, max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
+from mlx_stream.mlxlm import BaseCache
 
 #: Largest logit difference between a batched row and the same session alone.
 TOLERANCE = 1e-3
 
 
-class BatchSinkCache(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
+class BatchSinkCache(BaseCache):
     """One layer's KV cache for several sessions, one row each (mlx-lm's cache protocol
     for one-token calls)."""
 

@@ -23,6 +23,7 @@ from mlx_stream.cache.settings import validate_sizes
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.cache.stored import Stored
 from mlx_stream.errors import Unsupported
+from mlx_stream.mlxlm import BaseCache, takes_quantized_attention, use_quantized_attention
 
 POSITIONS = ("cache", "absolute")
 
@@ -34,7 +35,7 @@ DEFAULT_SLACK = 0
 UNKNOWN_STRIDE = 2**62  # a loaded layout's stride when the file does not say
 
 
-class SinkCache(Relayout, Stored, mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
+class SinkCache(Relayout, Stored, BaseCache):
     """A fixed-size KV cache keeping ``sinks`` first tokens and a ``window`` of recent ones.
 
     A thin glue of three parts: the slot layout (``mlx_stream.cache.ring.Ring``), the
@@ -131,7 +132,7 @@ class SinkCache(Relayout, Stored, mlx_cache._BaseCache):  # noqa: SLF001 - mlx-l
         if kv_bits is not None and key_bits == kv_bits and not self.channel_keys:
             # Only a cache that returns quantized tuples has ``bits``: mlx-lm routes
             # attention to its quantized kernel on hasattr(cache, "bits").
-            self.bits, self.group_size = kv_bits, kv_group_size
+            use_quantized_attention(self, kv_bits, kv_group_size)
 
     # ----- the layout's numbers -----------------------------------------------------
 
@@ -257,7 +258,7 @@ class SinkCache(Relayout, Stored, mlx_cache._BaseCache):  # noqa: SLF001 - mlx-l
 
     def _attended(self, keys, values):
         """Storage-form keys and values as attention takes them (mixed bits: floats)."""
-        if self.quantized and not hasattr(self, "bits"):
+        if self.quantized and not takes_quantized_attention(self):
             g = self.kv_group_size
             return kvstore.unpack(keys, self.key_bits, g), kvstore.unpack(
                 values, self.value_bits, g
@@ -411,7 +412,7 @@ class SinkCache(Relayout, Stored, mlx_cache._BaseCache):  # noqa: SLF001 - mlx-l
             recent = mx.take(values, idx, axis=2)
             return self.keys.fetch(lo, hi), mx.concatenate([values, recent], axis=2)
         keys, values = kvstore.get(self.keys, 0, L), kvstore.get(self.values, 0, L)
-        if self.quantized and not hasattr(self, "bits"):
+        if self.quantized and not takes_quantized_attention(self):
             # Mixed key/value bits: attention runs on dequantized floats.
             return kvstore.unpack(keys, self.key_bits, g), kvstore.unpack(
                 values, self.value_bits, g

@@ -30,6 +30,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
+from mlx_stream.mlxlm import BaseCache, rope_freqs
+
 SLOTS = ("keys", "values")
 PROBE_AT, PROBE_SHIFT, PROBE_TOKENS = 5, 37, 3
 # The logits are also compared this far apart: a cache hands the model offsets over a
@@ -104,11 +106,8 @@ def rope_dims(rope: nn.Module) -> int | None:
         value = getattr(rope, name, None)
         if isinstance(value, int):
             return value
-    for name in ("_freqs", "freqs", "inv_freq", "_inv_freq"):
-        value = getattr(rope, name, None)
-        if isinstance(value, mx.array) and value.ndim == 1:
-            return 2 * value.size
-    return None
+    freqs = rope_freqs(rope)
+    return None if freqs is None else 2 * freqs.size
 
 
 def rope_modules(module: nn.Module) -> list[nn.Module]:
@@ -145,7 +144,7 @@ def candidates(ropes: list[nn.Module]) -> list[Move]:
 # ----------------------------------------------------------------------------- probe
 
 
-class Probe(mlx_cache._BaseCache):  # noqa: SLF001 - mlx-lm names its base so
+class Probe(BaseCache):
     """A growing cache whose first token sits at ``offset`` and whose array masks hide
     key 0 from later rows (so a misread mask changes the logits). It records what the
     layer stored."""

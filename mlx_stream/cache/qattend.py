@@ -52,8 +52,8 @@ import mlx.core as mx
 
 from mlx_stream.cache import kvquant
 from mlx_stream.cache import storage as kvstore
+from mlx_stream.mlxlm import ATTENTION_NAME as NAME
 
-NAME = "scaled_dot_product_attention"
 #: The position movers (``Move``, one per layer, owned by the model) of layers proven to
 #: reach the wrapper: a SinkCache built or loaded later for the same model takes the
 #: route from its constructor.

@@ -17,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -44,6 +43,7 @@ from mlx_stream.generate.steps import (
     extend_history,
     sample,
 )
+from mlx_stream.mlxlm import TextStateMachine, generation_stream
 from mlx_stream.recall.tier import prompt_end as recall_prompt_end
 
 

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.mlxlm import hf_tokenizer
+
 GENERATION_CONFIG = "generation_config.json"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -123,7 +125,7 @@ _END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 def _vocab(tokenizer: Any) -> dict[str, int]:
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     try:
         return dict(hf.get_vocab())
     except (AttributeError, TypeError):

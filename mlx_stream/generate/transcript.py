@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_stream.mlxlm import hf_tokenizer
+
 SENTINEL = "\x00mlx-stream\x00"
 ZERO_WIDTH_SPACE = "\u200b"
 
@@ -42,7 +44,7 @@ def clean_text(text: str) -> str:
 
 def special_texts(tokenizer: Any) -> tuple[str, ...]:
     """The texts ``tokenizer`` reads as special tokens, longest first."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     added = getattr(hf, "added_tokens_decoder", None) or {}
     texts = {t.content for t in added.values() if getattr(t, "special", False)}
     texts |= set(getattr(hf, "all_special_tokens", None) or ())

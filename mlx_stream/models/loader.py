@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from mlx_stream import files
 from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.mlxlm import hf_tokenizer
 from mlx_stream.models import registry
 from mlx_stream.models.registry import ModelSpec, ProgressCallback, Source, atomic_folder, notify
 
@@ -546,7 +547,7 @@ def load(
         prepare(model)
     mx.eval(model.parameters())
     if spec is not None and spec.template_override and folder == _local_folder(spec):
-        tokenizer._tokenizer.chat_template = spec.template_override
+        hf_tokenizer(tokenizer).chat_template = spec.template_override
         tokenizer.has_chat_template = True
     if not return_info:
         return model, tokenizer

@@ -19,11 +19,13 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache.qattend import NAME, attention_modules
+from mlx_stream.cache.qattend import attention_modules
 from mlx_stream.errors import Unsupported
+from mlx_stream.mlxlm import ATTENTION_NAME as NAME
 
 
 def _wrap(original):
+    # mlx-lm's parameters (mlx_stream.mlxlm.ATTENTION_PARAMETERS), passed on by keyword
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         recall = getattr(cache, "recall", None)
         if recall is None:

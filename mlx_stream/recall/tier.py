@@ -19,6 +19,7 @@ import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.positions import Move
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
+from mlx_stream.mlxlm import takes_quantized_attention
 from mlx_stream.recall.names import tier_of
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
@@ -150,7 +151,7 @@ class Recall:
                 and n > self.history[-1][2]):  # fmt: skip
             self.refresh(n)  # from blocks every layer stored at earlier boundaries
         self._capture(cache, n)
-        self._build_region(cache, n)
+        self.build_region(cache, n)
 
     def trimmed(self, cache, keep: int) -> None:
         """The cache forgot every token from ``keep`` on."""
@@ -206,7 +207,7 @@ class Recall:
         Raises:
             RuntimeFailure: The store folder cannot be written (a full disk).
         """
-        count = self._evicted_blocks(n // self.block * self.block)
+        count = self.evicted_blocks(n // self.block * self.block)
         if count <= min(self.store.count, default=0) or cache.keys is None:
             return
         if self.store.shapes is None:  # what _gather hands the store: float, this dtype
@@ -216,7 +217,7 @@ class Recall:
             self.store.shapes = tuple((x.shape[1], x.shape[-1], x.dtype) for x in one)
         self.store.reserve(count)
 
-    def _evicted_blocks(self, n: int) -> int:
+    def evicted_blocks(self, n: int) -> int:
         """Blocks no row of a call at ``n`` can see (each wholly before its window)."""
         return max(0, (n - self.layers[0].window + 1) // self.block)
 
@@ -226,7 +227,7 @@ class Recall:
         that call: what is stored never depends on how calls split the stream (a
         quantized ring re-quantizes what a rebase moves)."""
         i, bs, S = cache.recall_index, self.block, cache.sinks
-        count = self._evicted_blocks(n // bs * bs)
+        count = self.evicted_blocks(n // bs * bs)
         for j in range(self.store.count[i], count):
             lo, hi = max(j * bs, S), (j + 1) * bs
             first = min(lo - j * bs, bs)
@@ -308,7 +309,7 @@ class Recall:
             mx.eval([c.state for c in caches])
             tokens = tokens[k:]
 
-    def _recent(self, point: int) -> list[np.ndarray | None]:
+    def recent_queries(self, point: int) -> list[np.ndarray | None]:
         """Every layer's queries of the ``block`` tokens before ``point``, moved so a
         block-relative key ``t`` sits at position ``t`` right before the sinks. One
         rope call per run of calls with the same anchor and one evaluation for all
@@ -341,8 +342,8 @@ class Recall:
         spec's unless named); ``None`` when there is no candidate or no query yet."""
         selector = selector or self.spec.selector
         at = point if candidates_at is None else min(point, candidates_at)
-        nb = min(self.stored, self._evicted_blocks(at))  # none a row can still see
-        recent = self._recent(point) if nb and self.scale is not None else [None]
+        nb = min(self.stored, self.evicted_blocks(at))  # none a row can still see
+        recent = self.recent_queries(point) if nb and self.scale is not None else [None]
         if any(q is None for q in recent):
             return None
         return score.block_scores(
@@ -365,7 +366,7 @@ class Recall:
 
     # ----- region and attention ---------------------------------------------------------
 
-    def _region_anchor(self, cache, n: int) -> int:
+    def region_anchor(self, cache, n: int) -> int:
         """Position the region ends at for a call at token ``n``: the first sink's
         (``stream``, ``before``, ``fixed``), or for ``near`` the position of the token the
         selection was refreshed at (the blocks end right before it, so the queries of the
@@ -385,7 +386,7 @@ class Recall:
         prompt = self.spec.prompt_placement
         return prompt if prompt is not None and hold > point else self.spec.placement
 
-    def _lead(self, cache) -> int:
+    def lead_slots(self, cache) -> int:
         """Region slots before the blocks: a moved copy of the sinks for ``stream``."""
         return cache.sinks if self.placement == "stream" else 0
 
@@ -393,17 +394,19 @@ class Recall:
         """Slots the region keeps before its blocks (for the copy of the sinks)."""
         return cache.sinks if self.spec.copies_sinks else 0
 
-    def _build_region(self, cache, n: int) -> None:
+    def build_region(self, cache, n: int) -> None:
+        """Lay the selected blocks into this layer's device region for a call at ``n``
+        (nothing when the selection and its place are unchanged)."""
         sel = self.selection
         if not sel:
             return
         i = cache.recall_index
-        anchor = self._region_anchor(cache, n)
+        anchor = self.region_anchor(cache, n)
         if self.applied[i] == (sel, anchor, self.placement):
             return
-        bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self._lead(cache)
+        bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self.lead_slots(cache)
         top, placement = self._lead_max(cache), self.placement  # blocks start at slot top
-        packed = hasattr(cache, "bits")
+        packed = takes_quantized_attention(cache)
         bits, g = (cache.bits, cache.group_size) if packed else (None, 64)
         if self.regions[i] is None:
             (H, kd, dtype), (_, vd, _) = self.store.shapes
@@ -449,7 +452,7 @@ class Recall:
         anchor = self.anchor(cache, n0) if cache.moving else 0
         kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
         self.queries[i] = [*kept, (n0, queries, anchor)]
-        anchor = self._region_anchor(cache, n0)
+        anchor = self.region_anchor(cache, n0)
         self.scale = scale
         sel = self.selection
         if not sel or self.applied[i] != (sel, anchor, self.placement):
@@ -465,7 +468,7 @@ class Recall:
                 raise RuntimeFailure(
                     f"recall: the model gave attention a mask it cannot extend ({mask!r})"
                 )
-        lead = self._lead(cache)  # the ring's own sinks are replaced by the region's copy
+        lead = self.lead_slots(cache)  # the ring's own sinks are replaced by the region's copy
         rk, rv = self.regions[i]
         skip = self._lead_max(cache) - lead  # the slots of a sink copy this placement lacks
         if skip:

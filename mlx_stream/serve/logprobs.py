@@ -32,11 +32,9 @@ class TokenLogprobs:
         return self.tokenizer.decode([token]).encode("utf-8")
 
     def _table(self) -> list[bytes]:
-        from mlx_lm.tokenizer_utils import (
-            BPEStreamingDetokenizer,
-            SPMStreamingDetokenizer,
-            _byte_decoder,
-        )
+        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+        from mlx_stream.mlxlm import byte_decoder as _byte_decoder
 
         detokenizer = self.tokenizer.detokenizer
         if isinstance(detokenizer, SPMStreamingDetokenizer):

@@ -207,7 +207,8 @@ class Scheduler:
         MLX aborts ("terminate called") when an exit finds a worker's evaluation
         still running."""
         import mlx.core as mx
-        from mlx_lm.generate import generation_stream
+
+        from mlx_stream.mlxlm import generation_stream
 
         self._batch = None
         mx.synchronize(generation_stream)

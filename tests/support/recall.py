@@ -1,8 +1,12 @@
-"""A small recall cache for tests: its sizes, its spec and a feeder."""
+"""A small recall cache for tests: its sizes, its spec, a feeder and a full disk."""
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 import mlx.core as mx
+import numpy as np
 
 from mlx_stream.cache import make_sink_cache, max_call_tokens
 from mlx_stream.recall import RecallSpec
@@ -28,3 +32,20 @@ def feed(model, cache, tokens, chunk: int = 8) -> mx.array:
         out.append(logits)
         i += n
     return mx.concatenate(out, axis=0)
+
+
+def full_disk(monkeypatch, part: str = "") -> list[Path]:
+    """A disk that is full for every new file whose name holds ``part`` (``""``: all):
+    numpy's ``open_memmap``, which the recall store allocates its spill files with,
+    fails there with ENOSPC. Returns the new files let through, as they open."""
+    real, opened = np.lib.format.open_memmap, []
+
+    def open_memmap(filename, mode="r+", *args, **kwargs):
+        if mode == "w+" and part in Path(filename).name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if mode == "w+":
+            opened.append(Path(filename))
+        return real(filename, mode, *args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "open_memmap", open_memmap)
+    return opened

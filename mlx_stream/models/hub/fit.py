@@ -10,6 +10,7 @@ import io
 from mlx_stream.cache import estimate
 from mlx_stream.defaults import DEFAULT_SLACK
 from mlx_stream.errors import UserError
+from mlx_stream.mlxlm import model_classes
 
 
 def fit_summary(
@@ -44,11 +45,9 @@ def shape_config(config: dict) -> dict:
 def model_from_config(config: dict):
     """A model of ``config`` built by mlx-lm, lazily: its parameters have shapes and
     dtypes but no memory until evaluated (sizes without downloading anything)."""
-    from mlx_lm.utils import _get_classes
-
     config = shape_config(config)
     # mlx-lm's own config -> classes (its remapping included; load_model uses it).
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     return model_class(args_class.from_dict(config))
 
 

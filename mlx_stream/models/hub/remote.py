@@ -176,7 +176,7 @@ def weights_estimate(repo: RemoteRepo, config: dict, policy: str) -> tuple[int, 
     return weights, estimate.DTYPE_BYTES[floats[0]] if floats else 2
 
 
-def _progress_class(progress: ProgressCallback | None, stage: str):
+def progress_class(progress: ProgressCallback | None, stage: str):
     """A tqdm class for ``snapshot_download`` that reports the bytes written to disk
     to a :data:`ProgressCallback` (huggingface_hub draws its bars with tqdm)."""
     from tqdm.std import tqdm
@@ -216,7 +216,7 @@ def download(repo: RemoteRepo, progress: ProgressCallback | None = None) -> Path
     try:
         path = snapshot_download(
             repo.id, cache_dir=hf_cache_dir(), allow_patterns=allow_patterns(),
-            tqdm_class=_progress_class(progress, stage), endpoint=endpoint(),
+            tqdm_class=progress_class(progress, stage), endpoint=endpoint(),
         )  # fmt: skip
     except Exception as e:
         if not _transport_error(e):
