@@ -34,13 +34,13 @@ class TokenLogprobs:
     def _table(self) -> list[bytes]:
         from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-        from mlx_stream.mlxlm import byte_decoder as _byte_decoder
+        from mlx_stream.mlxlm import byte_decoder
 
         detokenizer = self.tokenizer.detokenizer
         if isinstance(detokenizer, SPMStreamingDetokenizer):
             return [b.replace("\u2581".encode(), b" ") for b in detokenizer.tokenmap]
         if isinstance(detokenizer, BPEStreamingDetokenizer):
-            table = _byte_decoder()
+            table = byte_decoder()
             out = []
             for piece in detokenizer.tokenmap:
                 piece = piece or ""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_stream.generate.session import clean_text
+from mlx_stream.mlxlm import hf_tokenizer
 from mlx_stream.serve.refusals import BadRequest, TooLarge
 
 
@@ -80,7 +81,7 @@ class Planner:
 
     def fast_core(self) -> Any:
         """The fast tokenizer's Rust core, or ``None`` (then only the worker counts)."""
-        return getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+        return getattr(hf_tokenizer(self.tokenizer), "backend_tokenizer", None)
 
     def plan(self, request: Any) -> Planned:
         """``request``'s tool plan and sampling arguments, as a new request."""

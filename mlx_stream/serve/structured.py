@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from mlx_stream.errors import UserError
+from mlx_stream.mlxlm import hf_tokenizer
 
 # JSON written like json.dumps(): no free whitespace, ", " and ": " separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -251,7 +252,7 @@ class Grammars:
         if self._ll is None:
             import llguidance
 
-            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            hf = hf_tokenizer(self.tokenizer)
             backend = getattr(hf, "backend_tokenizer", None)
             if backend is None:
                 raise UserError("structured output needs a fast (tokenizer.json) tokenizer")

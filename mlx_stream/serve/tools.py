@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_stream.errors import UserError
+from mlx_stream.mlxlm import hf_tokenizer
 
 START, END = "<tool_call>", "</tool_call>"
 SYSTEM_BLOCK = (
@@ -251,7 +252,7 @@ class ToolPlan:
 
 def _special_tokens(tokenizer: Any, *markers: str) -> dict[str, int]:
     """The ``markers`` that are one special token of ``tokenizer``, with its id."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     encode, added = getattr(hf, "encode", None), getattr(hf, "added_tokens_decoder", None)
     out = {}
     for marker in markers:
