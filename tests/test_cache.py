@@ -75,11 +75,11 @@ def test_sink_keys_are_first_keys_moved_by_a_rotation(tiny_llama):
     cache = make_sink_cache(tiny_llama, sinks=S, window=W, slack=16, stride=16)
     feed(tiny_llama, cache, TOKENS, 16)
     for c, ref in zip(cache, reference):
-        base, sink_start = c._layout(c.tokens_seen)
+        base, sink_start = c.ring.layout(c.tokens_seen)
         assert sink_start > 0  # the sinks did move
         first_keys = ref.keys[..., :S, :]
         assert mx.allclose(c.sink_copy, first_keys, atol=1e-5).item()  # first-written copy
-        moved_back = c._shift(c.keys[..., :S, :], -(sink_start - base))
+        moved_back = c.move(c.keys[..., :S, :], -(sink_start - base))
         assert mx.allclose(moved_back, first_keys, atol=1e-4).item()
 
 
@@ -142,8 +142,8 @@ def test_shift_is_a_pure_rotation(rope):
     cache.keys = x
     at_100 = rope(x, offset=100)
     at_37 = rope(x, offset=37)
-    assert mx.allclose(cache._shift(at_100, -63), at_37, atol=1e-4).item()
-    there_and_back = cache._shift(cache._shift(at_100, 1234), -1234)
+    assert mx.allclose(cache.move(at_100, -63), at_37, atol=1e-4).item()
+    there_and_back = cache.move(cache.move(at_100, 1234), -1234)
     assert mx.allclose(there_and_back, at_100, atol=1e-4).item()
 
 
@@ -156,7 +156,7 @@ def test_rebasing_does_not_change_logits(tiny_llama):
 
     rebased, cache = run(64)
     never, _ = run(10**9)
-    assert cache[0]._layout(cache[0].tokens_seen)[0] > 0  # it did rebase
+    assert cache[0].ring.layout(cache[0].tokens_seen)[0] > 0  # it did rebase
     # Rotations in float32 through two layers of a tiny random model with large logits.
     scale = mx.abs(never).max().item()
     assert mx.abs(rebased - never).max().item() <= 1e-3 * scale
@@ -233,7 +233,7 @@ def test_bounded_layers_of_a_model_are_kept(tiny_gemma3):
 
 
 def test_unknown_cache_layer_is_named(tiny_llama):
-    class Strange(mlx_cache._BaseCache):
+    class Strange(mlx_cache.ConcatenateKVCache):  # a cache class mlx-stream does not know
         pass
 
     class Wrapped:

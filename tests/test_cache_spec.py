@@ -76,7 +76,7 @@ def test_json_round_trip_and_cache_file_meta():
     assert CacheSpec.from_json(data) == spec
     # A SinkCache's meta_state is the same form (plus its position in the stream).
     cache = SinkCache(2, 48, 8, 4, positions="absolute", kv_bits=4, kv_group_size=32, key_bits=8)
-    assert cache.spec == spec and CacheSpec.from_json(cache.meta_state) == spec
+    assert CacheSpec.of(cache) == spec and CacheSpec.from_json(cache.meta_state) == spec
     # Files from before quantization lack its three settings.
     old = {k: v for k, v in data.items() if k not in ("kv_bits", "kv_group_size", "key_bits")}
     assert CacheSpec.from_json(old) == CacheSpec(2, 48, 8, 4, "absolute")
@@ -107,7 +107,7 @@ def test_build_equals_make_sink_cache():
     shorthand = make_sink_cache(tiny_llama, sinks=2, window=16, slack=8, stride=4, kv_bits=8,
                                 kv_group_size=32)  # fmt: skip
     assert [c.meta_state for c in built] == [c.meta_state for c in shorthand]
-    assert all(c.spec == spec for c in built + shorthand)
+    assert all(CacheSpec.of(c) == spec for c in built + shorthand)
     for token in TOKENS[:40]:  # past the first eviction, sink moves and rebases
         x = mx.array([[token]])
         assert mx.array_equal(tiny_llama(x, cache=built), tiny_llama(x, cache=shorthand))
@@ -157,7 +157,7 @@ def test_a_checkpoint_written_before_cache_spec_still_loads(tiny_llama, tmp_path
     assert resumed.tokens == straight.tokens == len(TOKENS) - 1
     assert resumed.nll == pytest.approx(straight.nll, rel=1e-5)
     caches, _ = load_cache(path, tiny_llama)
-    assert all(c.spec == spec for c in caches)
+    assert all(CacheSpec.of(c) == spec for c in caches)
     # Another window is still told apart from the old identity.
     with pytest.raises(UserError, match="made with window 32, this run has window 64"):
         other = {**identity, **spec.replace(window=64).to_json()}
@@ -171,7 +171,7 @@ def test_save_and_load_carry_the_spec(tmp_path):
     tiny_llama(mx.array([TOKENS[:30]]), cache=caches)
     save_cache(tmp_path / "s.safetensors", caches)
     loaded, _ = load_cache(tmp_path / "s.safetensors", tiny_llama)
-    assert [c.spec for c in loaded] == [spec] * len(loaded)
+    assert [CacheSpec.of(c) for c in loaded] == [spec] * len(loaded)
 
 
 def test_stream_run_resumes_a_checkpoint_of_the_old_format(tiny_model_dir, tmp_path):

@@ -236,8 +236,8 @@ def test_attention_sinks_take_the_float_route():
     mask = cache.make_mask(1)
     k, v = cache.update_and_fetch(keys[..., 60:61, :], values[..., 60:61, :])
     q, sinks = queries[..., 60:61, :], mx.array([0.5, -1.0, 2.0, 0.0])
-    wrapped = qattend._wrap(scaled_dot_product_attention)
-    got = wrapped(q, k, v, cache=cache, scale=SCALE, mask=mask, sinks=sinks)
+    assert qattend.claims(cache, k)  # the wrapped attention hands the call to the route
+    got = qattend.handle(q, k, v, cache, SCALE, mask, sinks, scaled_dot_product_attention)
     fk, fv = qattend.unpack(k, v)
     ref = mx.fast.scaled_dot_product_attention(q, fk, fv, scale=SCALE, mask=mask, sinks=sinks)
     assert mx.allclose(got, ref).item()

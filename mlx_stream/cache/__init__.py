@@ -2,11 +2,12 @@
 
 Lives here: the cache policy as one value (``spec``: :class:`CacheSpec`), the sink +
 window cache (``sink``: :class:`SinkCache`, its save and load),
-its parts (``ring``: slot layout and masks; ``storage``: float or quantized keys and
-values; ``kvquant``: per-channel 4-bit keys with their float residual; ``positions``:
-RoPE moves and the model self-check), the batched cache
-(``batched``), the reclaim schedule for MLX's buffer pool (``reclaim``) and the
-bytes-before-allocating estimate (``estimate``).
+its parts (``ring``: slot layout and masks; ``storage``, ``channel``, ``variants``: the
+storage classes of keys and values, float, per-token or per-channel quantized;
+``kvquant``: per-channel keys with their float residual; ``positions``: RoPE moves and
+the model self-check), the one patch of mlx-lm's attention function (``attention``),
+the batched cache (``batched``), the reclaim schedule for MLX's buffer pool
+(``reclaim``) and the bytes-before-allocating estimate (``estimate``).
 
 May import: mlx, mlx-lm's cache classes, numpy and the package's base modules
 (``errors``, ``files``, ``defaults``); never ``models``, ``generate``, ``serve`` or

@@ -9,10 +9,9 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import extension, kvquant, qattend
+from mlx_stream.cache import extension, qattend
 from mlx_stream.cache.layer import SinkCache
 from mlx_stream.cache.positions import check_model, model_type, position_limit
-from mlx_stream.cache.ring import Ring
 from mlx_stream.errors import Unsupported
 
 #: Bounded caches a model makes itself, kept as they are (PASS-THROUGH).
@@ -31,6 +30,27 @@ def _refuse_layer(model, i: int, c) -> None:
     )
 
 
+def _sink_cache(s: Any, verdict, i: int) -> SinkCache:
+    """Layer ``i``'s SinkCache under spec ``s`` (``verdict``: the model's check)."""
+    return SinkCache(
+        s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits, s.kv_group_size,
+        s.key_bits, verdict.moves.get(i), verdict.additive_mask,
+        token_keys=s.recall is not None,  # the recall tier reads per-token keys
+    )  # fmt: skip
+
+
+def _check_positions(model, ring) -> None:
+    """Refuse a cache whose positions reach past what the model's rope is exact for."""
+    limit = position_limit(model)
+    highest = ring.max_offset + ring.room(ring.max_offset) - 1
+    if limit is not None and highest >= limit[0]:
+        raise Unsupported(
+            f"{model_type(model)}: its {limit[1]} reads cache.offset and is exact only "
+            f"while positions stay below {limit[0]}; this cache reaches {highest} "
+            "(use a smaller window)"
+        )
+
+
 def build_sink_cache(model: nn.Module, spec: Any) -> list:
     """The prompt cache of ``make_sink_cache`` for a :class:`CacheSpec` (what
     ``CacheSpec.build`` returns, without its memory check)."""
@@ -42,34 +62,16 @@ def build_sink_cache(model: nn.Module, spec: Any) -> list:
     verdict = check_model(model, caches)
     if s.recall is not None:  # refuses what it cannot serve; installs the attention hook
         s = extension.get("recall").check(model, caches, verdict, s)
-    if s.positions == "cache" and any(type(c) is mlx_cache.KVCache for c in caches):
+    out = [_sink_cache(s, verdict, i) if type(c) is mlx_cache.KVCache else c
+           for i, c in enumerate(caches)]  # fmt: skip
+    first = next((c for c in out if isinstance(c, SinkCache)), None)
+    if s.positions == "cache" and first is not None:
         if verdict.refusal:
             raise Unsupported(
                 verdict.refusal + "; stream-run and eval can run it with --positions absolute"
                 " (chat and serve need cache positions)"
             )
-        limit = position_limit(model)
-        key_bits = s.kv_bits if s.key_bits is None else s.key_bits
-        token_keys = s.recall is not None
-        ring_slack = kvquant.ring_slack(s.window, s.slack, key_bits, token_keys)
-        in_place = kvquant.per_channel(key_bits, token_keys)
-        ring = Ring(s.sinks, s.window, ring_slack, s.stride, s.positions, in_place=in_place)
-        highest = ring.max_offset + ring.room(ring.max_offset) - 1
-        if limit is not None and highest >= limit[0]:
-            raise Unsupported(
-                f"{model_type(model)}: its {limit[1]} reads cache.offset and is exact only "
-                f"while positions stay below {limit[0]}; this cache reaches {highest} "
-                "(use a smaller window)"
-            )
-    out = []
-    for i, c in enumerate(caches):
-        if type(c) is mlx_cache.KVCache:
-            c = SinkCache(
-                s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits,
-                s.kv_group_size, s.key_bits, verdict.moves.get(i), verdict.additive_mask,
-                token_keys=s.recall is not None,  # the recall tier reads per-token keys
-            )  # fmt: skip
-        out.append(c)
+        _check_positions(model, first.ring)
     if s.recall is not None:
         extension.get("recall").attach(s, out)
     elif any(isinstance(c, SinkCache) and c.channel_keys for c in out):

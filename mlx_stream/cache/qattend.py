@@ -15,14 +15,14 @@ Mac here; the same ops have Metal kernels).
 
 Contract:
 
-- ``install(model, caches)`` wraps mlx-lm's ``scaled_dot_product_attention`` in the
-  modules the model's layers come from (as ``mlx_stream.recall.hook`` does) and runs a
-  lazy probe pass on copies of ``caches``: only if every per-channel SinkCache layer
-  hands its packed keys and values to the wrapper untouched does it set
-  ``fast_route`` on those caches (and on any SinkCache made later with the same layer's
-  ``Move``, the model's own: a cache loaded from a file). Elsewhere the caches keep returning dequantized floats
-  (correct, slower). The wrapper passes every other call through unchanged (floats,
-  mlx-lm's caches, recall caches), so it stays installed.
+- The route is a handler of the one wrapper of mlx-lm's attention function
+  (``mlx_stream.cache.attention``: it takes the calls whose keys are ``PackedKeys``).
+  ``install(model, caches)`` runs that module's lazy probe pass on copies of
+  ``caches``: only if every per-channel SinkCache layer hands its packed keys and
+  values to the wrapper untouched does it set ``fast_route`` on those caches (and on
+  any SinkCache made later with the same layer's ``Move``, the model's own: a cache
+  loaded from a file). Elsewhere the caches keep returning dequantized floats
+  (correct, slower), and a probe that fails leaves the model's attention as it was.
 - A cache with ``fast_route`` returns ``(PackedKeys, PackedValues)`` from
   ``update_and_fetch``: a snapshot of its storage for the columns of the call (sinks,
   ring, spare sinks, then the residual columns ``kvquant.recent_range``) in the order
@@ -44,25 +44,25 @@ Contract:
 from __future__ import annotations
 
 import copy
-import sys
 import weakref
 from typing import NamedTuple
 
 import mlx.core as mx
 
-from mlx_stream.cache import kvquant
+from mlx_stream.cache import attention, kvquant
 from mlx_stream.cache import storage as kvstore
-from mlx_stream.mlxlm import ATTENTION_NAME as NAME
 
 #: The position movers (``Move``, one per layer, owned by the model) of layers proven to
-#: reach the wrapper: a SinkCache built or loaded later for the same model takes the
-#: route from its constructor.
-_PROVEN: weakref.WeakSet = weakref.WeakSet()
+#: reach the wrapper, with the model's modules: a SinkCache built or loaded later for
+#: the same model takes the route from its constructor while they stay wrapped.
+_PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def proven(move) -> bool:
-    """Whether the layer that ``move`` belongs to was proven to attend on packed keys."""
-    return move is not None and move in _PROVEN
+    """Whether the layer that ``move`` belongs to was proven to attend on packed keys
+    (and its modules' attention is still wrapped)."""
+    modules = _PROVEN.get(move) if move is not None else None
+    return modules is not None and attention.proven(modules, "qattend")
 
 
 class PackedKeys(NamedTuple):
@@ -229,40 +229,29 @@ def _splice_rows(scores: mx.array, mask: mx.array, resid: mx.array, idx: mx.arra
     return scores, own
 
 
-def _wrap(original):
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if not isinstance(keys, PackedKeys):
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                            sinks=sinks)  # fmt: skip
-        if getattr(cache, "qattend_probe", False):
-            cache.qattend_seen = True
-        if sinks is not None:  # attention sinks: mlx's fast attention on floats
-            keys, values = unpack(keys, values)
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                            sinks=sinks)  # fmt: skip
-        return attend(queries, keys, values, scale, mask)
-
-    scaled_dot_product_attention.qattend_wrapper = True
-    # The recall hook wraps a function only once: tell it when it already did.
-    scaled_dot_product_attention.recall_wrapper = getattr(original, "recall_wrapper", False)
-    return scaled_dot_product_attention
+def claims(cache, keys) -> bool:
+    """Whether a call of the wrapped attention is this route's: its keys are packed."""
+    return isinstance(keys, PackedKeys)
 
 
-def attention_modules(model) -> list:
-    """Python modules of the model's classes that import mlx-lm's attention by name
-    (the recall tier's hook wraps the same name there)."""
-    out = []
-    for m in model.modules():
-        module = sys.modules.get(type(m).__module__)
-        if module is not None and hasattr(module, NAME) and module not in out:
-            out.append(module)
-    return out
+def handle(queries, keys, values, cache, scale, mask, sinks, original) -> mx.array:
+    """The wrapped attention (``cache.attention``) of a call with packed keys:
+    :func:`attend`, or with attention sinks (``sinks=``, gpt-oss) ``original``, mlx's
+    float attention, on the dequantized tensors."""
+    if sinks is not None:
+        keys, values = unpack(keys, values)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                        sinks=sinks)  # fmt: skip
+    return attend(queries, keys, values, scale, mask)
+
+
+attention.register("qattend", attention.Handler(claims, handle))
 
 
 def install(model, caches: list) -> bool:
-    """Wrap the model's attention function and, if a lazy probe pass proves that every
-    per-channel SinkCache layer reaches it with its packed keys, set ``fast_route`` on
-    those caches.
+    """Prove, with a lazy probe pass on copies of ``caches`` (``cache.attention``),
+    that every per-channel SinkCache layer hands its packed keys to the wrapped
+    attention, and set ``fast_route`` on those caches.
 
     Returns:
         bool: Whether the caches attend on their packed keys.
@@ -270,21 +259,17 @@ def install(model, caches: list) -> bool:
     channel = [i for i, c in enumerate(caches) if getattr(c, "channel_keys", False)]
     if not channel:
         return False
-    for module in attention_modules(model):
-        fn = getattr(module, NAME)
-        if callable(fn) and not getattr(fn, "qattend_wrapper", False):
-            setattr(module, NAME, _wrap(fn))
     probe = copy.deepcopy(caches)
     for i in channel:
-        probe[i].fast_route, probe[i].qattend_probe = True, True
+        probe[i].fast_route = True
     try:
-        model(mx.array([[0]]), cache=probe)  # lazy: builds the graph, computes nothing
+        if attention.prove(model, probe, "qattend", channel):
+            return False
     except Exception:  # noqa: BLE001 - a model that cannot take the route keeps floats
         return False
-    if not all(getattr(probe[i], "qattend_seen", False) for i in channel):
-        return False
+    modules = tuple(attention.modules(model))
     for i in channel:
         caches[i].fast_route = True
         if caches[i].move is not None:
-            _PROVEN.add(caches[i].move)
+            _PROVEN[caches[i].move] = modules
     return True

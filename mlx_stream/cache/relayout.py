@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from mlx_stream.cache import kvquant
 from mlx_stream.cache import storage as kvstore
 from mlx_stream.errors import Unsupported
 
@@ -49,10 +48,6 @@ class Relayout:
         """Whether a call starting at token ``n`` first moves the sinks or rebases."""
         return self.moving and n // self.stride != self._layout_stride
 
-    def _bits(self, slot: int) -> int | None:
-        """Bits of the slot-wise storage of ``slot`` (per-channel keys keep sinks float)."""
-        return None if slot == 0 and self.channel_keys else (self.key_bits, self.value_bits)[slot]
-
     def _buffers(self) -> list:
         return [self.keys, self.values]
 
@@ -67,12 +62,6 @@ class Relayout:
             )
         return self.move(x, d)
 
-    def _moved(self, buf, start: int, stop: int, d: int, bits: int | None):
-        """Slots ``start:stop`` of ``buf`` moved by ``d`` positions, in storage form."""
-        g = self.kv_group_size
-        x = kvstore.unpack(kvstore.get(buf, start, stop), bits, g)
-        return kvstore.pack(self._shift(x, d), bits, g)
-
     def apply_layout(self, n: int, N: int) -> None:
         """Bring stored tensors into the layout of an ``N``-token call at token ``n``
         (and write the spare sinks of the later layouts a crossing call spans)."""
@@ -85,7 +74,7 @@ class Relayout:
                         kvstore.put(b, lo, lo + S, kvstore.get(b, 0, S))
             return
         slot = self.move.slot if self.move is not None else 0
-        bits, g = self._bits(slot), self.kv_group_size
+        bits, g = self.storage.bits_of(slot), self.kv_group_size
         buf = self._buffers()[slot]
         if n // self.stride != self._layout_stride:  # it only changes at stride multiples
             base, sink_start = ring.layout(n)
@@ -93,10 +82,8 @@ class Relayout:
             if base != old[0]:
                 keep = self.rolls_back  # the moved tensors, for an exact trim back
                 self._undo = Undo(n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
-                if isinstance(buf, kvquant.ChannelKeys):
-                    buf.shift_ring(lambda x, d=old[0] - base: self._shift(x, d))
-                else:
-                    kvstore.put(buf, S, C, self._moved(buf, S, C, old[0] - base, bits))
+                d = old[0] - base
+                self.storage.rotate(slot, S, C, lambda x: self._shift(x, d))
             if S > 0 and sink_start - base != old[1] - old[0]:
                 # Re-derived from the full-precision first-written copy: moves never
                 # accumulate rounding or quantization error, and undo exactly.
@@ -128,7 +115,7 @@ class Relayout:
             if self.moving:
                 slot = self.move.slot if self.move is not None else 0
                 moved = self._shift(self.sink_copy, start - base)
-                pair[slot] = kvstore.pack(moved, self._bits(slot), g)
+                pair[slot] = kvstore.pack(moved, self.storage.bits_of(slot), g)
             out.append(pair)
         return out
 

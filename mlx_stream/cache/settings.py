@@ -65,6 +65,27 @@ def refusal(s: Any) -> tuple[str, str] | None:
     return None
 
 
+def read_json(data: dict) -> dict:
+    """The settings a JSON dict holds (``CacheSpec.to_json``'s form, or a SinkCache's
+    ``meta_state``; other keys ignored), their types checked; a missing setting is
+    left out (files written before quantization lack the last three).
+
+    Raises:
+        Unsupported: Not a dict, ``sinks`` or ``window`` missing, or a setting of the
+            wrong type.
+    """
+    if not isinstance(data, dict) or any(k not in data for k in ("sinks", "window")):
+        raise Unsupported(f"not a cache policy (got {str(data)[:80]})")
+    values = {k: data[k] for k in FIELDS if k in data}
+    for k, v in values.items():
+        kind = str if k == "positions" else int
+        optional = k in ("slack", "kv_bits", "key_bits")
+        if not (type(v) is kind or (optional and v is None)):
+            what = "a string" if kind is str else "an integer"
+            raise Unsupported(f"cache setting {k!r} must be {what} (got {v!r})")
+    return values
+
+
 def validate_sizes(
     sinks: int,
     window: int,

@@ -7,11 +7,14 @@ valid once constructed: ``__post_init__`` refuses impossible settings with one l
 the CLI flag when it was built from the user's options (:meth:`CacheSpec.for_model`).
 It is the one place those settings are checked (``settings.validate_sizes`` and the CLI
 delegate here), turned into bytes (:meth:`CacheSpec.bytes`), into JSON (the form
-checkpoints, ``/v1/sessions``, ``--json`` outputs and cache files carry) and into a
-prompt cache (:meth:`CacheSpec.build`).
+checkpoints, ``/v1/sessions``, ``--json`` outputs and cache files carry), read back
+from a cache (:meth:`CacheSpec.of`) and turned into a prompt cache
+(:meth:`CacheSpec.build`).
 
 Imports nothing heavy at module level (``import mlx_stream.cache.estimate`` and the
 CLI's ``--help`` stay free of MLX): ``build`` and ``bytes`` import what they use.
+Nothing ``cache.build`` imports imports this module (a SinkCache reports its settings
+as JSON, read back by :meth:`CacheSpec.of`): building from here makes no import circle.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from mlx_stream.cache.settings import (  # noqa: F401  (FLAGS, CacheSettingError
     FIELDS,
     FLAGS,
     CacheSettingError,
+    read_json,
     refusal,
 )
 from mlx_stream.defaults import (
@@ -32,7 +36,6 @@ from mlx_stream.defaults import (
     DEFAULT_STRIDE,
     DEFAULT_WINDOW,
 )
-from mlx_stream.errors import Unsupported
 
 
 @dataclass(frozen=True)
@@ -146,16 +149,13 @@ class CacheSpec:
             Unsupported: Not a dict, a setting missing or of the wrong type, or
                 settings a SinkCache cannot have.
         """
-        if not isinstance(data, dict) or any(k not in data for k in ("sinks", "window")):
-            raise Unsupported(f"not a cache policy (got {str(data)[:80]})")
-        values = {k: data[k] for k in FIELDS if k in data}
-        for k, v in values.items():
-            kind = str if k == "positions" else int
-            optional = k in ("slack", "kv_bits", "key_bits")
-            if not (type(v) is kind or (optional and v is None)):
-                what = "a string" if kind is str else "an integer"
-                raise Unsupported(f"cache setting {k!r} must be {what} (got {v!r})")
-        return cls(**values)
+        return cls(**read_json(data))
+
+    @classmethod
+    def of(cls, cache: Any) -> CacheSpec:
+        """The policy of a SinkCache (read from its ``meta_state``: the slack asked
+        for, where per-channel keys round the ring's up)."""
+        return cls.from_json(cache.meta_state)
 
     # ----- what it costs and what it builds -------------------------------------------
 

@@ -1,17 +1,21 @@
 """Slot-indexed storage of one cached tensor: a float array ``(B, H, slots, D)``, or
-mlx's quantized triple ``(packed, scales, biases)`` with the same slot axis.
+mlx's quantized triple ``(packed, scales, biases)`` with the same slot axis; and the
+storage classes of a SinkCache layer behind one protocol (:class:`SlotStorage`).
 
 ``bits=None`` means float. Every function takes and returns the storage form, so the
-cache never branches on ``isinstance(tuple)`` itself. Per-channel 4-bit keys
+cache never branches on ``isinstance(tuple)`` itself. Per-channel keys
 (``mlx_stream.cache.kvquant.ChannelKeys``) answer ``get``/``put`` for their float sink slots,
-``length`` and ``copy`` here too.
+``length`` and ``copy`` here too; their storage class is ``cache.channel.ChannelStorage``.
 """
 
 from __future__ import annotations
 
+import copy as _copy
+
 import mlx.core as mx
 
 from mlx_stream.cache.kvquant import ChannelKeys
+from mlx_stream.errors import Unsupported
 
 
 def pack(x: mx.array, bits: int | None, group_size: int):
@@ -82,3 +86,189 @@ def copy(buf):
     if isinstance(buf, tuple):
         return tuple(mx.array(b) for b in buf)
     return mx.array(buf)
+
+
+class SlotStorage:
+    """The keys and values of one SinkCache layer (``SinkCache.storage``), slot by
+    slot, float or quantized per token: the storage protocol every variant speaks
+    (``mlx_stream.cache.variants`` picks the class from the cache's settings).
+
+    The protocol: sizes (``ring_slack``, ``in_place``, ``call_limit``, ``check_call``,
+    ``check_trim``), writes (``allocate``, ``pack``, ``put``, ``commit``), moves
+    (``bits_of``, ``floats``, ``rotate``), attention (``columns``, ``visible``,
+    ``fetch``, ``attended``) and state (``state``, ``used_state``, ``load``, ``copy``).
+    ``ring`` arguments are the cache's ``mlx_stream.cache.ring.Ring``; ``route``: whether
+    the cache attends on packed keys (``packs`` variants only).
+
+    Args:
+        key_bits, value_bits (int, optional): Bits of the keys and values (``None``:
+            float).
+        kv_group_size (int): Quantization group size of the slot-wise tensors.
+        sinks (int): The cache's sink slots.
+    """
+
+    channel = False  # keys kept per channel (``kvquant.ChannelKeys``)
+    in_place = False  # calls written into the ring before attention (``Ring(in_place=)``)
+    packs = False  # attention may run on the packed keys (``mlx_stream.cache.qattend``)
+
+    def __init__(self, key_bits: int | None, value_bits: int | None, kv_group_size: int,
+                 sinks: int):  # fmt: skip
+        self.key_bits, self.value_bits = key_bits, value_bits
+        self.kv_group_size, self.sinks = kv_group_size, sinks
+        self.keys = self.values = None
+
+    # ----- sizes ----------------------------------------------------------------------
+
+    def ring_slack(self, window: int, slack: int) -> int:
+        """The ring's slack for a cache asked for ``slack``."""
+        return slack
+
+    def call_limit(self, n: int) -> int | None:
+        """Most tokens a call at token ``n`` may write (``None``: the ring decides)."""
+        return None
+
+    def check_call(self, n: int, N: int) -> None:
+        """Refuse an ``N``-token call at ``n`` this storage cannot serve exactly."""
+
+    def check_trim(self, tokens_seen: int, n: int) -> None:
+        """Refuse a ``trim(n)`` this storage cannot undo exactly."""
+
+    # ----- writes ---------------------------------------------------------------------
+
+    def allocate(self, keys: mx.array, values: mx.array, ring) -> None:
+        """The buffers, shaped after a call's ``keys`` and ``values``."""
+        g = self.kv_group_size
+        if self.value_bits is not None:
+            D = next((x.shape[-1] for x in (keys, values) if x.shape[-1] % g), None)
+            if D is not None:
+                raise Unsupported(
+                    f"kv_group_size {g} does not divide the head dimension {D}; use a group "
+                    "size that does"
+                )
+        self.keys = self._new_keys(keys, ring)
+        B, H, _, D = values.shape
+        self.values = zeros(B, H, ring.slots_total, D, values.dtype, self.value_bits, g)
+
+    def _new_keys(self, keys: mx.array, ring):
+        B, H, _, D = keys.shape
+        return zeros(B, H, ring.slots_total, D, keys.dtype, self.key_bits, self.kv_group_size)
+
+    def pack(self, keys: mx.array, values: mx.array) -> tuple:
+        """A call's keys and values in storage form (``None`` for what ``put`` skips)."""
+        g = self.kv_group_size
+        return pack(keys, self.key_bits, g), pack(values, self.value_bits, g)
+
+    def put(self, start: int, stop: int, packed: tuple, src_start: int = 0) -> None:
+        """Write the ``pack``ed tokens from ``src_start`` into slots ``start:stop``."""
+        put(self.keys, start, stop, packed[0], src_start)
+        put(self.values, start, stop, packed[1], src_start)
+
+    def commit(self, keys: mx.array, n: int, N: int, ring, route: bool) -> None:
+        """After a call's slots were ``put`` (tokens ``n..n+N-1``, the ring not yet
+        advanced): what the storage writes beyond them."""
+
+    # ----- moves ----------------------------------------------------------------------
+
+    def bits_of(self, slot: int) -> int | None:
+        """Bits of the slot-wise storage of tensor ``slot`` (0 keys, 1 values)."""
+        return (self.key_bits, self.value_bits)[slot]
+
+    def floats(self, slot: int, start: int, stop: int) -> mx.array:
+        """Slots ``start:stop`` of tensor ``slot`` (0 keys, 1 values) as floats."""
+        buf = (self.keys, self.values)[slot]
+        return unpack(get(buf, start, stop), self.bits_of(slot), self.kv_group_size)
+
+    def rotate(self, slot: int, start: int, stop: int, shift) -> None:
+        """Apply ``shift`` (float ``(B, H, L, D)`` -> same) to slots ``start:stop`` of
+        tensor ``slot``, in place."""
+        x = shift(self.floats(slot, start, stop))
+        buf = (self.keys, self.values)[slot]
+        put(buf, start, stop, pack(x, self.bits_of(slot), self.kv_group_size))
+
+    # ----- attention ------------------------------------------------------------------
+
+    def columns(self, ring, N: int) -> int:
+        """Slots the next ``N``-token call attends over (asked before it is written)."""
+        return ring.fetched(N)
+
+    def visible(self, ring, N: int, window_size: int | None, route: bool):
+        """The boolean mask of the next ``N``-token call, or ``None`` for mlx-lm's own
+        causal mask (nothing evicted yet)."""
+        return None if ring.in_order(N) else ring.visible(N, window_size)
+
+    def fetch(self, L: int, ring, route: bool, packed: bool = False) -> tuple:
+        """The first ``L`` slots of keys and values as attention takes them."""
+        return self.attended(get(self.keys, 0, L), get(self.values, 0, L))
+
+    def attended(self, keys, values) -> tuple:
+        """Storage-form keys and values as attention takes them."""
+        return keys, values
+
+    @property
+    def dtype(self):
+        return dtype_of(self.values)
+
+    # ----- state ----------------------------------------------------------------------
+
+    def state(self) -> list:
+        return [self.keys, self.values]
+
+    def used_state(self, filled: int) -> list:
+        """``state`` with only the first ``filled`` slots (at least one)."""
+        return [self._used(self.keys, filled), self._used(self.values, filled)]
+
+    @staticmethod
+    def _used(buf, filled: int):
+        n = max(1, filled)
+        return buf if n >= length(buf) else get(buf, 0, n)
+
+    def load(self, state: list, slots_total: int) -> None:
+        """Take saved ``state`` (``used_state``'s form, or an older one)."""
+        keys = tuple(state[0]) if self.key_bits else state[0]
+        self.keys = fit(keys, slots_total)
+        self.values = fit(tuple(state[1]) if self.value_bits else state[1], slots_total)
+
+    def copy(self) -> SlotStorage:
+        """An independent copy (later in-place writes do not show in it)."""
+        clone = _copy.copy(self)
+        clone.keys, clone.values = copy(self.keys), copy(self.values)
+        return clone
+
+
+class FloatStorage(SlotStorage):
+    """Float keys and values (``kv_bits=None``)."""
+
+
+class TokenStorage(SlotStorage):
+    """Keys and values quantized per token with the same bits: attention takes the
+    quantized triples, through mlx-lm's quantized kernel."""
+
+    def __init__(self, key_bits: int, value_bits: int, kv_group_size: int, sinks: int):
+        super().__init__(key_bits, value_bits, kv_group_size, sinks)
+        # mlx-lm routes attention to its quantized kernel on hasattr(cache, "bits").
+        self.bits, self.group_size = value_bits, kv_group_size
+
+
+class MixedStorage(SlotStorage):
+    """Keys and values quantized per token with other bits (8-bit keys, 4-bit values
+    of a cache feeding the recall tier): attention runs on dequantized floats."""
+
+    def attended(self, keys, values) -> tuple:
+        g = self.kv_group_size
+        return unpack(keys, self.key_bits, g), unpack(values, self.value_bits, g)
+
+
+def fit(buf, slots: int):
+    """``buf`` with ``slots`` slots: a buffer saved before spare sink slots existed, given them (zeros); one saved
+    while they were slots (before calls concatenated them), without them (they are
+    rewritten by every call that needs them)."""
+    missing = slots - length(buf)
+    if missing < 0:
+        return get(buf, 0, slots)
+    if missing == 0:
+        return buf
+
+    def pad(b):
+        return mx.concatenate([b, mx.zeros((*b.shape[:2], missing, b.shape[3]), b.dtype)], 2)
+
+    return tuple(pad(b) for b in buf) if isinstance(buf, tuple) else pad(buf)
