@@ -188,6 +188,14 @@ def test_serve_repairs_an_edit_and_counts_it(engine):
     assert text == ask_turn(fresh, request)[0]  # exact: the rebuilt session's reply
 
 
+def test_serve_repairs_an_edit_of_the_first_message_without_a_session_id(engine):
+    e = engine(repair_tokens=4)
+    request = [dict(m) for m in converse(e)]
+    request[1] = {"role": "user", "content": "hello the big blue sea"}  # the first message
+    _, usage = ask_turn(e, request + [{"role": "user", "content": TURNS[3]}])
+    assert usage["repaired_tokens"] >= 4 and usage["reused_tokens"] > usage["repaired_tokens"]
+
+
 def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, monkeypatch):
     e = engine(repair_tokens=4)
     history = converse(e, "mine")

@@ -109,8 +109,8 @@ def find(
     no history. ``repair`` (when asked for): the history differs from ``source``'s
     transcript elsewhere (an edit in the middle): with the session's own id its caches
     are repaired in place, without one a copy of ``source`` is (a fork), ``source``
-    being the resident session that shares the most leading messages with the
-    history (at least one). Without an id, only a history that is not empty is
+    being the resident session with the most messages equal to the history's at the
+    same place (at least one). Without an id, only a history that is not empty is
     matched, and only when the server is not ``isolate``-d. A new entry is added to ``entries``, its id
     from ``new_id(digits)``; :class:`Busy` for a named session that is answering.
 
@@ -158,17 +158,14 @@ def find(
 
 
 def closest(entries: list[Entry], system: str | None, history: list) -> Entry | None:
-    """The resident entry with ``system`` whose transcript shares the most leading
-    messages with ``history`` (at least one; the first listed on a tie)."""
+    """The resident entry with ``system`` whose transcript has the most messages equal
+    to ``history``'s at the same place (at least one; the first listed on a tie): an
+    edit of the first message keeps the rest in place."""
     best, most = None, 0
     for entry in entries:
         if entry.session is None or entry.system != system:
             continue
-        n = 0
-        for a, b in zip(entry.messages, history, strict=False):
-            if a != b:
-                break
-            n += 1
+        n = sum(a == b for a, b in zip(entry.messages, history, strict=False))
         if n > most:
             best, most = entry, n
     return best
