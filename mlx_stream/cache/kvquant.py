@@ -1,21 +1,6 @@
 """Per-channel 4-bit and 8-bit keys for the sink + window ring (KIVI's scheme, fitted to a ring).
 
-Why: key channels have outliers, and ``mx.quantize`` groups along the head dimension, so
-one large channel sets the step of all the others in its group. KIVI (Liu et al., ICML
-2024) groups keys along tokens, one scale and bias per channel and group, and keeps the
-newest tokens in float until their group fills. Measured on the default model (attention
-output error against float keys, 1,024 tokens of Botchan, mean over the 30 layers):
-per-token 4-bit 0.223 (group 64) and 0.155 (group 32), a Hadamard rotation of the head
-dimension before per-token 4-bit 0.127-0.142, per-channel smoothing scales 0.29,
-per-channel groups of 32 tokens 0.086 (8-bit per token: 0.013).
-
-8-bit keys are stored the same way for speed, not quality: keys transposed (``(D,
-slots)``, quantized along the tokens) are the weight ``mx.quantized_matmul(q, keys,
-transpose=False)`` takes, which on the CPU backend costs a third of the per-token
-``transpose=True`` scores (``mlx_stream.cache.qattend`` attends that way;
-benchmarks/README.md "Which attention route"). A cache whose window feeds the recall
-tier keeps 8-bit keys per token (``per_channel(bits, token_keys=True)``): the tier
-reads per-token storage.
+Why per-channel keys, with their measurements: docs/cache.md ("Why per-channel keys").
 
 Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits):
 

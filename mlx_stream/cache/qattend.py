@@ -1,17 +1,6 @@
 """Quantized attention on the packed per-channel keys (MLX's quantized matmul route).
 
-Why: per-channel keys (``mlx_stream.cache.kvquant``) are stored transposed, ``(D,
-slots)`` quantized along the tokens, which is exactly the weight
-``mx.quantized_matmul(q, keys, transpose=False)`` takes; values are quantized per token,
-the weight of ``mx.quantized_matmul(p, values, transpose=False)``. On the CPU backend a
-SinkCache's whole 8-bit route (sinks, residual, mask, GQA) costs 0.38-0.56x float
-attention at 4096 slots, 0.80-0.94x at 512-1024 and 1.10-1.27x at 128-256, where mlx-lm's
-quantized attention (per-token keys, ``transpose=True``) costs 1.1-2.3x and
-dequantize-then-attend 2.2-7x
-(``benchmarks/quantized_attention.py``). On Metal it is the route to take as well:
-decode attention there is bound by memory traffic, and the quantized matmul reads the
-packed words where dequantizing writes and reads the floats again (not measured: no
-Mac here; the same ops have Metal kernels).
+Why this route, with its measurements: docs/cache.md ("Why the packed route").
 
 Contract:
 
