@@ -14,7 +14,7 @@ from mlx_stream import blas
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate import repair as fix
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
-from tests.support.engine import ask_turn
+from tests.support.engine import ask_turn, on_worker
 
 TURNS = ["hello there friend", "what is the sea", "tell me more about it", "and the ships"]
 EXACT = 10**6
@@ -101,14 +101,6 @@ def test_a_pasted_tail_sits_where_a_prefill_puts_it(loaded):
     got, want = c[0].keys[..., len(longer) : n, :], b[0].keys[..., len(longer) : n, :]
     assert mx.allclose(got, want, atol=1e-4).item()
     assert not mx.allclose(cut.pairs[0][0], want, atol=1e-2).item()  # it did move
-
-
-def test_an_edit_beyond_the_window_is_refused_and_the_session_untouched(loaded):
-    s = talked(loaded, window=24)
-    before = (list(s.tokens), s.fed_text, cache_count(s.caches))
-    why = fix.repair(s, edited(s.messages), "new question", 4)
-    assert isinstance(why, str) and "window" in why
-    assert (s.tokens, s.fed_text, cache_count(s.caches)) == before
 
 
 def test_chat_edit_replaces_a_turn_and_answers_the_last_message_again(loaded):
@@ -227,18 +219,30 @@ def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, m
     assert usage["prompt_tokens_details"]["cached_tokens"] == len(before[0])  # appended
 
 
-def test_serve_rebuilds_an_edit_of_a_conversation_past_its_window(engine):
+def test_serve_rebuilds_an_edit_reaching_the_window_past_its_first_eviction(engine):
     from mlx_stream.serve.engine import Request
 
     e = engine(window=24, repair_tokens=4)
+    request = converse(e)
+    request[-2] = {"role": "user", "content": "a different recent question"}
     events: queue.Queue = queue.Queue()
-    e.submit(Request(emit=events.put, messages=edit_request(converse(e))))
+    e.submit(Request(emit=events.put, messages=request + [{"role": "user", "content": "so"}]))
     start = events.get(timeout=60)
     while (last := events.get(timeout=60))[0] not in ("end", "error"):
         pass
     assert last[0] == "end" and "repaired_tokens" not in last[1]
     # why it was rebuilt goes to the access log with the request
     assert start[1]["note"].startswith("edit rebuilt, not repaired: "), start
+
+
+def test_serve_keeps_a_session_whose_edit_is_among_evicted_tokens(engine):
+    e = engine(window=24, repair_tokens=4)
+    history = converse(e)
+    entry = next(iter(e.entries.values()))
+    seen = on_worker(e, lambda: cache_count(entry.session.caches))
+    _, usage = ask_turn(e, edit_request(history))  # the second turn: long evicted
+    assert (usage["repaired_tokens"], usage["reused_tokens"]) == (0, seen)
+    assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] < 16
 
 
 def test_serve_refuses_a_negative_repair_window_in_one_line():
@@ -249,3 +253,41 @@ def test_serve_refuses_a_negative_repair_window_in_one_line():
 
     result = CliRunner().invoke(app, ["serve", "--repair-tokens", "-1"])
     assert_one_line_error(result, 2, "--repair-tokens must be at least 0")
+
+
+# ----- edits among evicted tokens ------------------------------------------------------
+
+
+def long_talk(loaded) -> ChatSession:
+    """A chat whose window (48) has long since evicted its first turns."""
+    s = session(loaded, window=48, max_tokens=8)
+    for text in TURNS * 3:
+        s.reply(text, lambda t: None)
+    assert cache_count(s.caches) > 4 + 48 + 40
+    return s
+
+
+def test_an_edit_among_evicted_tokens_keeps_every_cache_as_it_is(loaded):
+    s, same = long_talk(loaded), long_talk(loaded)
+    seen = cache_count(s.caches)
+    history = [dict(m) for m in s.messages]
+    history[0] = {"role": "user", "content": "a much longer first message about the sea"}
+    done = fix.repair(s, history, "and now", EXACT)
+    assert not isinstance(done, str), done
+    assert (done.recomputed, done.reused) == (0, seen)
+    assert s.messages == history and cache_count(s.caches) == seen == len(s.tokens)
+    # a second edit there, after the first, is again among evicted tokens
+    history[2] = {"role": "user", "content": "short"}
+    assert not isinstance(fix.repair(s, history, "and now", EXACT), str)
+    # no KV changed: the next logits are the unedited session's
+    assert mx.array_equal(next_logits(s, "and now")[0], next_logits(same, "and now")[0]).item()
+
+
+def test_an_edit_reaching_the_window_of_an_evicting_cache_is_refused(loaded):
+    s = long_talk(loaded)
+    history = [dict(m) for m in s.messages]
+    history[-2] = {"role": "user", "content": "a different recent question"}
+    before = (list(s.tokens), s.fed_text, cache_count(s.caches))
+    why = fix.repair(s, history, "and now", EXACT)
+    assert isinstance(why, str) and "window" in why
+    assert (s.tokens, s.fed_text, cache_count(s.caches)) == before

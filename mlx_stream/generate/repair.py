@@ -2,11 +2,15 @@
 
 Contract: :func:`repair` keeps the KV before the first difference, recomputes the
 changed span plus ``window`` tokens after it, and moves the rest by the change in
-length (approximate, bounded by ``window``). It refuses with a reason (the caller
-rebuilds) where that cannot be done honestly: tokens unknown or evicted, an edit in
-the sinks, a draft model, a recall tier, per-channel quantized keys, or a template
-that does not render the transcript as a prefix. An exception leaves the caches
-part-way: restore a checkpoint.
+length (approximate, bounded by ``window``). An edit entirely among tokens the window
+has evicted (an agent pruning an old tool result of a long session) changes no KV:
+no query will read those tokens again, so the caches are kept as they are and only
+the transcript changes (a rebuild would not feed them either: it feeds the tail that
+fits the window). It refuses with a reason (the caller rebuilds) where that cannot be
+done honestly: tokens unknown, an edit in the sinks or reaching into the window of a
+cache that has evicted, a draft model, a recall tier (its store holds the old text),
+per-channel quantized keys, or a template that does not render the transcript as a
+prefix. An exception leaves the caches part-way: restore a checkpoint.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Plan:
     stop: int  # recomputed: tokens[prefix:stop]
     tail: int  # old tokens tail..cached kept (none when tail >= cached)
     shift: int
+    evicted: bool = False  # the edit is among evicted tokens: no KV changes
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -106,6 +111,13 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
         return "the edit reaches into the sinks"
     same_end = common_suffix(full, tokens, min(len(full), e) - prefix)
     shift = e - len(full)
+    if len(full) - same_end <= evicted_before(session.caches):
+        if any(getattr(c, "recall", None) is not None for c in session.caches):
+            return "a recall tier (its store holds the edited text)"
+        kept = tokens[:prefix] + resized(
+            tokens[prefix : e - same_end], len(full) - same_end - prefix
+        )
+        return Plan(kept + tokens[e - same_end :], fed_text, n, n, n, 0, evicted=True)
     stop = min(e - same_end + max(0, window), e)
     tail = stop - shift  # the old index of the first token kept after the window
     tail = min(tail, n)  # n: nothing kept after the window (what follows it is pending)
@@ -123,10 +135,34 @@ def repair(session: Any, history: list[dict], new: Any, window: int) -> Repaired
     return p if isinstance(p, str) else apply(session, history, p)
 
 
+def evicted_before(caches: list) -> int:
+    """The token index below which no later query of ``caches`` reads a token (past
+    the sinks; within reach of a rollback counts as read): 0 before the first eviction."""
+    from mlx_stream.cache.sink import SinkCache
+
+    if not caches or not all(isinstance(c, SinkCache) for c in caches):
+        return 0
+    c = caches[0]
+    if c.tokens_seen <= c.sinks + c.window + c.slack + 1:
+        return 0
+    return c.tokens_seen - c.window - c.slack - 1
+
+
+def resized(tokens: list[int], n: int) -> list[int]:
+    """``tokens`` cut or padded (with -1, no token) to ``n``: evicted tokens keep their
+    count, so the session's tokens stay one per token its caches have seen."""
+    return tokens[:n] + [-1] * (n - len(tokens))
+
+
 def apply(session: Any, history: list[dict], p: Plan) -> Repaired:
     """Carry out :func:`plan`'s ``p``: ``session`` then encodes ``history``."""
     caches = session.caches
     n = len(session.tokens)
+    if p.evicted:
+        session.messages = [dict(m) for m in history]
+        session.fed_text = p.fed_text
+        session.tokens, session.pending = list(p.tokens[:n]), list(p.tokens[n:])
+        return Repaired(n, 0, 0, 0)
     tail = splice.cut(caches, p.tail)
     for c in caches:
         c.trim(c.tokens_seen - p.prefix)
