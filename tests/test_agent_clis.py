@@ -294,14 +294,14 @@ def test_claude_code_runs_a_tool_and_answers_the_result(clis, served, tmp_path):
             tool_inputs=[u.get("input") for u in uses], reply=repr(result["result"][:80]))  # fmt: skip
 
 
-FIRST_REQUEST = re.compile(r"POST /v1/messages\S* 200 .*fed=([\d,]+) cached=([\d,]+)")
 TTFT = re.compile(r"ttft=([\d.]+)s")
 
 
-def first_request(run: Run) -> tuple[int, int, float]:
-    """``(fed, cached, ttft seconds)`` of the run's first answered /v1/messages request
+def first_request(run: Run, path: str = "/v1/messages") -> tuple[int, int, float]:
+    """``(fed, cached, ttft seconds)`` of the run's first answered request to ``path``
     that fed more than a title's worth (Claude Code also asks for a short title)."""
-    lines = [m for line in run.server_lines for m in [FIRST_REQUEST.search(line)] if m]
+    answered = re.compile(rf"POST {path}\S* 200 .*fed=([\d,]+) cached=([\d,]+)")
+    lines = [m for line in run.server_lines for m in [answered.search(line)] if m]
     fed, cached, line = max(((int(m[1].replace(",", "")), int(m[2].replace(",", "")),
                               m.string) for m in lines), key=lambda f: f[0] + f[1])  # fmt: skip
     return fed, cached, float(TTFT.search(line)[1])
@@ -340,8 +340,8 @@ def codex(clis, served, tmp_path, prompt: str) -> tuple[Run, list[dict], str]:
     Responses API provider; returns the run, its --json events and its last message."""
     server, log, model = served
     home, work = tmp_path / "codex-home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
+    home.mkdir(exist_ok=True)  # a later run in the same tmp_path: the same folders
+    work.mkdir(exist_ok=True)
     (home / "config.toml").write_text(
         f'model = "{model}"\n'
         'model_provider = "mlx-stream"\n\n'
@@ -355,6 +355,7 @@ def codex(clis, served, tmp_path, prompt: str) -> tuple[Run, list[dict], str]:
     )  # stream_idle_timeout_ms stays Codex's (300 s): the server keeps a stream alive
     env = clean_env(HOME=str(tmp_path), CODEX_HOME=str(home), MLX_STREAM_AGENT_KEY="none")
     last = tmp_path / "last-message.txt"
+    last.unlink(missing_ok=True)  # a reply is this run's, never an earlier one's
     cmd = [str(clis["codex"]), "exec", "--skip-git-repo-check", "--ephemeral", "--json",
            "--dangerously-bypass-approvals-and-sandbox", "-o", str(last), prompt]  # fmt: skip
     run = Run(cmd, env, work, log)
@@ -382,6 +383,31 @@ def test_codex_answers_a_question(clis, served, tmp_path):
     codex_check(run, events, reply)
     calls = run.check_server("/v1/responses", 1)
     _report("codex plain", run, requests=len(calls), reply=repr(reply[:80]))
+
+
+def test_a_second_codex_run_starts_from_the_first_runs_prefill(clis, served, real_model_path,
+                                                               tmp_path, monkeypatch):  # fmt: skip
+    """Two `codex exec` runs, then a third after the server restarted: the later runs
+    find Codex's instructions and tools (~6k tokens) prefilled, in the server and then
+    in the prefix store on disk, and feed only their messages."""
+    runs = [codex(clis, served, tmp_path, PLAIN_PROMPT) for _ in range(2)]
+    monkeypatch.setenv("MLX_STREAM_HOME", served[0].home)  # the same user: the same store
+    restarted = Server(real_model_path, greedy=False)
+    try:
+        again = (restarted, ServerLog(restarted), served[2])
+        runs.append(codex(clis, again, tmp_path, PLAIN_PROMPT))
+    finally:
+        restarted.stop()
+    firsts = []
+    for run, events, reply in runs:
+        codex_check(run, events, reply)
+        run.check_server("/v1/responses", 1)
+        firsts.append(first_request(run, "/v1/responses"))
+    prompt = firsts[0][0] + firsts[0][1]
+    for fed, cached, _ in firsts[1:]:
+        assert cached >= 3_000 and fed < prompt - 3_000, firsts
+    _report("codex again", runs[1][0], first=firsts[0], second=firsts[1], restarted=firsts[2],
+            ttft_ratios=[round(firsts[0][2] / f[2], 1) for f in firsts[1:]])  # fmt: skip
 
 
 def test_codex_runs_a_tool_and_answers_the_result(clis, served, tmp_path):
