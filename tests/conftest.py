@@ -3,7 +3,12 @@ from pathlib import Path
 
 import pytest
 
-import mlx_stream  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
+# Under xdist (the README's -n 2 on a 2-core box) each worker is one process: one
+# OpenBLAS thread each (read when OpenBLAS loads, just below), not two per worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import mlx_stream  # noqa: E402, F401  (first: preloads OpenBLAS before mlx.core)
 from tests import tiny
 from tests.support.bpe import TOOLS_TEMPLATE, save_bpe_model_folder, write_tiny_gguf
 from tests.support.paths import REAL_HOME
