@@ -2,15 +2,16 @@
 
 The books in ``benchmarks/data``, repeated end to end (``soak.book_stream``), are fed
 through ``stream-run``'s engine (``mlx_stream.eval.perplexity.stream_perplexity``) with
-a sink + window cache and the recall tier, its store allowed ``--ram-mb`` of host
-memory before it spills to memory-mapped files in ``--folder``. Every ``--sample``
-tokens one JSON line (``recall-soak``) records MLX's active memory, its buffer pool
-and peak, the sink caches' device bytes, the retrieval regions' device bytes, the
-store's host and disk bytes (and its block summaries, host memory), the process's
-resident memory, the seconds per 1k tokens of that segment and how much of it went to
-selection refreshes (every refresh scores all stored blocks), and the segment's
-perplexity. Lines are appended to ``--out`` as they come (a run cut short keeps them);
-a summary line closes the run.
+a sink + window cache and the recall tier, its store (blocks and their summaries)
+allowed ``--ram-mb`` of host memory before it spills to files in ``--folder``. Every
+``--sample`` tokens one JSON line (``recall-soak``) records MLX's active memory, its
+buffer pool and peak, the sink caches' device bytes, the retrieval regions' device
+bytes, the store's host and disk bytes (and its block summaries', which share its RAM
+budget), the process's resident memory, the seconds per 1k tokens of that segment and
+how much of it went to selection refreshes (every refresh scores all stored blocks),
+and the segment's perplexity. Lines are appended to ``--out`` as they come (a run cut
+short keeps them); a summary line closes the run, with the growth of resident memory
+over the run's last three quarters.
 
     nice python benchmarks/recall_soak.py --model TINY --tokens 1000000 --sample 32768 \\
         --ram-mb 16 --folder /tmp/recall-store --out benchmarks/results/recall_soak/recall_soak_tiny.jsonl
@@ -114,6 +115,8 @@ class Sampler:
             store_disk_mb=round(store.disk_bytes / 1e6, 2),
             folder_disk_mb=round(disk_bytes(self.folder) / 1e6, 2),
             summaries_mb=round(tier.summaries.nbytes / 1e6, 2),
+            index_ram_mb=round(tier.summaries.host_bytes / 1e6, 2),
+            index_disk_mb=round(tier.summaries.disk_bytes / 1e6, 2),
             stored_blocks=tier.stored,
             rss_mb=rss_mb(),
             **rss_parts_mb(),
@@ -137,6 +140,8 @@ def summarize(records: list[dict], ram_mb: float) -> dict:
     time per 1k tokens early and late."""
     steady = records[1:] or records
     quarter = max(1, len(records) // 4)
+    # the last three quarters of the run: from the first sample at a quarter of its tokens
+    from_quarter = next(r for r in records if r["tokens"] >= records[-1]["tokens"] / 4)
 
     def median(key, rows):
         import statistics
@@ -153,12 +158,16 @@ def summarize(records: list[dict], ram_mb: float) -> dict:
         "region_mb": sorted({r["region_mb"] for r in steady}),
         "rss_mb_first": steady[0]["rss_mb"], "rss_mb_last": steady[-1]["rss_mb"],
         "rss_mb_max": max(r["rss_mb"] or 0 for r in steady),
+        "rss_growth_mb_last_3q": _growth(from_quarter, records[-1], "rss_mb"),
+        "rss_anon_growth_mb_last_3q": _growth(from_quarter, records[-1], "rss_anon_mb"),
+        "from_quarter_tokens": from_quarter["tokens"],
         "rss_anon_mb_first": steady[0].get("rss_anon_mb"),
         "rss_anon_mb_last": steady[-1].get("rss_anon_mb"),
         "rss_file_mb_last": steady[-1].get("rss_file_mb"),
         "store_ram_mb_last": records[-1]["store_ram_mb"],
         "store_disk_mb_last": records[-1]["store_disk_mb"],
         "summaries_mb_last": records[-1]["summaries_mb"],
+        "index_ram_mb_last": records[-1].get("index_ram_mb"),
         "open_files_first": steady[0].get("open_files"),
         "open_files_last": records[-1].get("open_files"),
         "stored_blocks_last": records[-1]["stored_blocks"],
@@ -169,6 +178,13 @@ def summarize(records: list[dict], ram_mb: float) -> dict:
         "segment_ppl_early": median("segment_ppl", steady[:quarter]),
         "segment_ppl_late": median("segment_ppl", steady[-quarter:]),
     }  # fmt: skip
+
+
+def _growth(first: dict, last: dict, key: str) -> float | None:
+    """``last[key] - first[key]`` (MB), ``None`` where a sample lacks it."""
+    if first.get(key) is None or last.get(key) is None:
+        return None
+    return round(last[key] - first[key], 1)
 
 
 def render(records: list[dict], every: int = 1) -> str:

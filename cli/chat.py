@@ -86,7 +86,7 @@ def stats_line(session: ChatSession) -> str:
 
 def stats_text(session: ChatSession) -> str:
     """The ``/stats`` report, a few aligned lines (bytes: used of reserved, and where)."""
-    from mlx_stream.cache.estimate import cache_usage, used_of
+    from mlx_stream.cache.estimate import cache_usage, human, used_of
 
     s = session.stats()
     rows = [
@@ -114,6 +114,8 @@ def stats_text(session: ChatSession) -> str:
         rows.append(("recall store", used_of(u["ram_bytes"], u["ram_reserved_bytes"], "RAM")))
         if u["disk_reserved_bytes"]:
             rows.append(("", used_of(u["disk_bytes"], u["disk_reserved_bytes"], "disk")))
+        rows.append(("recall index", f"{human(u['index_bytes'])} used (block summaries, "
+                                     "in the store above)"))  # fmt: skip
     if session.last is not None:
         last = session.last
         rows.append(("last prompt", f"{last.prompt_tokens} tokens, {last.prompt_tps:.0f} tok/s"))

@@ -296,9 +296,10 @@ def report(result: Any, cache: Any, as_json: bool, extra: dict):
 
 
 def recall_usage(caches: list | None) -> dict | None:
-    """``--json``'s ``recall`` object (``Recall.usage``: blocks stored and recalled,
-    the store's bytes used in RAM and on disk, the room reserved), or ``None``
-    without a recall tier."""
+    """``--json``'s ``recall`` object (``Recall.usage``: blocks stored, recalled and
+    scored by the last refresh, the bytes of the blocks and of their index used in RAM
+    and on disk, the room reserved, the seconds spent choosing), or ``None`` without a
+    recall tier."""
     from mlx_stream.recall import tier_of
 
     tier = tier_of(caches) if caches else None
@@ -307,13 +308,15 @@ def recall_usage(caches: list | None) -> dict | None:
 
 def recall_line(u: dict) -> str:
     """The text summary's recall line, in the CLI's vocabulary (used of reserved, where)."""
-    from mlx_stream.cache.estimate import used_of
+    from mlx_stream.cache.estimate import human, used_of
 
     disk = u["disk_reserved_bytes"]
     return (
-        f"recall {u['stored_blocks']} blocks stored, {u['recalled_blocks']} recalled · store "
+        f"recall {u['stored_blocks']} blocks stored, {u['recalled_blocks']} recalled, "
+        f"{u['scored_blocks']} scored ({u['refresh_seconds']:.2f} s choosing) · store "
         f"{used_of(u['ram_bytes'], u['ram_reserved_bytes'], 'RAM')}"
         + (f" + {used_of(u['disk_bytes'], disk, 'disk')}" if disk else "")
+        + f", index {human(u['index_bytes'])} of it"
         + f" · region {used_of(None, u['region_bytes'], 'device')}"
     )
 

@@ -29,10 +29,14 @@ def test_stats_show_the_recall_region_and_store_apart(tmp_path):
     assert 0 < tier.scored_blocks <= tier.stored and u["refresh_seconds"] > 0
     # The store's room is allocated 32 blocks at a time: used and reserved apart, by place.
     assert lines[""] == (f"{u['disk_bytes'] / 1e6:.1f} MB used of "
-                         f"{tier.store.disk_bytes / 1e6:.1f} MB reserved (disk)")  # fmt: skip
-    assert lines["recall store"].endswith("reserved (RAM)")  # the block summaries
-    assert 0 < tier.stored < 32 and 0 < u["disk_bytes"] < tier.store.disk_bytes
-    assert u["disk_bytes"] * 32 == tier.store.disk_bytes * tier.stored  # one segment each
+                         f"{u['disk_reserved_bytes'] / 1e6:.1f} MB reserved (disk)")  # fmt: skip
+    assert lines["recall store"] == "0.0 MB used of 0.0 MB reserved (RAM)"  # --recall-ram 0
+    assert (
+        lines["recall index"] == f"{u['index_bytes'] / 1e6:.1f} MB used (block summaries, "
+        "in the store above)"
+    )
+    assert 0 < tier.stored < 32 and 0 < u["block_bytes"] < tier.store.disk_bytes
+    assert u["block_bytes"] * 32 == tier.store.disk_bytes * tier.stored  # one segment each
     assert lines["kv cache"].endswith("reserved (device)") and " used of " in lines["kv cache"]
     plain = ChatSession(model, tokenizer, Settings(CacheSpec(sinks=2, window=32)))
     assert "recall" not in stats_text(plain)

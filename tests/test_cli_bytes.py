@@ -26,10 +26,11 @@ def test_stream_run_json_has_a_recall_object(tiny_model_dir, text_file, tmp_path
     # 499 tokens through a 32-token window, blocks of 64: 6 stored by the last call, 2 recalled
     assert recall["stored_blocks"] == 6 and recall["recalled_blocks"] == 2
     assert 0 < recall["scored_blocks"] <= 6 and recall["refresh_seconds"] > 0
-    # --recall-ram 0: the blocks on disk (RAM: their summaries), reserved 32 at a time
+    # --recall-ram 0: the blocks and their index on disk, the blocks reserved 32 at a time
     assert 0 < recall["disk_bytes"] < recall["disk_reserved_bytes"]
-    assert recall["disk_bytes"] * 32 == recall["disk_reserved_bytes"] * 6
-    assert 0 < recall["ram_bytes"] <= recall["ram_reserved_bytes"]
+    assert recall["disk_bytes"] == recall["block_bytes"] + recall["index_bytes"]
+    assert recall["ram_bytes"] == recall["ram_reserved_bytes"] == 0
+    assert 0 < recall["index_bytes"] < recall["block_bytes"] / 10
     assert recall["reserved_bytes"] == recall["ram_reserved_bytes"] + recall["disk_reserved_bytes"]
     assert recall["region_bytes"] > 0
     on_disk = sum(p.stat().st_size for p in (tmp_path / "store").glob("*.npy"))
@@ -41,7 +42,8 @@ def test_stream_run_text_summary_has_a_recall_line(tiny_model_dir, text_file, tm
     result = stream_run(*args, *RECALL, "--recall-dir", str(tmp_path))
     assert result.exit_code == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("recall "))
-    assert line.startswith("recall 6 blocks stored, 2 recalled · store ")
+    assert line.startswith("recall 6 blocks stored, 2 recalled, 5 scored (")  # by the last refresh
+    assert " s choosing) · store " in line and ", index 0.0 MB of it · region " in line
     assert " MB used of " in line and "reserved (RAM) + " in line and "reserved (disk)" in line
     assert line.endswith("reserved (device)")
     assert not any(x.startswith("recall ") for x in stream_run(*args).stdout.splitlines())

@@ -70,11 +70,11 @@ def test_each_session_has_its_own_store_device_bytes_stay_flat_and_stats_show_bo
             assert s["blocks_stored"] > 0 and s["region_bytes"] > 0
             assert s["store_disk_bytes"] > 0 and s["store_ram_bytes"] == 0  # --recall-ram 0
             assert s["device_bytes"] > s["region_bytes"]  # the caches + the region
-            assert s["summary_bytes"] > 0
-            assert (
-                s["store_bytes"]
-                == s["store_ram_bytes"] + s["store_disk_bytes"] + s["summary_bytes"]
-            )
+            assert 0 < s["summary_bytes"] < s["store_disk_bytes"]  # the index: on disk too
+            assert s["store_bytes"] == s["store_ram_bytes"] + s["store_disk_bytes"]
+            use = s["recall"]  # stream-run --json's recall object
+            assert use["ram_bytes"] == 0 and use["stored_blocks"] == s["blocks_stored"]
+            assert use["index_bytes"] == s["summary_bytes"] and use["refresh_seconds"] >= 0
         folders = sorted(p.name for p in recall_dir.iterdir())
         assert len(folders) == 2 and all(f.startswith("serve-") for f in folders)
         # a longer stream (past a segment of 32 blocks): the store grows, the device

@@ -3,7 +3,7 @@
 Contract: a cache file ``X.safetensors`` whose caches carry a recall tier has a sidecar
 folder ``X.recall/`` beside it: ``manifest.json`` (the tier's numbers and settings,
 and the sha256 and size of every other file) and one ``.npy`` file per stored segment
-part, summary table and recent query block. The cache file's metadata (``KEY``) binds
+part, index segment (the block summaries) and recent query block. The cache file's metadata (``KEY``) binds
 it to its sidecar by the manifest's sha256, so a cache file never continues another
 save's store.
 
@@ -46,7 +46,9 @@ from mlx_stream.errors import UserError
 from mlx_stream.recall.names import KEY  # noqa: F401  (persist.KEY: the metadata key)
 
 MANIFEST = "manifest.json"
-VERSION = 1
+VERSION = 2  # 2: the block summaries in segments (an index), spilled past the RAM budget
+#: Versions read: 1 (whole float32 summary tables) is upgraded as it is restored.
+READS = (1, 2)
 CHUNK = 1 << 20  # bytes per read or write when streaming a file
 #: Settings a saved store must share with the run that restores it, as the user knows them.
 CHECKED = {
@@ -333,8 +335,10 @@ def restore(path: str | os.PathLike, binding: str, model: Any, raw: list, verdic
 
     path = Path(path)
     folder, manifest = _manifest(path, binding)
-    if not isinstance(manifest, dict) or manifest.get("version") != VERSION:
-        raise UserError(f"{folder}: not a recall store of this version")
+    if not isinstance(manifest, dict) or manifest.get("version") not in READS:
+        version = manifest.get("version") if isinstance(manifest, dict) else None
+        raise UserError(f"{folder}: a recall store of version {version}; this version reads "
+                        f"{' and '.join(map(str, READS))}")  # fmt: skip
     spec = saved_spec(manifest.get("spec"), path)
     if recall == "saved":
         recall = spec

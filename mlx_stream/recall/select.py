@@ -24,35 +24,233 @@ the block would get placed right before the sinks.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
+from mlx_stream.errors import UserError
+from mlx_stream.recall.store import FileArray, Spill, dtype_name, dtype_of, host_dtype, to_host
 
-class Summaries:
-    """Per layer and block: the mean, minimum and maximum of the keys per head and
-    channel (float32, host memory, ``3 * H * D`` numbers per block and layer)."""
+#: The three summaries of a block, per KV head and channel: the mean of its keys
+#: (float32), their minimum and their maximum (the keys' own dtype: exact).
+KINDS = ("mean", "lo", "hi")
+NEEDS = {"mean": ("mean",), "quest": ("lo", "hi")}  # what each selector reads
+INDEX_SEGMENT = 256  # blocks per segment of a summary table (one allocation or file a layer)
+#: The part of the RAM budget (``RecallSpec.ram_bytes``) the summaries may take: they
+#: are read at every refresh, the blocks only when chosen; the blocks take the rest.
+INDEX_SHARE = 0.25
 
-    def __init__(self, layers: int):
-        self.mean = [None] * layers
-        self.lo = [None] * layers
-        self.hi = [None] * layers
-        self.count = 0  # blocks summarised in every layer
 
-    def add(self, layer: int, j: int, keys: np.ndarray) -> None:
-        """Summarise block ``j`` of ``layer`` from its valid keys ``(H, tokens, D)``."""
-        keys = keys.astype(np.float32)
-        for name, value in (("mean", keys.mean(1)), ("lo", keys.min(1)), ("hi", keys.max(1))):
-            table = getattr(self, name)
-            if table[layer] is None or table[layer].shape[0] <= j:
-                grown = np.zeros((max(16, 2 * (j + 1)), *value.shape), np.float32)
-                if table[layer] is not None:
-                    grown[: table[layer].shape[0]] = table[layer]
-                table[layer] = grown
-            table[layer][j] = value
+def kinds_for(*selectors: str | None) -> tuple[str, ...]:
+    """The summaries ``selectors`` read (``exact`` and ``token`` read the stored keys)."""
+    need = {k for s in selectors for k in NEEDS.get(s, ())}
+    return tuple(k for k in KINDS if k in need)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for table in (self.mean, self.lo, self.hi) for t in table
-                   if t is not None)  # fmt: skip
+
+class Summaries(Spill):
+    """The index of a store: per layer and block, the summaries its selectors read
+    (``kinds``, of :data:`KINDS`), ``H * D`` numbers each. The mean is float32; the
+    minimum and maximum are kept in the keys' dtype (a bfloat16 key's extremes are
+    bfloat16 values: exact, so scores and selections are those of float32 tables).
+    Tables are kept in segments of :data:`INDEX_SEGMENT` blocks per layer, in host
+    memory while ``ram_bytes`` holds and past it ``.npy`` files in ``folder``
+    (:class:`~mlx_stream.recall.store.FileArray`: written a block at a time, read a
+    segment at a time by each refresh).
+
+    Args:
+        layers (int): Layers summarised.
+        kinds (tuple): The summaries kept.
+        ram_bytes (int): Host bytes before segments go to files (default: no limit).
+        folder (str, optional): Where the files go (a temporary folder when ``None``).
+    """
+
+    def __init__(self, layers: int, kinds: tuple[str, ...] = KINDS, ram_bytes: int = 1 << 62,
+                 folder: str | None = None):  # fmt: skip
+        super().__init__(ram_bytes, folder)
+        self.layers, self.kinds = layers, tuple(kinds)
+        self.shape = None  # (H, D, keys' mx dtype)
+        self.count = [0] * layers  # blocks summarised per layer
+        self.segments = {k: [[] for _ in range(layers)] for k in self.kinds}
+
+    def _dtype(self, kind: str):
+        """The numpy dtype a table holds (the keys' raw bits for ``lo`` and ``hi``)."""
+        return np.float32 if kind == "mean" else host_dtype(self.shape[2])
+
+    def _segment(self, kind: str, layer: int, index: int, source=None):
+        segs = self.segments[kind][layer]
+        while len(segs) <= index:
+            H, D, _ = self.shape
+            saved = None if source is None else (source[0], source[1][len(segs)])
+            name = f"index.{kind}.layer{layer}.seg{len(segs)}"
+            segs.append(self._allocate(name, self._dtype(kind), (INDEX_SEGMENT, H, D), saved))
+        return segs[index]
+
+    def setup(self, heads: int, dim: int, dtype) -> None:
+        """The keys' shape per block (``heads``, ``dim``) and mx ``dtype``."""
+        if self.shape is None:
+            self.shape = (int(heads), int(dim), dtype)
+
+    def reserve(self, blocks: int) -> None:
+        """Allocate every segment blocks ``< blocks`` of every layer need (``setup``
+        done), so that summarising them cannot fail for want of space.
+
+        Raises:
+            RuntimeFailure: A segment file cannot be written (a full disk).
+        """
+        if self.shape is None or blocks <= 0:
+            return
+        for kind in self.kinds:
+            for layer in range(self.layers):
+                self._segment(kind, layer, (blocks - 1) // INDEX_SEGMENT)
+
+    def add(self, layer: int, j: int, keys) -> None:
+        """Summarise block ``j`` of ``layer`` from its valid keys ``(H, tokens, D)``: an
+        ``mx.array`` in its own dtype, or a numpy array (float32 tables)."""
+        if isinstance(keys, np.ndarray):
+            dtype, keys = mx.float32, keys.astype(np.float32)
+        else:
+            dtype, keys = keys.dtype, np.asarray(keys.astype(mx.float32))
+        self.setup(keys.shape[0], keys.shape[2], dtype)
+        for kind in self.kinds:
+            if kind == "mean":
+                value = keys.mean(1)
+            else:  # an extreme of values of the keys' dtype: one of them, cast back exactly
+                value = keys.min(1) if kind == "lo" else keys.max(1)
+                value = value if self.shape[2] == mx.float32 else to_host(
+                    mx.array(value).astype(self.shape[2]))  # fmt: skip
+            self._segment(kind, layer, j // INDEX_SEGMENT)[j % INDEX_SEGMENT] = value
+        self.count[layer] = max(self.count[layer], j + 1)
+
+    def forget(self, layer: int, blocks: int) -> None:
+        """Keep only ``layer``'s blocks ``< blocks``."""
+        self.count[layer] = min(self.count[layer], blocks)
+
+    def table(self, kind: str, layer: int, blocks: int) -> np.ndarray:
+        """``kind`` of blocks ``0 .. blocks - 1`` of ``layer``, float32 ``(blocks, H, D)``
+        (spilled segments read a segment at a time).
+
+        Raises:
+            ValueError: A summary this index does not keep (its selectors read none).
+        """
+        if kind not in self.kinds:
+            raise ValueError(f"the recall index keeps no {kind!r} summaries (kept: "
+                             f"{', '.join(self.kinds) or 'none'})")  # fmt: skip
+        parts = []
+        for index in range(-(-blocks // INDEX_SEGMENT)):
+            seg = self.segments[kind][layer][index]
+            n = min(INDEX_SEGMENT, blocks - index * INDEX_SEGMENT)
+            parts.append(seg.rows(0, n) if isinstance(seg, FileArray) else seg[:n])
+        if not parts:
+            return np.zeros((0, *self.shape[:2]), np.float32)
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return _float32(raw, mx.float32 if kind == "mean" else self.shape[2])
+
+    # ----- bytes ----------------------------------------------------------------------
+
+    def arrays(self):
+        return (a for kind in self.kinds for segs in self.segments[kind] for a in segs)
+
+    def forget_arrays(self) -> None:
+        self.segments = {k: [[] for _ in range(self.layers)] for k in self.kinds}
+
+    def used(self) -> tuple[int, int]:
+        """``(ram, disk)``: bytes of the blocks summarised, in host memory and in files
+        (``host_bytes`` and ``disk_bytes``: the room reserved, a segment at a time)."""
+        return self.split(
+            (seg, min(INDEX_SEGMENT, max(0, self.count[layer] - index * INDEX_SEGMENT)))
+            for kind in self.kinds
+            for layer, segs in enumerate(self.segments[kind])
+            for index, seg in enumerate(segs)
+        )
+
+    # ----- saving and restoring (mlx_stream.recall.persist) -----------------------------
+
+    def export(self, writer) -> dict:
+        """Write the segments that hold summaries through ``writer`` (a spilled
+        segment's file is copied) and return what :meth:`restore` needs besides."""
+        segments = {}
+        for kind in self.kinds:
+            segments[kind] = [
+                [self._export(writer, f"index.{kind}.layer{layer}.seg{index}.npy", seg)
+                 for index, seg in enumerate(segs[: -(-self.count[layer] // INDEX_SEGMENT)])]
+                for layer, segs in enumerate(self.segments[kind])
+            ]  # fmt: skip
+        shape = None if self.shape is None else [*self.shape[:2], dtype_name(self.shape[2])]
+        return {"kinds": list(self.kinds), "segment": INDEX_SEGMENT, "shape": shape,
+                "count": list(self.count), "segments": segments}  # fmt: skip
+
+    def restore(self, reader, data: dict) -> None:
+        """Fill this empty index from what :meth:`export` saved; segments go to RAM
+        while its budget holds, to files in its folder past it.
+
+        Raises:
+            UserError: Other summaries or segments than this run keeps.
+        """
+        saved = (list(data["kinds"]), int(data["segment"]))
+        if saved != (list(self.kinds), INDEX_SEGMENT):
+            raise UserError(
+                f"{reader.folder}: an index of {', '.join(saved[0]) or 'no'} summaries in "
+                f"segments of {saved[1]} blocks; this run keeps "
+                f"{', '.join(self.kinds) or 'none'} in segments of {INDEX_SEGMENT}"
+            )
+        count, segments = [int(c) for c in data["count"]], data["segments"]
+        if len(count) != self.layers:
+            raise ValueError("layers")
+        if data["shape"] is not None:
+            H, D, dtype = data["shape"]
+            self.setup(H, D, dtype_of(dtype))
+        for kind in self.kinds:
+            if len(segments[kind]) != self.layers:
+                raise ValueError(kind)
+            for layer, names in enumerate(segments[kind]):
+                if len(names) * INDEX_SEGMENT < count[layer]:
+                    raise ValueError("segments")
+        longest = max((len(n) for kind in self.kinds for n in segments[kind]), default=0)
+        for index in range(longest):  # the order they were allocated in
+            for kind in self.kinds:
+                for layer, names in enumerate(segments[kind]):
+                    if index < len(names):
+                        self._segment(kind, layer, index, (reader, names))
+        self.count = count
+
+    def upgrade(self, reader, data: dict, count: list[int], keys: tuple) -> None:
+        """Fill this empty index from the whole float32 tables a store saved before
+        the index was segmented (``data``: its ``summaries`` entry; ``count``: the
+        blocks stored per layer; ``keys``: ``(H, D, dtype)`` of the stored keys).
+
+        Raises:
+            UserError: A saved extreme that is not a value of the keys' dtype.
+        """
+        self.setup(*keys)
+        for kind in self.kinds:
+            names = data[kind]
+            if len(names) != self.layers:
+                raise ValueError(kind)
+            for layer, name in enumerate(names):
+                if not count[layer]:
+                    continue
+                old = reader.array(name, np.float32)[: count[layer]]
+                if len(old) < count[layer] or old.shape[1:] != self.shape[:2]:
+                    raise ValueError(kind)
+                if kind != "mean" and self.shape[2] != mx.float32:
+                    value = to_host(mx.array(old).astype(self.shape[2]))
+                    if not np.array_equal(_float32(value, self.shape[2]), old):
+                        raise UserError(
+                            f"{reader.folder}: its block summaries are not "
+                            f"{dtype_name(self.shape[2])} values; it cannot be read here"
+                        )
+                    old = value
+                for j, row in enumerate(old):
+                    self._segment(kind, layer, j // INDEX_SEGMENT)[j % INDEX_SEGMENT] = row
+                self.count[layer] = count[layer]
+
+
+def _float32(raw: np.ndarray, dtype) -> np.ndarray:
+    """The float32 values of ``raw``, the bits of an ``mx`` array of ``dtype``."""
+    if dtype == mx.float32:
+        return np.ascontiguousarray(raw)
+    if dtype == mx.bfloat16:  # the upper half of a float32's bits
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
 
 
 def _gqa(q: np.ndarray, kv_heads: int) -> np.ndarray:
@@ -79,11 +277,11 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks:
                         selector: str, scale: float, empty: np.ndarray) -> np.ndarray:  # fmt: skip
     """Per KV head and block ``(H, blocks)``: the largest softmax mass over the head's
     query heads and tokens, from summaries."""
-    g = _gqa(q.astype(np.float32), summaries.mean[layer].shape[1])  # (H, R, D)
+    g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
     if selector == "mean":
-        logits = np.einsum("hrd,bhd->hrb", g, summaries.mean[layer][:blocks])
+        logits = np.einsum("hrd,bhd->hrb", g, summaries.table("mean", layer, blocks))
     else:  # quest: an upper bound of q . k over the block's keys, channel by channel
-        lo, hi = summaries.lo[layer][:blocks], summaries.hi[layer][:blocks]
+        lo, hi = summaries.table("lo", layer, blocks), summaries.table("hi", layer, blocks)
         pos, neg = np.maximum(g, 0), np.minimum(g, 0)
         logits = np.einsum("hrd,bhd->hrb", pos, hi) + np.einsum("hrd,bhd->hrb", neg, lo)
     logits = np.where(empty[None, None, :], -np.inf, logits * scale)

@@ -52,8 +52,9 @@ class RecallSpec:
         bits (int, optional): Store keys and values quantized to 4 or 8 bits
             (``mx.quantize``, the window's quantization). Default: the model's dtype.
         group_size (int): Quantization group size of the store. Default: ``64``.
-        ram_bytes (int): Host bytes the store may hold before new blocks spill to
-            memory-mapped files in ``folder``. Default: 1 GB.
+        ram_bytes (int): Host bytes the store may hold, its blocks and their summaries
+            together (the summaries up to a quarter), before new segments spill to
+            files in ``folder``. Default: 1 GB.
         folder (str, optional): Where spilled blocks go. Default: a temporary folder.
         refeed (int): At a prompt's end, its last tokens back to the start of this
             many blocks are fed again with the selection the prompt's queries chose

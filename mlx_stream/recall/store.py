@@ -47,6 +47,11 @@ def to_host(x: mx.array) -> np.ndarray:
     return np.array(x.view(view) if view != x.dtype else x, copy=False)
 
 
+def host_dtype(dtype):
+    """The numpy dtype holding the bits of an mx ``dtype`` the store keeps."""
+    return _RAW[dtype][1]
+
+
 def dtype_name(dtype) -> str:
     """``mx.bfloat16`` -> ``"bfloat16"`` (a dtype the store keeps)."""
     return str(dtype).rsplit(".", 1)[-1]
@@ -112,40 +117,40 @@ class FileArray:
             os.close(fd)
         return np.frombuffer(data, self.dtype).reshape(self.shape[1:])
 
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Blocks ``start:stop`` in one read (a refresh reads a segment's summaries)."""
+        fd = os.open(self.filename, os.O_RDONLY)
+        try:
+            data = os.pread(fd, (stop - start) * self.row, self.offset + start * self.row)
+        finally:
+            os.close(fd)
+        return np.frombuffer(data, self.dtype).reshape(stop - start, *self.shape[1:])
+
     def flush(self) -> None:
         """Nothing is buffered: every write went to the file."""
 
 
-class BlockStore:
-    """Evicted blocks of every layer.
+class Spill:
+    """Arrays allocated a segment at a time: in host memory while ``ram_bytes`` holds,
+    past it a ``.npy`` file in ``folder`` (:class:`FileArray`), named after this
+    object's ``tag`` (several may share a folder). ``host_bytes`` and ``disk_bytes``
+    count what was allocated where. Subclasses list their arrays (:meth:`arrays`).
 
     Args:
-        layers (int): Layers stored.
-        block (int): Tokens per block.
-        bits (int, optional): 4 or 8 to quantize; ``None`` keeps the model's dtype.
-        group_size (int): Quantization group size.
-        ram_bytes (int): Host bytes before segments go to memory-mapped files.
+        ram_bytes (int): Host bytes before arrays go to files.
         folder (str, optional): Where the files go (made if missing; a temporary
             folder when ``None``).
     """
 
-    def __init__(self, layers: int, block: int, bits: int | None = None, group_size: int = 64,
-                 ram_bytes: int = 1 << 30, folder: str | None = None):  # fmt: skip
-        self.layers, self.block, self.bits, self.group = layers, block, bits, group_size
+    def __init__(self, ram_bytes: int, folder: str | None):
         self.ram_bytes = ram_bytes
         self.folder = None if folder is None else Path(folder)
         self._tmp = None
-        self.count = [0] * layers  # blocks stored per layer
-        self.first = {}  # block -> first valid token index inside it (block 0: the sinks)
-        self.segments = [[] for _ in range(layers)]  # per layer: [(keys parts, values parts)]
-        self.shapes = None  # ((H, D, dtype) of keys, of values)
         self.host_bytes = 0
         self.disk_bytes = 0
-        self.tag = uuid.uuid4().hex[:12]  # names this store's files
+        self.tag = uuid.uuid4().hex[:12]  # names this object's files
         if self.folder is not None:
             check_folder(self.folder)
-
-    # ----- writing -------------------------------------------------------------------
 
     def _folder(self) -> Path:
         if self.folder is None:
@@ -154,42 +159,23 @@ class BlockStore:
             return Path(self._tmp.name)
         return self.folder
 
-    def _segment(self, layer: int, index: int) -> tuple:
-        segs = self.segments[layer]
-        while len(segs) <= index:
-            segs.append(self._new_segment(layer, len(segs)))
-        return segs[index]
-
-    def _new_segment(self, layer: int, index: int, source: Any = None) -> tuple:
-        """Segment ``index`` of ``layer``: in RAM while the budget holds, else a file;
-        zeros, or the parts ``source`` (``(persist.Reader, names)``) saved."""
-        out, names = [], None if source is None else iter(source[1])
-        for t, (H, D, dtype) in enumerate(self.shapes):
-            parts = []
-            for p, (shape, kind) in enumerate(_parts(H, self.block, D, dtype, self.bits,
-                                                     self.group)):  # fmt: skip
-                np_dtype = _RAW[kind][1]
-                shape = (SEGMENT, *shape)
-                size = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
-                name = None if names is None else next(names)
-                if self.host_bytes + size <= self.ram_bytes:
-                    parts.append(np.zeros(shape, np_dtype) if source is None
-                                 else source[0].array(name, np_dtype, shape))  # fmt: skip
-                    self.host_bytes += size
-                else:
-                    path = self._file(layer, index, t, p)
-                    if source is None:
-                        parts.append(self._open_file(path, np_dtype, shape))
-                    else:
-                        parts.append(self._restore_file(source[0], name, path, np_dtype, shape))
-                    self.disk_bytes += size
-            out.append(parts)
-        return tuple(out)
-
-    def _file(self, layer: int, index: int, t: int, p: int) -> Path:
-        """The file of one part of a spilled segment (named after this store: several
-        stores may share a folder)."""
-        return self._folder() / f"{self.tag}.layer{layer}.seg{index}.{'kv'[t]}{p}.npy"
+    def _allocate(self, name: str, np_dtype, shape: tuple, source: Any = None):
+        """One array of ``shape``: in RAM while the budget holds, else the file
+        ``<tag>.<name>.npy``; zeros, or the saved file ``source`` (``(persist.Reader,
+        name)``)."""
+        size = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+        if self.host_bytes + size <= self.ram_bytes:
+            self.host_bytes += size
+            if source is None:
+                return np.zeros(shape, np_dtype)
+            return source[0].array(source[1], np_dtype, shape)
+        path = self._folder() / f"{self.tag}.{name}.npy"
+        if source is None:
+            array = self._open_file(path, np_dtype, shape)
+        else:
+            array = self._restore_file(source[0], source[1], path, np_dtype, shape)
+        self.disk_bytes += size
+        return array
 
     def _open_file(self, path: Path, np_dtype, shape: tuple) -> FileArray:
         """A new ``.npy`` file, its blocks allocated on the disk now: a full disk is an
@@ -218,6 +204,96 @@ class BlockStore:
         except BaseException:
             path.unlink(missing_ok=True)
             raise
+
+    @staticmethod
+    def _export(writer: Any, name: str, array: Any) -> str:
+        """Write one array through ``writer`` (a ``persist.Writer``): a file is copied,
+        never read into memory whole."""
+        if isinstance(array, FileArray):
+            array.flush()
+            return writer.copy(name, Path(array.filename))
+        return writer.array(name, array)
+
+    def arrays(self):
+        """Every array allocated (in RAM or a ``FileArray``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def split(parts) -> tuple[int, int]:
+        """``(ram, disk)``: the bytes of ``parts``, ``(array, rows filled)`` pairs."""
+        ram = disk = 0
+        for array, filled in parts:
+            size = filled * int(np.prod(array.shape[1:])) * np.dtype(array.dtype).itemsize
+            if isinstance(array, FileArray):
+                disk += size
+            else:
+                ram += size
+        return ram, disk
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (host and disk): reserved, not necessarily filled."""
+        return self.host_bytes + self.disk_bytes
+
+    def close(self, remove_files: bool = False) -> None:
+        """Drop the arrays (and remove a temporary folder; files in a given folder
+        stay, e.g. for a soak to measure, unless ``remove_files``: this object's own)."""
+        if remove_files:
+            for array in self.arrays():
+                if isinstance(array, FileArray):
+                    Path(array.filename).unlink(missing_ok=True)
+        self.forget_arrays()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def forget_arrays(self) -> None:
+        raise NotImplementedError
+
+
+class BlockStore(Spill):
+    """Evicted blocks of every layer.
+
+    Args:
+        layers (int): Layers stored.
+        block (int): Tokens per block.
+        bits (int, optional): 4 or 8 to quantize; ``None`` keeps the model's dtype.
+        group_size (int): Quantization group size.
+        ram_bytes (int): Host bytes before segments go to files.
+        folder (str, optional): Where the files go (made if missing; a temporary
+            folder when ``None``).
+    """
+
+    def __init__(self, layers: int, block: int, bits: int | None = None, group_size: int = 64,
+                 ram_bytes: int = 1 << 30, folder: str | None = None):  # fmt: skip
+        super().__init__(ram_bytes, folder)
+        self.layers, self.block, self.bits, self.group = layers, block, bits, group_size
+        self.count = [0] * layers  # blocks stored per layer
+        self.first = {}  # block -> first valid token index inside it (block 0: the sinks)
+        self.segments = [[] for _ in range(layers)]  # per layer: [(keys parts, values parts)]
+        self.shapes = None  # ((H, D, dtype) of keys, of values)
+
+    # ----- writing -------------------------------------------------------------------
+
+    def _segment(self, layer: int, index: int) -> tuple:
+        segs = self.segments[layer]
+        while len(segs) <= index:
+            segs.append(self._new_segment(layer, len(segs)))
+        return segs[index]
+
+    def _new_segment(self, layer: int, index: int, source: Any = None) -> tuple:
+        """Segment ``index`` of ``layer``: in RAM while the budget holds, else a file;
+        zeros, or the parts ``source`` (``(persist.Reader, names)``) saved."""
+        out, names = [], None if source is None else iter(source[1])
+        for t, (H, D, dtype) in enumerate(self.shapes):
+            parts = []
+            for p, (shape, kind) in enumerate(_parts(H, self.block, D, dtype, self.bits,
+                                                     self.group)):  # fmt: skip
+                saved = None if names is None else (source[0], next(names))
+                name = f"layer{layer}.seg{index}.{'kv'[t]}{p}"
+                parts.append(self._allocate(name, _RAW[kind][1], (SEGMENT, *shape), saved))
+            out.append(parts)
+        return tuple(out)
 
     def reserve(self, blocks: int) -> None:
         """Allocate now every segment that blocks ``< blocks`` of every layer need
@@ -265,12 +341,7 @@ class BlockStore:
                 parts = [x for tensor in self.segments[layer][index] for x in tensor]
                 seg = []
                 for p, part in enumerate(parts):
-                    name = f"store.layer{layer}.seg{index}.{p}.npy"
-                    if isinstance(part, FileArray):
-                        part.flush()
-                        seg.append(writer.copy(name, Path(part.filename)))
-                    else:
-                        seg.append(writer.array(name, part))
+                    seg.append(self._export(writer, f"store.layer{layer}.seg{index}.{p}.npy", part))
                 names.append(seg)
             segments.append(names)
         shapes = None if self.shapes is None else [[H, D, dtype_name(t)] for H, D, t in self.shapes]
@@ -325,38 +396,22 @@ class BlockStore:
         """Blocks stored in every layer."""
         return min(self.count) if self.count else 0
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the store has allocated (host and disk): reserved, see :meth:`used`."""
-        return self.host_bytes + self.disk_bytes
+    def arrays(self):
+        return (p for segs in self.segments for seg in segs for t in seg for p in t)
+
+    def forget_arrays(self) -> None:
+        self.segments = [[] for _ in range(self.layers)]
 
     def used(self) -> tuple[int, int]:
         """``(ram, disk)``: bytes of the blocks stored, in host memory and in files
         (segments are allocated ``SEGMENT`` blocks at a time: ``host_bytes`` and
         ``disk_bytes`` are the room reserved, these its filled part)."""
-        ram = disk = 0
-        for layer, segs in enumerate(self.segments):
-            for index, seg in enumerate(segs):
-                filled = min(SEGMENT, max(0, self.count[layer] - index * SEGMENT))
-                for part in (p for tensor in seg for p in tensor):
-                    size = filled * int(np.prod(part.shape[1:])) * np.dtype(part.dtype).itemsize
-                    if isinstance(part, FileArray):
-                        disk += size
-                    else:
-                        ram += size
-        return ram, disk
-
-    def close(self, remove_files: bool = False) -> None:
-        """Drop the blocks (and remove a temporary folder; files in a given folder
-        stay, e.g. for a soak to measure, unless ``remove_files``: this store's own)."""
-        if remove_files:
-            for part in (p for segs in self.segments for seg in segs for t in seg for p in t):
-                if isinstance(part, FileArray):
-                    Path(part.filename).unlink(missing_ok=True)
-        self.segments = [[] for _ in range(self.layers)]
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        return self.split(
+            (part, min(SEGMENT, max(0, self.count[layer] - index * SEGMENT)))
+            for layer, segs in enumerate(self.segments)
+            for index, seg in enumerate(segs)
+            for part in (p for tensor in seg for p in tensor)
+        )
 
 
 def check_folder(folder: Path) -> None:

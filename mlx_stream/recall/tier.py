@@ -69,9 +69,13 @@ class Recall:
             c.recall, c.recall_index = self, i
             c.rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
         L = len(self.layers)
-        self.store = BlockStore(L, spec.block, spec.bits, spec.group_size, spec.ram_bytes,
-                                spec.folder)  # fmt: skip
-        self.summaries = select.Summaries(L)
+        # One RAM budget: the index (block summaries, read at every refresh) takes up to
+        # its share, the blocks the rest; past its part each spills to files
+        kinds = select.kinds_for(spec.selector, spec.prompt_selector or spec.selector)
+        index_ram = int(spec.ram_bytes * select.INDEX_SHARE) if kinds else 0
+        self.store = BlockStore(L, spec.block, spec.bits, spec.group_size,
+                                spec.ram_bytes - index_ram, spec.folder)  # fmt: skip
+        self.summaries = select.Summaries(L, kinds, index_ram, spec.folder)
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         # (refresh point, selection, hold): the last one is current; no boundary
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
@@ -106,31 +110,34 @@ class Recall:
 
     @property
     def store_nbytes(self) -> int:
-        """Bytes of the store (host memory and files) and its summaries."""
+        """Bytes of the store and its index (host memory and files), reserved."""
         return self.store.nbytes + self.summaries.nbytes
 
     def usage(self) -> dict[str, int]:
         """The tier's counters in the CLI's vocabulary: blocks ``stored`` and
-        ``recalled`` (in attention now), the store's bytes ``used`` in host memory
-        (``ram_bytes``, block summaries included) and on disk (``disk_bytes``), the
-        room it has ``reserved`` there (allocated a segment at a time:
-        ``reserved_bytes``), the device region (``region_bytes``: reserved once,
-        fixed), the blocks the last refresh scored (``scored_blocks``) and the seconds
-        every refresh took together (``refresh_seconds``)."""
-        ram, disk = self.store.used()
-        s = self.summaries
-        summaries = sum(t[:n].nbytes for table in (s.mean, s.lo, s.hi)
-                        for t, n in zip(table, self.store.count) if t is not None)  # fmt: skip
+        ``recalled`` (in attention now); the bytes used by the stored blocks
+        (``block_bytes``) and by their index (the block summaries: ``index_bytes``),
+        split by place: host memory (``ram_bytes``, at most the spec's ``ram_bytes``)
+        and files (``disk_bytes``; ``ram_bytes + disk_bytes == block_bytes +
+        index_bytes``); the room reserved for both, a segment at a time
+        (``reserved_bytes`` = ``ram_reserved_bytes`` + ``disk_reserved_bytes``); the
+        device region (``region_bytes``: reserved once, fixed); the blocks the last
+        refresh scored (``scored_blocks``) and the seconds every refresh took
+        together (``refresh_seconds``)."""
+        store, index = self.store, self.summaries
+        (ram, disk), (iram, idisk) = store.used(), index.used()
         return {
             "stored_blocks": self.stored,
             "recalled_blocks": len(self.selection),
-            "ram_bytes": ram + summaries,
-            "disk_bytes": disk,
-            "reserved_bytes": self.store_nbytes,
-            "ram_reserved_bytes": self.store.host_bytes + s.nbytes,
-            "disk_reserved_bytes": self.store.disk_bytes,
-            "region_bytes": self.device_nbytes,
             "scored_blocks": self.scored_blocks,
+            "ram_bytes": ram + iram,
+            "disk_bytes": disk + idisk,
+            "block_bytes": ram + disk,
+            "index_bytes": iram + idisk,
+            "reserved_bytes": self.store_nbytes,
+            "ram_reserved_bytes": store.host_bytes + index.host_bytes,
+            "disk_reserved_bytes": store.disk_bytes + index.disk_bytes,
+            "region_bytes": self.device_nbytes,
             "refresh_seconds": round(self.refresh_seconds, 3),
         }
 
@@ -162,6 +169,7 @@ class Recall:
                 kept.append((t0, q[:, :, : keep - t0, :] if t0 + q.shape[2] > keep else q, a))
         self.queries[i] = kept
         self.store.forget(i, keep // self.block)  # blocks wholly before keep stay true
+        self.summaries.forget(i, keep // self.block)
         if i == 0:
             while len(self.history) > 1 and self.history[-1][0] > keep:
                 self.history.pop()
@@ -187,6 +195,7 @@ class Recall:
             self.queries = [list(q) for q in mark.queries]
             for i, blocks in enumerate(mark.blocks):
                 self.store.forget(i, blocks)
+                self.summaries.forget(i, blocks)
         for c in self.layers:
             self.trimmed(c, c.tokens_seen)
         self.applied = [None] * len(self.layers)
@@ -216,6 +225,8 @@ class Recall:
                    for b, bits in ((cache.keys, cache.key_bits), (cache.values, cache.value_bits))]  # fmt: skip
             self.store.shapes = tuple((x.shape[1], x.shape[-1], x.dtype) for x in one)
         self.store.reserve(count)
+        self.summaries.setup(*self.store.shapes[0])  # the keys it summarises
+        self.summaries.reserve(count)
 
     def evicted_blocks(self, n: int) -> int:
         """Blocks no row of a call at ``n`` can see (each wholly before its window)."""
@@ -237,9 +248,8 @@ class Recall:
             if first:
                 keys, values = (_pad_front(x, first, bs) for x in (keys, values))
             self.store.put(i, j, keys, values, first)
-            valid = np.asarray(keys[0, :, first:, :].astype(mx.float32))
-            self.summaries.add(i, j, valid if valid.shape[1] else np.zeros_like(
-                np.asarray(keys[0, :, :1, :].astype(mx.float32))))  # fmt: skip
+            valid = keys[0, :, first:, :]
+            self.summaries.add(i, j, valid if valid.shape[1] else mx.zeros_like(keys[0, :, :1, :]))
             if j == len(self.first):
                 self.first.append(first)
 
@@ -505,16 +515,12 @@ class Recall:
             name = writer.array(f"queries.layer{i}.npy", to_host(q))
             rows = [[int(t0), int(anchor), int(x.shape[2])] for t0, x, anchor in entries]
             queries.append({"file": name, "dtype": dtype_name(q.dtype), "entries": rows})
-        tables = {}
-        for kind in ("mean", "lo", "hi"):
-            tables[kind] = [None if t is None else writer.array(f"summary.{kind}.layer{i}.npy", t)
-                            for i, t in enumerate(getattr(self.summaries, kind))]  # fmt: skip
         return {
             "layers": len(self.layers), "first": [int(f) for f in self.first],
             "history": [[int(p), [int(j) for j in sel], int(hold)] for p, sel, hold in self.history],
             "scale": None if self.scale is None else float(self.scale),
             "refreshes": self.refreshes, "queries": queries,
-            "summaries": {**tables, "count": self.summaries.count},
+            "index": self.summaries.export(writer),
             "store": self.store.export(writer),
         }  # fmt: skip
 
@@ -525,13 +531,11 @@ class Recall:
         if data["layers"] != L or len(data["queries"]) != L:
             raise UserError(f"{reader.folder}: a recall store of {data['layers']} layers, not {L}")
         self.store.restore(reader, data["store"])
-        for kind in ("mean", "lo", "hi"):
-            names = data["summaries"][kind]
-            if len(names) != L:
-                raise ValueError(kind)
-            setattr(self.summaries, kind,
-                    [None if n is None else reader.array(n, np.float32) for n in names])  # fmt: skip
-        self.summaries.count = int(data["summaries"]["count"])
+        if "index" in data:
+            self.summaries.restore(reader, data["index"])
+        elif self.store.shapes is not None:  # saved before the index was segmented
+            self.summaries.upgrade(reader, data["summaries"], self.store.count,
+                                   self.store.shapes[0])  # fmt: skip
         self.first = [int(f) for f in data["first"]]
         self.history = [(int(p), tuple(int(j) for j in sel), int(hold))
                         for p, sel, hold in data["history"]]  # fmt: skip
@@ -557,6 +561,7 @@ class Recall:
         """Free the store (its temporary files too; its files in a given folder with
         ``remove_files``)."""
         self.store.close(remove_files)
+        self.summaries.close(remove_files)
         self.closed = True
 
 

@@ -15,14 +15,13 @@ Contract:
   another session (a fork of a recall session is rebuilt from the client's history
   instead).
 - **Bytes.** Device (flat): the caches (ring, with the slack recall raises) plus the
-  retrieval region (``sinks + blocks x 64`` slots per layer). Store (growing): host
-  memory up to ``ram_bytes`` per session, then files on disk, plus block summaries.
+  retrieval region (``sinks + blocks x 64`` slots per layer). Store (growing): the
+  blocks and their index (the block summaries) in host memory up to ``ram_bytes`` per
+  session together (the index up to a quarter of it), then files on disk.
   On Apple silicon host memory *is* the device's (unified), so admission counts a
   recall session as its caches, its checkpoint's copy of them, its region and its
-  whole ``ram_bytes`` (the most host memory its blocks take); what spills to disk is
-  not counted (:func:`fixed_bytes`), nor are the block summaries, which stay in host
-  memory and grow with the stream (``3 x kv_heads x head_dim`` float32 numbers per
-  block and layer, about 2% of a float store: ``summary_bytes`` in the stats).
+  whole ``ram_bytes`` (the most host memory its store and index take); what spills
+  to disk is not counted (:func:`fixed_bytes`).
 """
 
 from __future__ import annotations
@@ -72,13 +71,16 @@ STATS = ("device_bytes", "region_bytes", "store_bytes", "store_ram_bytes", "stor
 TOTALS = STATS[:1] + STATS[2:7]  # summed over sessions in /health and /v1/sessions
 
 
-def stats(session: Any) -> dict[str, int]:
+def stats(session: Any) -> dict[str, Any]:
     """A session's bytes (zeros for ``None``: a session on disk), in the CLI's words:
-    ``device_bytes`` (caches + region: flat); the store's bytes used, ``store_bytes`` =
-    ``store_ram_bytes`` + ``store_disk_bytes`` + ``summary_bytes`` (growing), and the
-    room it has reserved (``store_reserved_bytes``, a segment at a time); the blocks
-    stored and recalled (in attention now)."""
-    out = dict.fromkeys(STATS, 0)
+    ``device_bytes`` (caches + region: flat); the store's bytes used, blocks and index
+    together, ``store_bytes`` = ``store_ram_bytes`` (at most ``--recall-ram``) +
+    ``store_disk_bytes`` (growing), of which ``summary_bytes`` the index (the block
+    summaries), and the room it has reserved (``store_reserved_bytes``, a segment at a
+    time); the blocks stored and recalled (in attention now); and ``recall``: the
+    tier's counters as ``stream-run --json`` gives them (``Recall.usage``; ``None``
+    without a tier)."""
+    out: dict[str, Any] = {**dict.fromkeys(STATS, 0), "recall": None}
     if session is None:
         return out
     out["device_bytes"] = sum(int(getattr(c, "nbytes", 0) or 0) for c in session.caches)
@@ -86,12 +88,12 @@ def stats(session: Any) -> dict[str, int]:
     if tier is None:
         return out
     out["device_bytes"] += tier.device_nbytes
-    use, (ram, disk) = tier.usage(), tier.store.used()
-    summaries = use["ram_bytes"] - ram  # the blocks' summaries, in host memory
-    out.update(region_bytes=use["region_bytes"], store_bytes=use["ram_bytes"] + disk,
-               store_ram_bytes=ram, store_disk_bytes=disk, summary_bytes=summaries,
-               store_reserved_bytes=use["reserved_bytes"], blocks_stored=use["stored_blocks"],
-               blocks_recalled=use["recalled_blocks"])  # fmt: skip
+    use = tier.usage()
+    out.update(region_bytes=use["region_bytes"], store_bytes=use["ram_bytes"] + use["disk_bytes"],
+               store_ram_bytes=use["ram_bytes"], store_disk_bytes=use["disk_bytes"],
+               summary_bytes=use["index_bytes"], store_reserved_bytes=use["reserved_bytes"],
+               blocks_stored=use["stored_blocks"], blocks_recalled=use["recalled_blocks"],
+               recall=use)  # fmt: skip
     return out
 
 
