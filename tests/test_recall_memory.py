@@ -284,7 +284,7 @@ def test_an_index_that_cannot_grow_stops_before_the_call_changes_anything(
     tokens = tiny.random_tokens(200, seed=37)
     folder = tmp_path / "spill"
     cache = recall_cache(tiny_llama, ram_bytes=0, folder=str(folder))
-    real = Spill._open_file
+    real = Spill.open_file
 
     def full(self, path, np_dtype, shape):
         if ".index." in path.name and ".seg2." in path.name:
@@ -293,7 +293,7 @@ def test_an_index_that_cannot_grow_stops_before_the_call_changes_anything(
 
     got, i = [], 0
     with monkeypatch.context() as m, pytest.raises(RuntimeFailure, match="No space left on"):
-        m.setattr(Spill, "_open_file", full)
+        m.setattr(Spill, "open_file", full)
         while i < len(tokens):
             got.append(feed(tiny_llama, cache, tokens[i : i + 8]))
             i += 8

@@ -335,14 +335,15 @@ def recall_bytes(layout: KVLayout, sinks: int, blocks: int, block: int = DEFAULT
     """What the recall tier adds: its fixed device region (``blocks * block`` slots per
     layer, plus a moved copy of the sinks with ``sink_copy``: the ``stream`` placement), the
     bytes the store uses per 1,000 evicted tokens (host memory, then disk; block
-    summaries included: ``3 * kv_heads * key_dim`` float32 numbers per block and layer)
+    summaries included: the default selector's minimum and maximum of the keys,
+    ``2 * kv_heads * key_dim`` numbers of the keys' dtype per block and layer)
     and the room it reserves at a time (``store_segment_bytes``: a segment of every
     layer)."""
     slots = (sinks if sink_copy else 0) + blocks * block
     region = layout.layers * layout.kv_heads * slots * (layout.key_dim + layout.value_dim)
     per_token = bytes_per_token(layout.layers, layout.kv_heads, layout.key_dim,
                                 layout.value_dim, layout.dtype_bytes, bits, group)  # fmt: skip
-    summaries = layout.layers * 3 * layout.kv_heads * layout.key_dim * 4 / block
+    summaries = layout.layers * 2 * layout.kv_heads * layout.key_dim * layout.dtype_bytes / block
     return {"region_bytes": region * layout.dtype_bytes,
             "store_bytes_per_1k_tokens": int(1000 * (per_token + summaries)),
             "store_segment_bytes": int(RECALL_SEGMENT * block * per_token)}  # fmt: skip

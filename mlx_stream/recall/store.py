@@ -171,13 +171,13 @@ class Spill:
             return source[0].array(source[1], np_dtype, shape)
         path = self._folder() / f"{self.tag}.{name}.npy"
         if source is None:
-            array = self._open_file(path, np_dtype, shape)
+            array = self.open_file(path, np_dtype, shape)
         else:
             array = self._restore_file(source[0], source[1], path, np_dtype, shape)
         self.disk_bytes += size
         return array
 
-    def _open_file(self, path: Path, np_dtype, shape: tuple) -> FileArray:
+    def open_file(self, path: Path, np_dtype, shape: tuple) -> FileArray:
         """A new ``.npy`` file, its blocks allocated on the disk now: a full disk is an
         error here, not a failed write mid-stream."""
         try:
