@@ -118,7 +118,11 @@ def preload(force: bool = False) -> BlasStatus:
     global _status
     if _status is not None and not force:
         return _status
-    _status = _decide(os.environ.get(ENV, "auto").strip())
+    setting = os.environ.get(ENV, "auto").strip()
+    _status = _decide(setting)
+    if _status.state in ("failed", "not-found") and os.sep in setting:
+        # a library asked for by path: say why it is not used (one line, never raise)
+        sys.stderr.write(f"mlx-stream: {ENV}: {_status.detail}; using MLX's own BLAS\n")
     return _status
 
 

@@ -76,11 +76,25 @@ def test_not_found_does_nothing_and_says_so(monkeypatch, unloaded):
     assert blas.loaded_openblas() is None
 
 
-def test_missing_explicit_path_is_not_found(monkeypatch, tmp_path, unloaded):
+def test_missing_explicit_path_is_not_found(monkeypatch, tmp_path, unloaded, capsys):
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setenv(blas.ENV, str(tmp_path / "libopenblas.so.0"))
     status = blas.preload(force=True)
     assert status.state == "not-found" and "does not exist" in status.detail
+    # asked for by path, it is not silently replaced: one line says so
+    assert capsys.readouterr().err.count("does not exist; using MLX's own BLAS") == 1
+
+
+def test_an_explicit_library_that_cannot_load_says_why(monkeypatch, tmp_path, unloaded, capsys):
+    monkeypatch.setattr(sys, "platform", "linux")
+    broken = tmp_path / "libopenblas.so.0"
+    broken.write_bytes(b"not a shared object")  # as one missing its libgfortran fails
+    monkeypatch.setenv(blas.ENV, str(broken))
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)  # as before MLX loads
+    status = blas.preload(force=True)
+    assert status.state == "failed" and not status.loaded
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"mlx-stream: {blas.ENV}: cannot load {broken}")
 
 
 def test_late_preload_is_reported(monkeypatch, unloaded):
