@@ -75,6 +75,23 @@ class Sampler:
         self.tic = self.last_time = time.perf_counter()
         self.refresh_s = self.last_refresh_s = 0.0
         self.pool_max = 0
+        self.compare = False  # --compare: each tree refresh against the flat scan
+        self.compared = self.agreed = self.compared_last = self.agreed_last = 0
+
+    def agreement(self, point: int) -> None:
+        """Score every block as the flat scan does and count whether the ``k`` it
+        chooses are the tree search's (outside the refresh's timing)."""
+        from mlx_stream.recall import select
+
+        tier = self.tier
+        tier.summaries.searching = False
+        try:
+            flat = tier.scores(point)
+        finally:
+            tier.summaries.searching = True
+        if flat is not None:
+            self.compared += 1
+            self.agreed += select.top_k(flat, tier.spec.blocks) == tier.selection
 
     def use(self, caches: list) -> None:
         self.caches = caches
@@ -85,6 +102,8 @@ class Sampler:
             tic = time.perf_counter()
             refresh(point)
             self.refresh_s += time.perf_counter() - tic
+            if self.compare and self.tier.refreshed_at == point:
+                self.agreement(point)
 
         self.tier.refresh = timed
 
@@ -124,6 +143,8 @@ class Sampler:
             s_per_1k=round((now - self.last_time) * per_1k, 3),
             refresh_s_per_1k=round((self.refresh_s - self.last_refresh_s) * per_1k, 3),
             refreshes=tier.refreshes,
+            scored_blocks=tier.scored_blocks,
+            **self.index_record(),
             segment_tokens=scored,
             segment_ppl=round(math.exp((nll_sum - self.last_nll_sum) / scored), 4),
             running_ppl=round(perplexity, 4),
@@ -132,6 +153,20 @@ class Sampler:
         self.records.append(record)
         self.last_position, self.last_nll_sum, self.pool_max = position, nll_sum, 0
         self.last_time, self.last_refresh_s = now, self.refresh_s
+        self.compared_last, self.agreed_last = self.compared, self.agreed
+
+    def index_record(self) -> dict:
+        """The tree search's counters (``--index tree``): searches, those the cap
+        stopped, and with ``--compare`` the segment's refreshes that chose the flat
+        scan's blocks."""
+        index = self.tier.summaries
+        if not hasattr(index, "searches"):
+            return {}
+        out = {"searches": index.searches, "capped": index.capped}
+        if self.compare:
+            n = self.compared - self.compared_last
+            out.update(compared=n, agreed=self.agreed - self.agreed_last)
+        return out
 
 
 def summarize(records: list[dict], ram_mb: float) -> dict:
@@ -217,6 +252,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
     parser.add_argument("--block", type=int, default=64, help="tokens per block (= stride)")
     parser.add_argument("--selector", default="quest")
+    parser.add_argument("--index", default="flat", help="flat or tree (RecallSpec.index)")
+    parser.add_argument("--shortlist", type=int, default=0, help="tree: blocks reranked")
+    parser.add_argument("--expand", type=int, default=0, help="tree: superblocks at most")
+    parser.add_argument("--compare", action="store_true",
+                        help="tree: check every refresh against the flat scan")  # fmt: skip
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--sample", type=int, default=4096, help="tokens per JSON line")
@@ -250,15 +290,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"{folder}: not empty (the soak measures the files it writes)")
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     recall = RecallSpec(blocks=args.blocks, block=args.block, selector=args.selector, bits=args.bits,
-                        ram_bytes=int(args.ram_mb * 1e6), folder=str(folder))  # fmt: skip
+                        ram_bytes=int(args.ram_mb * 1e6), folder=str(folder), index=args.index,
+                        shortlist=args.shortlist, expand=args.expand)  # fmt: skip
     spec = CacheSpec(args.sinks, args.window, stride=args.block, recall=recall)
     layers = getattr(getattr(model, "args", None), "num_hidden_layers", None)
     settings = dict(sinks=args.sinks, window=args.window, blocks=args.blocks, block=args.block,
                     selector=args.selector, store_bits=args.bits, chunk=args.chunk,
                     sample=args.sample, ram_mb=args.ram_mb, layers=layers,
-                    target_tokens=args.tokens)  # fmt: skip
+                    target_tokens=args.tokens, index=args.index, shortlist=args.shortlist,
+                    expand=args.expand)  # fmt: skip
     base = common.base_record("recall-soak", args.model, weights, **settings)
     sampler = Sampler(args.sample, args.out, base, folder)
+    sampler.compare = args.compare and args.index == "tree"
     try:
         with StopOnInterrupt((signal.SIGINT, signal.SIGTERM)) as stop:
             result = stream_perplexity(

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+import mlx_stream.recall.index as index
 import mlx_stream.recall.select as select
 from mlx_stream.recall.select import _gqa
 
@@ -102,6 +103,8 @@ def block_scores(selector: str, queries: list[np.ndarray], store, summaries, fir
         total = np.full(nb, -np.inf)
         total[blocks] = fn(queries, keys_of(store), blocks, first, block, scale)
         return total
+    if selector == "quest" and isinstance(summaries, index.Indexed) and summaries.searches_quest:
+        return summaries.search(queries, nb, empty, scale)
     total = np.zeros(nb)
     for i, q in enumerate(queries):
         total += select.layer_scores_summary(q, summaries, i, nb, selector, scale, empty)

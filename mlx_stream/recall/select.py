@@ -124,9 +124,9 @@ class Summaries(Spill):
         """Keep only ``layer``'s blocks ``< blocks``."""
         self.count[layer] = min(self.count[layer], blocks)
 
-    def table(self, kind: str, layer: int, blocks: int) -> np.ndarray:
-        """``kind`` of blocks ``0 .. blocks - 1`` of ``layer``, float32 ``(blocks, H, D)``
-        (spilled segments read a segment at a time).
+    def table(self, kind: str, layer: int, blocks: int, start: int = 0) -> np.ndarray:
+        """``kind`` of blocks ``start .. blocks - 1`` of ``layer``, float32
+        ``(blocks - start, H, D)`` (spilled segments read a segment at a time).
 
         Raises:
             ValueError: A summary this index does not keep (its selectors read none).
@@ -135,10 +135,11 @@ class Summaries(Spill):
             raise ValueError(f"the recall index keeps no {kind!r} summaries (kept: "
                              f"{', '.join(self.kinds) or 'none'})")  # fmt: skip
         parts = []
-        for index in range(-(-blocks // INDEX_SEGMENT)):
+        for index in range(start // INDEX_SEGMENT, -(-blocks // INDEX_SEGMENT)):
             seg = self.segments[kind][layer][index]
+            a = max(0, start - index * INDEX_SEGMENT)
             n = min(INDEX_SEGMENT, blocks - index * INDEX_SEGMENT)
-            parts.append(seg.rows(0, n) if isinstance(seg, FileArray) else seg[:n])
+            parts.append(seg.rows(a, n) if isinstance(seg, FileArray) else seg[a:n])
         if not parts:
             return np.zeros((0, *self.shape[:2]), np.float32)
         raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -280,10 +281,23 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks:
     g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
     if selector == "mean":
         logits = np.einsum("hrd,bhd->hrb", g, summaries.table("mean", layer, blocks))
-    else:  # quest: an upper bound of q . k over the block's keys, channel by channel
+    else:
         lo, hi = summaries.table("lo", layer, blocks), summaries.table("hi", layer, blocks)
-        pos, neg = np.maximum(g, 0), np.minimum(g, 0)
-        logits = np.einsum("hrd,bhd->hrb", pos, hi) + np.einsum("hrd,bhd->hrb", neg, lo)
+        logits = quest_logits(g, lo, hi)
+    return mass(logits, scale, empty)
+
+
+def quest_logits(g: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Quest's bound of ``q . k`` over a block's keys, channel by channel: ``(H, R,
+    blocks)`` for grouped queries ``g`` ``(H, R, D)`` and the blocks' key minima and
+    maxima ``lo``, ``hi`` ``(blocks, H, D)`` (unscaled)."""
+    pos, neg = np.maximum(g, 0), np.minimum(g, 0)
+    return np.einsum("hrd,bhd->hrb", pos, hi) + np.einsum("hrd,bhd->hrb", neg, lo)
+
+
+def mass(logits: np.ndarray, scale: float, empty: np.ndarray) -> np.ndarray:
+    """``(H, blocks)``: per KV head, the largest softmax mass over blocks of unscaled
+    ``logits`` ``(H, R, blocks)`` over its query rows (``empty`` blocks get none)."""
     logits = np.where(empty[None, None, :], -np.inf, logits * scale)
     return _softmax(logits, -1).max(axis=1)
 

@@ -14,6 +14,7 @@ from mlx_stream.errors import Unsupported
 
 SELECTORS = ("exact", "quest", "mean", "token")
 PLACEMENTS = ("stream", "before", "fixed", "near")
+INDEXES = ("flat", "tree")
 DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
 DEFAULT_BLOCK = DEFAULT_STRIDE
 DEFAULT_RAM = DEFAULT_RECALL_RAM_MB * 1_000_000  # host bytes before spilling to disk
@@ -56,6 +57,14 @@ class RecallSpec:
             together (the summaries up to a quarter), before new segments spill to
             files in ``folder``. Default: 1 GB.
         folder (str, optional): Where spilled blocks go. Default: a temporary folder.
+        index (str): How a ``quest`` refresh finds its blocks: ``"flat"`` scores every
+            stored block; ``"tree"`` searches superblocks of 64 blocks for a shortlist
+            and reranks it (``mlx_stream.recall.index``: sublinear, its selection not
+            always the flat scan's). Default: ``"flat"``.
+        shortlist (int): Blocks the ``tree`` search reranks; ``0``: ``max(8 * blocks,
+            64)``. Default: ``0``.
+        expand (int): Superblocks one ``tree`` search expands at most (``0``: no cap).
+            Default: ``0``.
         refeed (int): At a prompt's end, its last tokens back to the start of this
             many blocks are fed again with the selection the prompt's queries chose
             (the slack grows to cover the rollback); ``0``: only the prompt's last
@@ -73,6 +82,9 @@ class RecallSpec:
     ram_bytes: int = DEFAULT_RAM
     folder: str | None = None
     refeed: int = 2
+    index: str = "flat"
+    shortlist: int = 0
+    expand: int = 0
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -99,6 +111,11 @@ class RecallSpec:
             raise Unsupported(f"recall group size must be 32, 64 or 128 (got {self.group_size})")
         if self.refeed < 0:
             raise Unsupported(f"recall refeed must be 0 or more blocks (got {self.refeed})")
+        if self.index not in INDEXES:
+            raise Unsupported(f"recall index must be one of {', '.join(INDEXES)} "
+                              f"(got {self.index!r})")  # fmt: skip
+        if self.shortlist < 0 or self.expand < 0:
+            raise Unsupported("recall shortlist and expand must be 0 or more")
         if self.ram_bytes < 0:
             raise Unsupported(f"recall RAM budget must be 0 or more (got {self.ram_bytes})")
 

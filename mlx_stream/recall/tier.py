@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
+import mlx_stream.recall.index as index
 import mlx_stream.recall.score as score
 import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
@@ -75,7 +76,7 @@ class Recall:
         index_ram = int(spec.ram_bytes * select.INDEX_SHARE) if kinds else 0
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size,
                                 spec.ram_bytes - index_ram, spec.folder)  # fmt: skip
-        self.summaries = select.Summaries(L, kinds, index_ram, spec.folder)
+        self.summaries = index.summaries_for(spec, L, kinds, index_ram)
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         # (refresh point, selection, hold): the last one is current; no boundary
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
@@ -369,7 +370,7 @@ class Recall:
         self.refresh_seconds += time.perf_counter() - tic
         if total is None:
             return
-        self.scored_blocks = int(np.isfinite(total).sum())
+        self.scored_blocks = index.scored(self.summaries, total)
         chosen = select.top_k(total, self.spec.blocks)
         self.history = [*self.history[-HISTORY:], (point, chosen, point)]
         self.refreshes += 1
