@@ -160,12 +160,16 @@ def ranks(tier, prompt, row: dict) -> None:
     selector (0: the best block), from the same queries."""
     import numpy as np
 
+    from mlx_stream.recall.select import kinds_for
+
     bs = tier.block
     blocks = sorted({prompt.needle_at // bs, (prompt.needle_at + prompt.needle_len - 1) // bs})
 
     def measure(t, point):
         out = {}
         for selector in SELECTORS:
+            if not set(kinds_for(selector)) <= set(t.summaries.kinds):
+                continue  # the tier keeps only the summaries its own selectors read
             scores = t.scores(point, selector)
             if scores is None:
                 continue

@@ -207,7 +207,8 @@ def test_recall(monkeypatch, tmp_path, tiny_model_dir):
         assert ENVIRONMENT_KEYS | {"length", "kind", "depth", "found", "answer"} <= set(r)
     assert all(r["store_bytes"] > 0 for r in lines if r["cache"] == "recall")
     ranked = [r for r in lines if r["cache"] == "recall"][0]
-    assert set(ranked["ranks"]) == {"exact", "quest", "mean", "token"}
+    # every selector whose summaries the tier keeps (quest's, by default) or reading the keys
+    assert set(ranked["ranks"]) == {"exact", "quest", "token"}
     assert all(0 <= x < ranked["candidate_blocks"] for v in ranked["ranks"].values() for x in v)
     assert 0 <= ranked["own_topk"]["layers"] <= 1 and 0 <= ranked["own_topk"]["heads"] <= 1
     table = load_script("recall", monkeypatch).render(lines)
