@@ -339,7 +339,7 @@ def test_real_model_as_its_own_draft_equals_plain_greedy(real_model):
     from tests.support.paths import DATA
 
     model, tokenizer, _ = real_model
-    window, n_prompt, n_new = 32, 100, 64  # a stream of 164 tokens > 5 windows
+    window, n_prompt, n_new = 32, 64, 40  # a stream of 104 tokens > 3 windows
     with open(DATA / "moby_dick.txt", encoding="utf-8") as f:
         prompt = tokenizer.encode(f.read(4000))[:n_prompt]
 
