@@ -252,7 +252,7 @@ def test_real_model_chunks_give_token_by_token_logits_bit_for_bit(real_model_pat
 
     model, tokenizer = loader.load(real_model_path, dtype="bfloat16")
     with open(DATA / "botchan.txt", encoding="utf-8") as f:
-        tokens = tokenizer.encode(f.read(2000))[:132]
+        tokens = tokenizer.encode(f.read(2000))[:100]  # three group fills past the sinks
     kw = {"sinks": 4, "window": 32, "slack": 16, "kv_bits": 4, "positions": "absolute"}
     one = feed(model, make_sink_cache(model, **kw), tokens, 1)
     assert mx.array_equal(feed(model, make_sink_cache(model, **kw), tokens, 4), one)
