@@ -246,6 +246,42 @@ def test_float_store_round_trips_exactly_in_ram_and_on_disk(tmp_path, dtype):
     disk.close()
 
 
+def test_lazy_blocks_spill_and_read_back_exactly_with_delays_between_write_and_read(
+    tmp_path, monkeypatch
+):
+    """MLX is lazy: a block handed to the store may be an unevaluated graph. The store
+    writes its evaluated bits before ``put`` returns, so a slow disk (a delay injected
+    before every write and every read) never yields a block other than the one put."""
+    import os
+    import time
+
+    writes, reads = [], []
+    pwrite, pread = os.pwrite, os.pread
+
+    def slow_write(fd, data, offset):
+        time.sleep(0.002)
+        writes.append(offset)
+        return pwrite(fd, data, offset)
+
+    def slow_read(fd, n, offset):
+        time.sleep(0.002)
+        reads.append(offset)
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_write)
+    monkeypatch.setattr(os, "pread", slow_read)
+    store = BlockStore(1, BLOCK, ram_bytes=0, folder=str(tmp_path))
+    base = [_block(s, mx.bfloat16) for s in range(6)]
+    for j, (k, v) in enumerate(base):  # lazy: nothing below is evaluated before put
+        store.put(0, j, k * 2 + 1, mx.flip(v, axis=2))
+    assert writes  # every block went through the slow disk
+    for j, (k, v) in enumerate(base):
+        gk, gv = store.get(0, j)
+        assert mx.array_equal(gk, k * 2 + 1) and mx.array_equal(gv, mx.flip(v, axis=2))
+    assert len(reads) >= 2 * len(base)
+    store.close()
+
+
 @pytest.mark.parametrize("bits,tol", [(8, 0.02), (4, 0.3)])
 def test_quantized_store_round_trips_within_quantization_error(tmp_path, bits, tol):
     store = BlockStore(1, BLOCK, bits=bits, ram_bytes=1 << 12, folder=str(tmp_path))

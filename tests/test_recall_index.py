@@ -138,6 +138,8 @@ def test_a_capped_refresh_scores_fewer_blocks_than_stored(tiny_llama):
     u, v = t.usage(), tier_of(flat).usage()
     assert u["index_bytes"] > v["index_bytes"]  # the superblocks count
     assert u["ram_bytes"] + u["disk_bytes"] == u["block_bytes"] + u["index_bytes"]
+    assert (u["index_searches"], u["index_capped"]) == (t.summaries.searches, t.summaries.capped)
+    assert "index_searches" not in v and "index_capped" not in v  # the flat scan has none
 
 
 def test_a_shortlist_of_every_block_keeps_the_flat_selections(tiny_llama):

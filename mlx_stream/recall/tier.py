@@ -124,9 +124,12 @@ class Recall:
         (``reserved_bytes`` = ``ram_reserved_bytes`` + ``disk_reserved_bytes``); the
         device region (``region_bytes``: reserved once, fixed); the blocks the last
         refresh scored (``scored_blocks``) and the seconds every refresh took
-        together (``refresh_seconds``)."""
-        store, index = self.store, self.summaries
-        (ram, disk), (iram, idisk) = store.used(), index.used()
+        together (``refresh_seconds``); with the ``tree`` index, its searches and
+        those its expansion cap stopped (``index_searches``, ``index_capped``)."""
+        store, summaries = self.store, self.summaries
+        (ram, disk), (iram, idisk) = store.used(), summaries.used()
+        tree = {"index_searches": summaries.searches, "index_capped": summaries.capped} if (
+            isinstance(summaries, index.Indexed)) else {}  # fmt: skip
         return {
             "stored_blocks": self.stored,
             "recalled_blocks": len(self.selection),
@@ -136,10 +139,11 @@ class Recall:
             "block_bytes": ram + disk,
             "index_bytes": iram + idisk,
             "reserved_bytes": self.store_nbytes,
-            "ram_reserved_bytes": store.host_bytes + index.host_bytes,
-            "disk_reserved_bytes": store.disk_bytes + index.disk_bytes,
+            "ram_reserved_bytes": store.host_bytes + summaries.host_bytes,
+            "disk_reserved_bytes": store.disk_bytes + summaries.disk_bytes,
             "region_bytes": self.device_nbytes,
             "refresh_seconds": round(self.refresh_seconds, 3),
+            **tree,
         }
 
     @staticmethod
