@@ -107,7 +107,7 @@ def ignoring_eos(tokenizer: Any) -> Iterator[None]:
 RECALL_KEYS = ("recall_device_mb", "recall_store_mb", "recall_store_ram_mb",
                "recall_store_disk_mb", "recall_store_used_mb", "recall_store_ram_used_mb",
                "recall_store_disk_used_mb", "recall_stored_blocks",
-               "recall_recalled_blocks")  # fmt: skip
+               "recall_recalled_blocks", "recall_stored_tokens")  # fmt: skip
 BYTES_KEYS = ("kv_cache_mb", "kv_cache_used_mb", *RECALL_KEYS)
 
 
@@ -123,7 +123,8 @@ def recall_bytes(tier: Any) -> dict:
              u["disk_bytes"])  # fmt: skip
     return {**dict(zip(RECALL_KEYS, (round(b / MB, 3) for b in sizes))),
             "recall_stored_blocks": u["stored_blocks"],
-            "recall_recalled_blocks": u["recalled_blocks"]}  # fmt: skip
+            "recall_recalled_blocks": u["recalled_blocks"],
+            "recall_stored_tokens": u["stored_blocks"] * tier.block}  # fmt: skip
 
 
 def kv_bytes(caches: list) -> dict:
@@ -295,7 +296,7 @@ def print_report(summaries: list[dict], runs: dict[str, list[dict]]) -> None:
 
 def bytes_lines(s: dict) -> list[str]:
     """A summary's bytes at the end of the run, each used of reserved and where."""
-    from mlx_stream.cache.estimate import used_of
+    from mlx_stream.cache.estimate import human, used_of
 
     def end(key: str) -> int:
         return int(s[key]["end"] * MB)
@@ -311,6 +312,12 @@ def bytes_lines(s: dict) -> list[str]:
             + (f" + {used_of(end(disk + '_used_mb'), end(disk + '_mb'), 'disk')}"
                if s[disk + "_mb"]["end"] else ""),
         ]  # fmt: skip
+        tokens = s.get("recall_stored_tokens", {}).get("end", 0)
+        if tokens:  # what a long stream costs: host bytes per 1k evicted tokens
+            per = {where: end(f"{key}_used_mb") * 1000 / tokens
+                   for where, key in (("RAM", ram), ("disk", disk))}  # fmt: skip
+            out.append(f"recall store per 1k stored tokens: {human(int(per['RAM']))} RAM"
+                       f" + {human(int(per['disk']))} disk")  # fmt: skip
     return out
 
 

@@ -35,3 +35,7 @@ def test_profile_splits_the_store_into_host_memory_and_disk(tiny_model_dir, tmp_
     assert "recall region" in line and "reserved (device)" in line
     assert f"recall store 2 blocks ({data['recall_recalled_blocks']['end']} recalled): " in line
     assert "MB used of " in line and "MB reserved (disk)" in line
+    assert data["recall_stored_tokens"]["end"] == 2 * 64
+    per_1k = used["end"] * 1000 / (2 * 64)  # MB of disk per 1k stored tokens
+    want = f"recall store per 1k stored tokens: 0.0 MB RAM + {per_1k:.1f} MB disk"
+    assert want in table.stdout

@@ -36,41 +36,83 @@ def keys_of(store) -> Callable[[int, list[int]], np.ndarray]:
     return keys
 
 
-def _probs(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, scale: float) -> np.ndarray:
-    """``(H, R, blocks, block)``: each (KV head, query row)'s softmax over every
-    candidate token (``q``: ``(Hq, L, D)``; ``keys``: ``(blocks, H, block, D)``;
-    ``valid``: ``(blocks, block)`` bool, the tokens that belong to the store)."""
+#: Blocks whose keys one step of a layer's scan reads (64 x 64 tokens): the scan's
+#: memory is this chunk's logits and ``(KV heads, query rows, blocks)`` statistics,
+#: not a softmax over every stored token (at 1M tokens that was ~7 GB a layer).
+CHUNK = 64
+
+
+def _chunk_stats(g: np.ndarray, keys: np.ndarray, valid: np.ndarray,
+                 scale: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """For grouped queries ``g`` ``(H, R, D)`` and a chunk of blocks ``keys``
+    ``(blocks, H, block, D)`` (``valid``: ``(blocks, block)``, the tokens that belong to
+    the store): per (KV head, query row, block) the largest logit and the log of the
+    sum of ``exp(logit)`` over the block's tokens, ``(H, R, blocks)`` each (``-inf``
+    for a block with no valid token)."""
     nb, H, bs, D = keys.shape
-    g = _gqa(q.astype(np.float32), H)  # (H, R, D)
     k = keys.astype(np.float32).transpose(1, 0, 2, 3).reshape(H, nb * bs, D)
-    logits = np.einsum("hrd,htd->hrt", g, k) * scale
-    logits = np.where(valid.reshape(1, 1, -1), logits, -np.inf)
-    logits -= logits.max(-1, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(-1, keepdims=True)
-    return p.reshape(H, -1, nb, bs)
+    logits = np.einsum("hrd,htd->hrt", g, k).reshape(H, -1, nb, bs) * scale
+    logits = np.where(valid[None, None], logits, -np.inf)
+    top = logits.max(-1)
+    with np.errstate(invalid="ignore"):  # blocks with no valid token: -inf - -inf
+        sums = np.exp(logits - top[..., None]).sum(-1)
+    return top, np.where(np.isfinite(top), top + np.log(np.maximum(sums, 1e-38)), -np.inf)
+
+
+def _layer(q: np.ndarray, chunks, kind: str, scale: float) -> np.ndarray:
+    """Per block: the largest probability (``kind="peak"``: of one of its tokens;
+    ``"mass"``: of its tokens together) that a (query head, query token) of ``q``
+    ``(Hq, L, D)`` gives it in a softmax over every candidate token, ``chunks``
+    yielding ``(keys, valid)`` as :func:`_chunk_stats` takes them, block after block."""
+    g, tops, lses = None, [], []
+    for keys, valid in chunks:
+        if g is None:
+            g = _gqa(q.astype(np.float32), keys.shape[1])
+        top, lse = _chunk_stats(g, keys, valid, scale)
+        tops.append(top)
+        lses.append(lse)
+    lse = np.concatenate(lses, axis=-1)  # (H, R, blocks)
+    norm = np.logaddexp.reduce(lse, axis=-1, keepdims=True)  # over every candidate token
+    value = np.concatenate(tops, axis=-1) if kind == "peak" else lse
+    return np.exp(value - norm).max(axis=(0, 1))
 
 
 def layer_peaks(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, scale: float) -> np.ndarray:
     """Per block: the largest probability any of its tokens gets, over query heads and
-    query tokens (arguments: :func:`_probs`)."""
-    return _probs(q, keys, valid, scale).max(axis=(0, 1, 3))
+    query tokens (``q``: ``(Hq, L, D)``; ``keys``: ``(blocks, H, block, D)``;
+    ``valid``: ``(blocks, block)`` bool, the tokens that belong to the store)."""
+    return _layer(q, [(keys, valid)], "peak", scale)
 
 
 def layer_mass(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, scale: float) -> np.ndarray:
     """Per block: the largest softmax mass its tokens get together, over query heads
-    and query tokens (the ``exact`` selector; arguments: :func:`_probs`)."""
-    return _probs(q, keys, valid, scale).sum(-1).max(axis=(0, 1))
+    and query tokens (the ``exact`` selector; arguments: :func:`layer_peaks`)."""
+    return _layer(q, [(keys, valid)], "mass", scale)
 
 
-def _over_layers(layer_fn, queries, keys_of, blocks, first, block, scale) -> np.ndarray:
+def _over_layers(kind, queries, keys_of, blocks, first, block, scale) -> np.ndarray:
     total = np.zeros(len(blocks))
     if not blocks:
         return total
     valid = np.arange(block)[None, :] >= np.array([first[j] for j in blocks])[:, None]
+    spans = [(a, min(a + CHUNK, len(blocks))) for a in range(0, len(blocks), CHUNK)]
     for i, q in enumerate(queries):
-        total += layer_fn(q, keys_of(i, blocks), valid, scale)
+        chunks = _Chunks(keys_of, i, blocks, valid, spans)
+        total += _layer(q, chunks, kind, scale)
     return total
+
+
+class _Chunks:
+    """A layer's candidate blocks, ``CHUNK`` at a time, as ``(keys, valid)`` (read when
+    reached: a spilled store's from its files), so the scan holds one chunk's keys."""
+
+    def __init__(self, keys_of, layer, blocks, valid, spans):
+        self.keys_of, self.layer, self.blocks, self.valid, self.spans = (
+            keys_of, layer, blocks, valid, spans)  # fmt: skip
+
+    def __iter__(self):
+        for a, b in self.spans:
+            yield self.keys_of(self.layer, self.blocks[a:b]), self.valid[a:b]
 
 
 def peak_scores(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], np.ndarray],
@@ -80,14 +122,14 @@ def peak_scores(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], n
     ``queries[i]`` is layer ``i``'s ``(Hq, L, D)``, ``keys_of(layer, blocks)`` gives
     their keys ``(len(blocks), H, block, D)`` and ``first[j]`` is block ``j``'s first
     token that belongs to it."""
-    return _over_layers(layer_peaks, queries, keys_of, blocks, first, block, scale)
+    return _over_layers("peak", queries, keys_of, blocks, first, block, scale)
 
 
 def mass_scores(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], np.ndarray],
                 blocks: list[int], first: list[int], block: int,
                 scale: float) -> np.ndarray:  # fmt: skip
     """The sum over layers of :func:`layer_mass` (arguments: :func:`peak_scores`)."""
-    return _over_layers(layer_mass, queries, keys_of, blocks, first, block, scale)
+    return _over_layers("mass", queries, keys_of, blocks, first, block, scale)
 
 
 def block_scores(selector: str, queries: list[np.ndarray], store, summaries, first: list[int],
