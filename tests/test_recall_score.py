@@ -45,6 +45,43 @@ def test_one_aligned_key_wins_where_the_block_mean_and_mass_do_not_see_it():
     assert np.argmax(mean) == 0  # the block mean: the needle averaged away
 
 
+def test_the_scan_a_chunk_at_a_time_gives_the_softmax_over_every_stored_token(monkeypatch):
+    """Blocks scored a few at a time (``CHUNK``) get the probabilities of one softmax
+    over every candidate token: peak and mass, blocks whose first tokens are not theirs."""
+    import mlx.core as mx
+
+    import mlx_stream.recall.score as score
+
+    rng = np.random.default_rng(3)
+    nb, H, bs, D = 7, 2, 16, 8
+    keys = rng.standard_normal((nb, H, bs, D)).astype(np.float32)
+    queries = [rng.standard_normal((4, 5, D)).astype(np.float32) for _ in range(2)]
+    first = [3, 0, 0, 9, 0, 0, 15]
+
+    class Store:
+        def get(self, layer, j):
+            return mx.array(keys[j] * (layer + 1))[None], None
+
+    def direct(selector):
+        total = np.zeros(nb)
+        for i, q in enumerate(queries):
+            g = q.reshape(H, -1, D)  # 2 query heads per KV head, 5 tokens each
+            k = (keys * (i + 1)).transpose(1, 0, 2, 3)  # (H, nb, bs, D)
+            logits = np.einsum("hrd,hbtd->hrbt", g, k) * 0.5
+            valid = np.arange(bs)[None, :] >= np.array(first)[:, None]
+            logits = np.where(valid[None, None], logits, -np.inf)
+            p = np.exp(logits - logits.max(axis=(2, 3), keepdims=True))
+            p /= p.sum(axis=(2, 3), keepdims=True)
+            total += (p.max(-1) if selector == "token" else p.sum(-1)).max(axis=(0, 1))
+        return total
+
+    for chunk in (2, 3, 64):
+        monkeypatch.setattr(score, "CHUNK", chunk)
+        for selector in ("token", "exact"):
+            got = block_scores(selector, queries, Store(), None, first, bs, 0.5)
+            assert np.allclose(got, direct(selector), rtol=1e-5, atol=1e-7)
+
+
 def test_block_scores_leave_out_blocks_with_no_token_of_their_own():
     q, keys = one_key_against_many()
 
@@ -79,8 +116,10 @@ def test_a_prompts_end_chooses_with_the_prompt_selector(tiny_llama):
 def test_a_manifest_without_a_prompt_selector_is_read_with_todays():
     saved = {**spec().__dict__, "folder": None}
     del saved["prompt_selector"]
-    persist.check_spec(Path("x.safetensors"), saved, spec())  # no refusal: upgraded
-    assert persist.saved_spec(saved, Path("x")).prompt_selector is None
+    assert spec().prompt_selector == "token"  # the default now
+    persist.check_spec(Path("x.safetensors"), saved, spec())  # no refusal: nothing stored
+    persist.check_spec(Path("x.safetensors"), {**saved, "prompt_selector": "quest"}, spec())
+    assert persist.saved_spec(saved, Path("x")).prompt_selector is None  # as it was made
 
 
 def test_a_question_asked_of_the_shared_prefix_answers_as_a_fresh_cache(tiny_llama):

@@ -50,12 +50,12 @@ VERSION = 2  # 2: the block summaries in segments (an index), spilled past the R
 #: Versions read: 1 (whole float32 summary tables) is upgraded as it is restored.
 READS = (1, 2)
 CHUNK = 1 << 20  # bytes per read or write when streaming a file
-#: Settings a saved store must share with the run that restores it, as the user knows them.
+#: Settings a saved store must share with the run that restores it, as the user knows them
+#: (not the prompt's end selector: nothing stored depends on it; the run's chooses).
 CHECKED = {
     "blocks": "--recall-blocks",
     "block": "recall block",
     "selector": "recall selector",
-    "prompt_selector": "recall prompt selector",
     "placement": "recall placement",
     "prompt_placement": "recall prompt placement",
     "bits": "--recall-bits",
