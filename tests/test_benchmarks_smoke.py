@@ -215,6 +215,25 @@ def test_recall(monkeypatch, tmp_path, tiny_model_dir):
     assert "| 400 | passkey | filler |" in table
 
 
+def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path, tiny_model_dir):
+    dumps = tmp_path / "dumps"
+    lines = run("recall", monkeypatch, tmp_path, tiny_model_dir, "--caches", "recall",
+                "--ranks", "--dump", str(dumps))  # fmt: skip
+    ranked = lines[0]["ranks"]
+    out = tmp_path / "offline.jsonl"
+    records = load_script("recall_offline", monkeypatch).main(
+        [str(dumps), "--blocks", "2", "--stages", "2:4,1:1000", "--out", str(out)])  # fmt: skip
+    *rows, summary = records
+    assert len(rows) == len(list(dumps.glob("*.npz"))) == 1
+    got = rows[0]["ranks"]
+    # the same prompt end scored again from its dump: the run's own ranks (float16 keys)
+    for name in ("token", "exact", "quest"):
+        assert got[name] == min(ranked[name])
+    assert got["token-1-1000"] == got["token"]  # every layer, every block: the flat scan
+    assert 0 <= got["token-2-4"] < rows[0]["candidates"]
+    assert summary["selectors"]["token"]["dumps"] == 1 and summary["k"] == 2
+
+
 def test_recall_chat(monkeypatch, tmp_path, tiny_model_dir):
     lines = run("recall_chat", monkeypatch, tmp_path, tiny_model_dir)
     assert [r["cache"] for r in lines] == ["window", "recall"]

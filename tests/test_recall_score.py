@@ -82,6 +82,46 @@ def test_the_scan_a_chunk_at_a_time_gives_the_softmax_over_every_stored_token(mo
             assert np.allclose(got, direct(selector), rtol=1e-5, atol=1e-7)
 
 
+def test_a_shortlisted_scan_ranks_the_blocks_its_first_pass_keeps_with_every_layer():
+    from mlx_stream.recall.score import peak_scores, shortlisted_peaks
+
+    rng = np.random.default_rng(5)
+    nb, H, bs, D = 12, 2, 8, 8
+    keys = [rng.standard_normal((nb, H, bs, D)).astype(np.float32) for _ in range(4)]
+    queries = [rng.standard_normal((4, 3, D)).astype(np.float32) for _ in range(4)]
+    first, blocks = [0] * nb, list(range(nb))
+
+    def keys_of(layer, js):
+        return keys[layer][js]
+
+    flat = peak_scores(queries, keys_of, blocks, first, bs, 1.0)
+    assert np.array_equal(shortlisted_peaks(queries, keys_of, blocks, first, bs, 1.0, 3, 0), flat)
+    assert np.array_equal(shortlisted_peaks(queries, keys_of, blocks, first, bs, 1.0, 3, nb), flat)
+    got = shortlisted_peaks(queries, keys_of, blocks, first, bs, 1.0, 3, 4)
+    pre = peak_scores([queries[0], queries[3]], lambda i, js: keys_of(3 * i, js), blocks, first,
+                      bs, 1.0)  # fmt: skip
+    kept = sorted(np.argsort(-pre, kind="stable")[:4].tolist())
+    assert np.flatnonzero(np.isfinite(got)).tolist() == kept  # layers 0 and 3 chose
+    want = peak_scores(queries, keys_of, kept, first, bs, 1.0)  # every layer ranks them
+    assert np.array_equal(got[kept], want)
+
+
+def test_the_tier_scans_with_its_specs_stride_and_keep(tiny_llama):
+    prompt = tiny.random_tokens(40 * BLOCK // 4, seed=31)
+    seen = []
+    cache = recall_cache(tiny_llama, scan_stride=2, scan_keep=3)
+
+    def check(tier, n):
+        start = (n - 1) // BLOCK * BLOCK - (tier.spec.refeed - 1) * BLOCK
+        scores = tier.scores(n, "token", candidates_at=start)
+        chosen = select.top_k(scores, tier.spec.blocks)
+        seen.append((int(np.isfinite(scores).sum()), tier.selection == chosen))
+
+    cache[0].recall.on_prompt_end = check
+    list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
+    assert seen and seen[0] == (3, True)  # 3 blocks kept, the selection among them
+
+
 def test_block_scores_leave_out_blocks_with_no_token_of_their_own():
     q, keys = one_key_against_many()
 

@@ -132,18 +132,41 @@ def mass_scores(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], n
     return _over_layers("mass", queries, keys_of, blocks, first, block, scale)
 
 
+def shortlisted_peaks(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], np.ndarray],
+                      blocks: list[int], first: list[int], block: int, scale: float,
+                      stride: int, keep: int) -> np.ndarray:  # fmt: skip
+    """:func:`peak_scores` of the ``keep`` blocks that a first pass over every
+    ``stride``-th layer ranks best (the others ``-inf``), the softmax then over
+    those blocks' tokens only: the scan reads ``1 / stride`` of the stored keys and
+    ``keep`` blocks of every layer. ``keep`` 0 or at least ``len(blocks)``: the flat
+    scan (arguments otherwise: :func:`peak_scores`)."""
+    if not keep or keep >= len(blocks):
+        return peak_scores(queries, keys_of, blocks, first, block, scale)
+    layers = list(range(0, len(queries), stride))
+    pre = _over_layers("peak", [queries[i] for i in layers],
+                       lambda i, js: keys_of(layers[i], js), blocks, first, block, scale)  # fmt: skip
+    chosen = np.sort(np.argsort(-pre, kind="stable")[:keep])
+    out = np.full(len(blocks), -np.inf)
+    out[chosen] = peak_scores(queries, keys_of, [blocks[i] for i in chosen], first, block, scale)
+    return out
+
+
 def block_scores(selector: str, queries: list[np.ndarray], store, summaries, first: list[int],
-                 block: int, scale: float) -> np.ndarray:  # fmt: skip
+                 block: int, scale: float, scan: tuple[int, int] = (1, 0)) -> np.ndarray:  # fmt: skip
     """Every stored block's score under ``selector`` (``-inf``: a block with no token
     of its own), for blocks ``0 .. len(first) - 1`` of ``store`` (a ``BlockStore``)
-    summarised in ``summaries``; ``queries[i]``: layer ``i``'s ``(Hq, L, D)``."""
+    summarised in ``summaries``; ``queries[i]``: layer ``i``'s ``(Hq, L, D)``;
+    ``scan``: ``(stride, keep)`` of :func:`shortlisted_peaks` for ``token``."""
     nb = len(first)
     empty = np.array([f >= block for f in first])
     if selector in ("exact", "token"):
         blocks = [j for j in range(nb) if not empty[j]]
-        fn = peak_scores if selector == "token" else mass_scores
         total = np.full(nb, -np.inf)
-        total[blocks] = fn(queries, keys_of(store), blocks, first, block, scale)
+        if selector == "token":
+            total[blocks] = shortlisted_peaks(queries, keys_of(store), blocks, first, block,
+                                              scale, *scan)  # fmt: skip
+        else:
+            total[blocks] = mass_scores(queries, keys_of(store), blocks, first, block, scale)
         return total
     if selector == "quest" and isinstance(summaries, index.Indexed) and summaries.searches_quest:
         return summaries.search(queries, nb, empty, scale)

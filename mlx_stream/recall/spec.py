@@ -67,6 +67,10 @@ class RecallSpec:
             64)``. Default: ``0``.
         expand (int): Superblocks one ``tree`` search expands at most (``0``: no cap).
             Default: ``0``.
+        scan_stride (int): The ``token`` selector's first pass reads every this many
+            layers' keys (``mlx_stream.recall.score.shortlisted_peaks``). Default: ``1``.
+        scan_keep (int): Blocks that first pass keeps for every layer to rank; ``0``:
+            one pass over every block and layer (the flat scan). Default: ``0``.
         refeed (int): At a prompt's end, its last tokens back to the start of this
             many blocks are fed again with the selection the prompt's queries chose
             (the slack grows to cover the rollback); ``0``: only the prompt's last
@@ -85,6 +89,8 @@ class RecallSpec:
     folder: str | None = None
     refeed: int = 2
     index: str = "flat"
+    scan_stride: int = 1
+    scan_keep: int = 0
     shortlist: int = 0
     expand: int = 0
 
@@ -116,6 +122,8 @@ class RecallSpec:
         if self.index not in INDEXES:
             raise Unsupported(f"recall index must be one of {', '.join(INDEXES)} "
                               f"(got {self.index!r})")  # fmt: skip
+        if self.scan_stride < 1 or self.scan_keep < 0:
+            raise Unsupported("recall scan stride must be 1 or more and scan keep 0 or more")
         if self.shortlist < 0 or self.expand < 0:
             raise Unsupported("recall shortlist and expand must be 0 or more")
         if self.ram_bytes < 0:

@@ -361,9 +361,9 @@ class Recall:
         recent = self.recent_queries(point) if nb and self.scale is not None else [None]
         if any(q is None for q in recent):
             return None
-        return score.block_scores(
-            selector, recent, self.store, self.summaries, self.first[:nb], self.block, self.scale
-        )
+        return score.block_scores(selector, recent, self.store, self.summaries, self.first[:nb],
+                                  self.block, self.scale, (self.spec.scan_stride,
+                                                           self.spec.scan_keep))  # fmt: skip
 
     def refresh(self, point: int, candidates_at: int | None = None,
                 selector: str | None = None) -> None:  # fmt: skip

@@ -1,0 +1,130 @@
+"""Rank the needle's blocks in saved prompt ends under several selectors, offline.
+
+``recall.py --dump DIR`` saves what a prompt's end reads (every layer's queries of
+the prompt's last block, every candidate block's stored keys, the needle's place);
+prefilling a 16k-token book takes minutes here, scoring it again takes a second, so
+selectors are compared on the same dumps without feeding anything again. Per dump
+and selector: the rank of the needle's best block (0: the best block) and whether
+the top ``k`` holds one of its blocks. Selectors: ``quest`` (each block's per-channel
+bound, the boundary refreshes' selector), ``token`` and ``exact`` (every stored key:
+a block's largest single-token probability, its softmax mass;
+``mlx_stream.recall.score``), and ``token-S-M``: a first pass of ``token`` over every
+``S``-th layer keeps ``M`` blocks, which every layer then ranks (a softmax over those
+blocks' tokens only; ``RecallSpec(scan_stride=S, scan_keep=M)``): a cheaper scan.
+
+    python benchmarks/recall.py --haystack alice_in_wonderland --length 16384 \\
+        --kinds passkey --questions q0,q1,q2 --caches recall --dump dumps/
+    python benchmarks/recall_offline.py dumps/ --stages 8:64,15:32
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import base_parser, base_record, emit, main_guard  # first: preloads OpenBLAS
+
+SELECTORS = ("quest", "token", "exact")
+
+
+def load(path: Path) -> dict:
+    """A dump's arrays: ``queries`` and ``keys`` per layer (float32), ``first``,
+    ``block``, ``scale`` and the needle's blocks."""
+    import numpy as np
+
+    d = np.load(path)
+    layers = sum(1 for k in d.files if k.startswith("q"))
+    block = int(d["block"])
+    at, n, _ = (int(x) for x in d["needle"])
+    return {"queries": [d[f"q{i}"].astype(np.float32) for i in range(layers)],
+            "keys": [d[f"k{i}"].astype(np.float32) for i in range(layers)],
+            "first": [int(f) for f in d["first"]], "block": block,
+            "scale": float(d["scale"]), "needle": sorted({at // block, (at + n - 1) // block})}  # fmt: skip
+
+
+def scores(dump: dict, selector: str, layers=None, blocks=None):
+    """Every candidate block's score under ``selector`` (``-inf``: not a candidate),
+    from ``layers`` (default: all) and among ``blocks`` (default: all)."""
+    import numpy as np
+
+    from mlx_stream.recall import score, select
+
+    nb, bs = len(dump["first"]), dump["block"]
+    layers = range(len(dump["queries"])) if layers is None else layers
+    blocks = [j for j in (range(nb) if blocks is None else blocks) if dump["first"][j] < bs]
+    queries = [dump["queries"][i] for i in layers]
+    out = np.full(nb, -np.inf)
+    if selector == "quest":
+        empty = np.array([j not in set(blocks) for j in range(nb)])
+        total = np.zeros(nb)
+        for q, i in zip(queries, layers, strict=True):
+            k = dump["keys"][i]
+            valid = (np.arange(bs)[None, :] >= np.array(dump["first"])[:, None])[:, None, :, None]
+            lo = np.where(valid, k, np.inf).min(2)
+            hi = np.where(valid, k, -np.inf).max(2)
+            g = select._gqa(q, k.shape[1])
+            logits = select.quest_logits(g, np.nan_to_num(lo), np.nan_to_num(hi))
+            total += select.mass(logits, dump["scale"], empty).max(0)
+        return np.where(empty, -np.inf, total)
+    keys = [dump["keys"][i] for i in layers]
+    fn = score.peak_scores if selector == "token" else score.mass_scores
+    out[blocks] = fn(queries, lambda layer, js: keys[layer][js], blocks, dump["first"], bs,
+                     dump["scale"])  # fmt: skip
+    return out
+
+
+def two_stage(dump: dict, stride: int, keep: int):
+    """``token`` as the tier runs it with ``RecallSpec(scan_stride=stride,
+    scan_keep=keep)`` (``mlx_stream.recall.score.shortlisted_peaks``)."""
+    import numpy as np
+
+    from mlx_stream.recall import score
+
+    bs, keys = dump["block"], dump["keys"]
+    blocks = [j for j, f in enumerate(dump["first"]) if f < bs]
+    out = np.full(len(dump["first"]), -np.inf)
+    out[blocks] = score.shortlisted_peaks(dump["queries"], lambda layer, js: keys[layer][js],
+                                          blocks, dump["first"], bs, dump["scale"], stride,
+                                          keep)  # fmt: skip
+    return out
+
+
+def rank(total, needle: list[int]) -> int | None:
+    import numpy as np
+
+    order = list(np.argsort(-total, kind="stable"))
+    found = [order.index(b) for b in needle if b < len(order) and np.isfinite(total[b])]
+    return min(found) if found else None
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("dumps", type=Path, help="a folder of recall.py --dump files")
+    parser.add_argument("--blocks", type=int, default=8, help="k: the blocks recalled")
+    parser.add_argument("--stages", default="8:64", help="two-stage scans, STRIDE:KEEP,...")
+    args = parser.parse_args(argv)
+    files = sorted(args.dumps.glob("*.npz"))
+    if not files:
+        raise SystemExit(f"{args.dumps}: no .npz dumps (recall.py --dump)")
+    stages = [tuple(int(x) for x in s.split(":")) for s in args.stages.split(",") if s]
+    records, ranks = [], {}
+    for path in files:
+        dump = load(path)
+        row = {}
+        for name in SELECTORS:
+            row[name] = rank(scores(dump, name), dump["needle"])
+        for stride, keep in stages:
+            row[f"token-{stride}-{keep}"] = rank(two_stage(dump, stride, keep), dump["needle"])
+        for name, r in row.items():
+            ranks.setdefault(name, []).append(r)
+        records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
+                                        candidates=len(dump["first"]), ranks=row), args.out))  # fmt: skip
+    summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
+                      "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None)}
+               for name, rs in ranks.items()}  # fmt: skip
+    records.append(emit(base_record("recall-offline-summary", "dump", "-", k=args.blocks,
+                                    selectors=summary), args.out))  # fmt: skip
+    return records
+
+
+if __name__ == "__main__":
+    main_guard(main)
