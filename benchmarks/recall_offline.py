@@ -61,7 +61,7 @@ def scores(dump: dict, selector: str, layers=None, blocks=None):
             valid = (np.arange(bs)[None, :] >= np.array(dump["first"])[:, None])[:, None, :, None]
             lo = np.where(valid, k, np.inf).min(2)
             hi = np.where(valid, k, -np.inf).max(2)
-            g = select._gqa(q, k.shape[1])
+            g = q.reshape(k.shape[1], -1, q.shape[-1])  # query heads grouped by KV head
             logits = select.quest_logits(g, np.nan_to_num(lo), np.nan_to_num(hi))
             total += select.mass(logits, dump["scale"], empty).max(0)
         return np.where(empty, -np.inf, total)
