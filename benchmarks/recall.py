@@ -128,14 +128,14 @@ def inspector(args):
             def both(t, point):
                 if measure is not None:
                     measure(t, point)
-                row["dump"] = str(dump(t, point, prompt, args.dump))
+                row["dump"] = str(dump(t, point, prompt, args.dump, args.haystack))
 
             tier.on_prompt_end = both
 
     return inspect
 
 
-def dump(tier, point: int, prompt, folder: Path) -> Path:
+def dump(tier, point: int, prompt, folder: Path, haystack: str = "filler") -> Path:
     """Save what a selection at ``point`` reads: every layer's recent queries and the
     stored keys of the candidate blocks (float16), the needle's place, the scale."""
     import mlx.core as mx
@@ -148,7 +148,7 @@ def dump(tier, point: int, prompt, folder: Path) -> Path:
         arrays[f"k{i}"] = np.stack([np.asarray(tier.store.get(i, j)[0][0].astype(mx.float32))
                                     for j in range(nb)]).astype(np.float16)  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{prompt.value}_{prompt.needle_at}_{point}.npz"
+    path = folder / f"{haystack}_{prompt.value}_{prompt.needle_at}_{point}.npz"
     np.savez(path, first=np.array(tier.first[:nb]), point=point, scale=tier.scale,
              needle=np.array([prompt.needle_at, prompt.needle_len, prompt.asked_at]),
              block=tier.block, **arrays)  # fmt: skip
