@@ -41,33 +41,26 @@ def load(path: Path) -> dict:
             "scale": float(d["scale"]), "needle": sorted({at // block, (at + n - 1) // block})}  # fmt: skip
 
 
-def scores(dump: dict, selector: str, layers=None, blocks=None):
-    """Every candidate block's score under ``selector`` (``-inf``: not a candidate),
-    from ``layers`` (default: all) and among ``blocks`` (default: all)."""
+def scores(dump: dict, selector: str):
+    """Every candidate block's score under ``selector`` (``-inf``: not a candidate), by
+    the tier's own functions (``quest``: the summaries a store keeps, built from the
+    dumped keys)."""
     import numpy as np
 
     from mlx_stream.recall import score, select
 
-    nb, bs = len(dump["first"]), dump["block"]
-    layers = range(len(dump["queries"])) if layers is None else layers
-    blocks = [j for j in (range(nb) if blocks is None else blocks) if dump["first"][j] < bs]
-    queries = [dump["queries"][i] for i in layers]
-    out = np.full(nb, -np.inf)
+    first, bs, keys = dump["first"], dump["block"], dump["keys"]
+    blocks = [j for j, f in enumerate(first) if f < bs]
     if selector == "quest":
-        empty = np.array([j not in set(blocks) for j in range(nb)])
-        total = np.zeros(nb)
-        for q, i in zip(queries, layers, strict=True):
-            k = dump["keys"][i]
-            valid = (np.arange(bs)[None, :] >= np.array(dump["first"])[:, None])[:, None, :, None]
-            lo = np.where(valid, k, np.inf).min(2)
-            hi = np.where(valid, k, -np.inf).max(2)
-            g = q.reshape(k.shape[1], -1, q.shape[-1])  # query heads grouped by KV head
-            logits = select.quest_logits(g, np.nan_to_num(lo), np.nan_to_num(hi))
-            total += select.mass(logits, dump["scale"], empty).max(0)
-        return np.where(empty, -np.inf, total)
-    keys = [dump["keys"][i] for i in layers]
+        summaries = select.Summaries(len(keys), select.kinds_for("quest"))
+        for layer, k in enumerate(keys):
+            for j in blocks:
+                summaries.add(layer, j, k[j][:, first[j] :])
+        return score.block_scores("quest", dump["queries"], None, summaries, first, bs,
+                                  dump["scale"])  # fmt: skip
     fn = score.peak_scores if selector == "token" else score.mass_scores
-    out[blocks] = fn(queries, lambda layer, js: keys[layer][js], blocks, dump["first"], bs,
+    out = np.full(len(first), -np.inf)
+    out[blocks] = fn(dump["queries"], lambda layer, js: keys[layer][js], blocks, first, bs,
                      dump["scale"])  # fmt: skip
     return out
 

@@ -312,7 +312,7 @@ def bytes_lines(s: dict) -> list[str]:
             + (f" + {used_of(end(disk + '_used_mb'), end(disk + '_mb'), 'disk')}"
                if s[disk + "_mb"]["end"] else ""),
         ]  # fmt: skip
-        tokens = s.get("recall_stored_tokens", {}).get("end", 0)
+        tokens = s["recall_stored_tokens"]["end"]
         if tokens:  # what a long stream costs: host bytes per 1k evicted tokens
             per = {where: end(f"{key}_used_mb") * 1000 / tokens
                    for where, key in (("RAM", ram), ("disk", disk))}  # fmt: skip

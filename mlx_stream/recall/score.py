@@ -95,24 +95,11 @@ def _over_layers(kind, queries, keys_of, blocks, first, block, scale) -> np.ndar
     if not blocks:
         return total
     valid = np.arange(block)[None, :] >= np.array([first[j] for j in blocks])[:, None]
-    spans = [(a, min(a + CHUNK, len(blocks))) for a in range(0, len(blocks), CHUNK)]
-    for i, q in enumerate(queries):
-        chunks = _Chunks(keys_of, i, blocks, valid, spans)
+    for i, q in enumerate(queries):  # a chunk's keys read when reached (spilled: from files)
+        chunks = ((keys_of(i, blocks[a : a + CHUNK]), valid[a : a + CHUNK])
+                  for a in range(0, len(blocks), CHUNK))  # fmt: skip
         total += _layer(q, chunks, kind, scale)
     return total
-
-
-class _Chunks:
-    """A layer's candidate blocks, ``CHUNK`` at a time, as ``(keys, valid)`` (read when
-    reached: a spilled store's from its files), so the scan holds one chunk's keys."""
-
-    def __init__(self, keys_of, layer, blocks, valid, spans):
-        self.keys_of, self.layer, self.blocks, self.valid, self.spans = (
-            keys_of, layer, blocks, valid, spans)  # fmt: skip
-
-    def __iter__(self):
-        for a, b in self.spans:
-            yield self.keys_of(self.layer, self.blocks[a:b]), self.valid[a:b]
 
 
 def peak_scores(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], np.ndarray],
