@@ -10,7 +10,9 @@ bound, the boundary refreshes' selector), ``token`` and ``exact`` (every stored 
 a block's largest single-token probability, its softmax mass;
 ``mlx_stream.recall.score``), and ``token-S-M``: a first pass of ``token`` over every
 ``S``-th layer keeps ``M`` blocks, which every layer then ranks (a softmax over those
-blocks' tokens only; ``RecallSpec(scan_stride=S, scan_keep=M)``): a cheaper scan.
+blocks' tokens only; ``RecallSpec(scan_stride=S, scan_keep=M)``): a cheaper scan. And per selector, whether
+every block of the needle is chosen: with the ``k`` best, and in pairs (each block with
+its better neighbour: a prompt's end, ``RecallSpec.prompt_neighbours``).
 
     python benchmarks/recall.py --haystack alice_in_wonderland --length 16384 \\
         --kinds passkey --questions q0,q1,q2 --caches recall --dump dumps/
@@ -89,6 +91,15 @@ def rank(total, needle: list[int]) -> int | None:
     return min(found) if found else None
 
 
+def whole_needle(total, needle: list[int], k: int) -> dict:
+    """Whether every block of the needle is chosen: with the ``k`` best (``top_k``) and
+    in pairs (``pairs``: ``mlx_stream.recall.select.with_neighbours``, a prompt's end)."""
+    from mlx_stream.recall import select
+
+    picks = {"top_k": select.top_k(total, k), "pairs": select.with_neighbours(total, k)}
+    return {name: all(b in chosen for b in needle) for name, chosen in picks.items()}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("dumps", type=Path, help="a folder of recall.py --dump files")
@@ -99,20 +110,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not files:
         raise SystemExit(f"{args.dumps}: no .npz dumps (recall.py --dump)")
     stages = [tuple(int(x) for x in s.split(":")) for s in args.stages.split(",") if s]
-    records, ranks = [], {}
+    records, ranks, wholes = [], {}, {}
     for path in files:
         dump = load(path)
-        row = {}
-        for name in SELECTORS:
-            row[name] = rank(scores(dump, name), dump["needle"])
+        totals = {name: scores(dump, name) for name in SELECTORS}
         for stride, keep in stages:
-            row[f"token-{stride}-{keep}"] = rank(two_stage(dump, stride, keep), dump["needle"])
-        for name, r in row.items():
-            ranks.setdefault(name, []).append(r)
+            totals[f"token-{stride}-{keep}"] = two_stage(dump, stride, keep)
+        row = {name: rank(total, dump["needle"]) for name, total in totals.items()}
+        whole = {name: whole_needle(total, dump["needle"], args.blocks)
+                 for name, total in totals.items()}  # fmt: skip
+        for name in totals:
+            ranks.setdefault(name, []).append(row[name])
+            wholes.setdefault(name, []).append(whole[name])
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
-                                        candidates=len(dump["first"]), ranks=row), args.out))  # fmt: skip
+                                        candidates=len(dump["first"]), ranks=row,
+                                        whole=whole), args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
-                      "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None)}
+                      "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None),
+                      "whole_top_k": sum(w["top_k"] for w in wholes[name]),
+                      "whole_pairs": sum(w["pairs"] for w in wholes[name])}
                for name, rs in ranks.items()}  # fmt: skip
     records.append(emit(base_record("recall-offline-summary", "dump", "-", k=args.blocks,
                                     selectors=summary), args.out))  # fmt: skip

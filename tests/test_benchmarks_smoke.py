@@ -232,6 +232,10 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
     assert got["token-1-1000"] == got["token"]  # every layer, every block: the flat scan
     assert 0 <= got["token-2-4"] < rows[0]["candidates"]
     assert summary["selectors"]["token"]["dumps"] == 1 and summary["k"] == 2
+    # the run chose in pairs with token (the defaults): the same verdict on the needle
+    run_whole = all(b in lines[0]["selection"] for b in lines[0]["needle_blocks"])
+    assert rows[0]["whole"]["token"]["pairs"] == run_whole
+    assert summary["selectors"]["token"]["whole_pairs"] == int(run_whole)
 
 
 def test_recall_chat(monkeypatch, tmp_path, tiny_model_dir):

@@ -114,7 +114,7 @@ def test_the_tier_scans_with_its_specs_stride_and_keep(tiny_llama):
     def check(tier, n):
         start = (n - 1) // BLOCK * BLOCK - (tier.spec.refeed - 1) * BLOCK
         scores = tier.scores(n, "token", candidates_at=start)
-        chosen = select.top_k(scores, tier.spec.blocks)
+        chosen = select.with_neighbours(scores, tier.spec.blocks)
         seen.append((int(np.isfinite(scores).sum()), tier.selection == chosen))
 
     cache[0].recall.on_prompt_end = check
@@ -137,14 +137,15 @@ def test_block_scores_leave_out_blocks_with_no_token_of_their_own():
 
 def test_a_prompts_end_chooses_with_the_prompt_selector(tiny_llama):
     prompt = tiny.random_tokens(131, seed=29)
-    for chooser in ("token", "mean"):
-        cache = recall_cache(tiny_llama, prompt_selector=chooser)
+    for chooser, pairs in (("token", True), ("mean", False)):
+        cache = recall_cache(tiny_llama, prompt_selector=chooser, prompt_neighbours=pairs)
         seen = []
 
-        def check(tier, n, chooser=chooser, seen=seen):
+        def check(tier, n, chooser=chooser, seen=seen, pairs=pairs):
             start = (n - 1) // BLOCK * BLOCK - (tier.spec.refeed - 1) * BLOCK
             scores = tier.scores(n, chooser, candidates_at=start)
-            seen.append(tier.selection == select.top_k(scores, tier.spec.blocks))
+            pick = select.with_neighbours if pairs else select.top_k
+            seen.append(tier.selection == pick(scores, tier.spec.blocks))
             seen.append(tier.scored_blocks == int(np.isfinite(scores).sum()))
 
         cache[0].recall.on_prompt_end = check
@@ -155,11 +156,26 @@ def test_a_prompts_end_chooses_with_the_prompt_selector(tiny_llama):
 
 def test_a_manifest_without_a_prompt_selector_is_read_with_todays():
     saved = {**spec().__dict__, "folder": None}
-    del saved["prompt_selector"]
-    assert spec().prompt_selector == "token"  # the default now
+    del saved["prompt_selector"], saved["prompt_neighbours"]
+    assert spec().prompt_selector == "token" and spec().prompt_neighbours  # the defaults now
     persist.check_spec(Path("x.safetensors"), saved, spec())  # no refusal: nothing stored
     persist.check_spec(Path("x.safetensors"), {**saved, "prompt_selector": "quest"}, spec())
-    assert persist.saved_spec(saved, Path("x")).prompt_selector is None  # as it was made
+    made = persist.saved_spec(saved, Path("x"))  # as it was made
+    assert made.prompt_selector is None and made.prompt_neighbours is False
+
+
+def test_blocks_chosen_in_pairs_keep_both_halves_of_a_split_fact():
+    scores = np.array([5.0, 4.0, 0.1, 0.2, 3.0, 0.0, 2.9, 1.0, -np.inf, 2.8])
+    # ranked: 0, 1, 4, 6, 9, 7, 3, 2, 5; block 7 holds the fact's second half
+    assert select.top_k(scores, 4) == (0, 1, 4, 6)
+    assert select.with_neighbours(scores, 4) == (0, 1, 3, 4)  # 0 brings 1; 4 its better one
+    assert select.with_neighbours(scores, 6) == (0, 1, 3, 4, 6, 7)  # 6 brings 7, not 5
+    assert select.with_neighbours(scores, 5) == (0, 1, 3, 4, 6)  # no room left for 7
+    # a neighbour is a candidate (8 is not: -inf); ties go to the earlier block
+    assert select.with_neighbours(scores, 2) == (0, 1)
+    assert select.with_neighbours(np.array([0.0, 1.0, 0.0]), 2) == (0, 1)
+    assert select.with_neighbours(np.array([1.0, -np.inf, 0.5]), 2) == (0, 2)  # no neighbour
+    assert select.with_neighbours(np.array([1.0, 2.0]), 5) == (0, 1)  # fewer candidates
 
 
 def test_a_question_asked_of_the_shared_prefix_answers_as_a_fresh_cache(tiny_llama):

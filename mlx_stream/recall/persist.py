@@ -64,7 +64,7 @@ CHECKED = {
 }
 #: Settings a manifest written before they existed is read with (upgraded: nothing
 #: stored depends on them; a prompt's end chose with the selector before).
-LEGACY = {"prompt_selector": None}
+LEGACY = {"prompt_selector": None, "prompt_neighbours": False}
 
 
 def sidecar(path: str | os.PathLike) -> Path:

@@ -39,6 +39,10 @@ class RecallSpec:
             haystacks with plain questions it ranked the needle's block in the top 3
             of 247 where Quest's bound ranked it 24th-126th (benchmarks/README.md,
             "Needles in books").
+        prompt_neighbours (bool): A prompt's end chooses blocks in pairs: each block
+            with the better-scoring of its two neighbours (a fact cut by a block
+            boundary keeps both halves; ``mlx_stream.recall.select.with_neighbours``).
+            Default: ``True``.
         placement (str): ``"stream"``: sinks, retrieved blocks, window, in stream
             order (each block keeps its own token spacing); ``"before"``: the blocks
             right before the sinks; ``"fixed"``: every retrieved token at the one
@@ -82,6 +86,7 @@ class RecallSpec:
     selector: str = "quest"
     placement: str = "stream"
     prompt_selector: str | None = "token"
+    prompt_neighbours: bool = True
     prompt_placement: str | None = "near"
     bits: int | None = None
     group_size: int = 64

@@ -288,7 +288,8 @@ class Recall:
         ``candidates_at``, only from blocks no row from that token on can see."""
         n = self.layers[0].tokens_seen
         if n != self.refreshed_at:
-            self.refresh(n, candidates_at, self.spec.prompt_selector)
+            self.refresh(n, candidates_at, self.spec.prompt_selector,
+                         self.spec.prompt_neighbours)  # fmt: skip
             if self.on_prompt_end is not None:
                 self.on_prompt_end(self, n)
 
@@ -366,16 +367,18 @@ class Recall:
                                                            self.spec.scan_keep))  # fmt: skip
 
     def refresh(self, point: int, candidates_at: int | None = None,
-                selector: str | None = None) -> None:  # fmt: skip
+                selector: str | None = None, neighbours: bool = False) -> None:  # fmt: skip
         """Choose the blocks for the calls from ``point`` (or ``candidates_at``) on,
-        from the queries before ``point``; count the blocks scored and the time."""
+        from the queries before ``point`` (in pairs: ``select.with_neighbours``);
+        count the blocks scored and the time."""
         tic = time.perf_counter()
         total = self.scores(point, selector, candidates_at)
         self.refresh_seconds += time.perf_counter() - tic
         if total is None:
             return
         self.scored_blocks = index.scored(self.summaries, total)
-        chosen = select.top_k(total, self.spec.blocks)
+        pick = select.with_neighbours if neighbours else select.top_k
+        chosen = pick(total, self.spec.blocks)
         self.history = [*self.history[-HISTORY:], (point, chosen, point)]
         self.refreshes += 1
 
