@@ -12,7 +12,9 @@ a block's largest single-token probability, its softmax mass;
 ``S``-th layer keeps ``M`` blocks, which every layer then ranks (a softmax over those
 blocks' tokens only; ``RecallSpec(scan_stride=S, scan_keep=M)``): a cheaper scan. And per selector, whether
 every block of the needle is chosen: with the ``k`` best, and in pairs (each block with
-its better neighbour: a prompt's end, ``RecallSpec.prompt_neighbours``).
+its better neighbour: a prompt's end, ``RecallSpec.prompt_neighbours``). ``--tree``:
+how many blocks the ``tree`` index's branch and bound scores to find the ``k`` best
+by Quest's bound, per superblock size.
 
     python benchmarks/recall.py --haystack alice_in_wonderland --length 16384 \\
         --kinds passkey --questions q0,q1,q2 --caches recall --dump dumps/
@@ -91,6 +93,34 @@ def rank(total, needle: list[int]) -> int | None:
     return min(found) if found else None
 
 
+def tree_search(dump: dict, fanout: int, shortlist: int) -> dict:
+    """The ``tree`` index's search (``mlx_stream.recall.index``) over a dump's blocks with
+    superblocks of ``fanout`` blocks: the blocks it scored to find the ``shortlist``
+    best by its bound (``scored``, of ``candidates``) and how loose a superblock's
+    bound is: the median of its bound over its best child's (``looseness``; a search
+    prunes a superblock only when its bound falls below the ``shortlist``-th child)."""
+    import numpy as np
+
+    from mlx_stream.recall import index, select
+
+    first, bs, keys = dump["first"], dump["block"], dump["keys"]
+    nb, empty = len(first), np.array([f >= bs for f in first])
+    tree = index.Indexed(len(keys), select.kinds_for("quest"), shortlist=shortlist,
+                         fanout=fanout)  # fmt: skip
+    for layer, k in enumerate(keys):
+        for j in range(nb):  # a block with no token of its own: summarised, never scored
+            tree.add(layer, j, k[j][:, min(first[j], bs - 1) :])
+    tree.search(dump["queries"], nb, empty, dump["scale"])
+    supers = -(-nb // fanout)
+    H = tree.shape[0]  # each KV head's query heads side by side (mlx-lm's grouping)
+    grouped = [q.reshape(H, -1, q.shape[-1]) for q in dump["queries"]]
+    U, offsets = tree.upper(grouped, dump["scale"], supers)
+    S = tree.raw(grouped, dump["scale"], 0, nb, offsets)[0]
+    best = np.array([S[a : a + fanout].max() for a in range(0, nb, fanout)])
+    return {"scored": tree.scored - supers, "candidates": int((~empty).sum()),
+            "looseness": round(float(np.median(U / best)), 2)}  # fmt: skip
+
+
 def whole_needle(total, needle: list[int], k: int) -> dict:
     """Whether every block of the needle is chosen: with the ``k`` best (``top_k``) and
     in pairs (``pairs``: ``mlx_stream.recall.select.with_neighbours``, a prompt's end)."""
@@ -105,11 +135,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("dumps", type=Path, help="a folder of recall.py --dump files")
     parser.add_argument("--blocks", type=int, default=8, help="k: the blocks recalled")
     parser.add_argument("--stages", default="8:64", help="two-stage scans, STRIDE:KEEP,...")
+    parser.add_argument("--tree", default="", help="tree searches: superblock sizes, F,...")
     args = parser.parse_args(argv)
     files = sorted(args.dumps.glob("*.npz"))
     if not files:
         raise SystemExit(f"{args.dumps}: no .npz dumps (recall.py --dump)")
     stages = [tuple(int(x) for x in s.split(":")) for s in args.stages.split(",") if s]
+    fanouts = [int(f) for f in args.tree.split(",") if f]
     records, ranks, wholes = [], {}, {}
     for path in files:
         dump = load(path)
@@ -122,9 +154,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name in totals:
             ranks.setdefault(name, []).append(row[name])
             wholes.setdefault(name, []).append(whole[name])
+        tree = {str(f): tree_search(dump, f, args.blocks) for f in fanouts}
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
                                         candidates=len(dump["first"]), ranks=row,
-                                        whole=whole), args.out))  # fmt: skip
+                                        whole=whole, tree=tree), args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
                       "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None),
                       "whole_top_k": sum(w["top_k"] for w in wholes[name]),

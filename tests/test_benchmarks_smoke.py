@@ -222,7 +222,8 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
     ranked = lines[0]["ranks"]
     out = tmp_path / "offline.jsonl"
     records = load_script("recall_offline", monkeypatch).main(
-        [str(dumps), "--blocks", "2", "--stages", "2:4,1:1000", "--out", str(out)])  # fmt: skip
+        [str(dumps), "--blocks", "2", "--stages", "2:4,1:1000", "--tree", "2",
+         "--out", str(out)])  # fmt: skip
     *rows, summary = records
     assert len(rows) == len(list(dumps.glob("*.npz"))) == 1
     got = rows[0]["ranks"]
@@ -232,6 +233,9 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
     assert got["token-1-1000"] == got["token"]  # every layer, every block: the flat scan
     assert 0 <= got["token-2-4"] < rows[0]["candidates"]
     assert summary["selectors"]["token"]["dumps"] == 1 and summary["k"] == 2
+    tree = rows[0]["tree"]["2"]  # superblocks of 2: each bounds its best child
+    assert 2 <= tree["scored"] <= tree["candidates"] <= rows[0]["candidates"]
+    assert tree["looseness"] >= 1
     # the run chose in pairs with token (the defaults): the same verdict on the needle
     run_whole = all(b in lines[0]["selection"] for b in lines[0]["needle_blocks"])
     assert rows[0]["whole"]["token"]["pairs"] == run_whole

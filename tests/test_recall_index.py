@@ -53,10 +53,11 @@ def test_a_superblocks_bound_is_at_least_each_of_its_childrens():
 
 @pytest.mark.parametrize("levels", [0, 2])  # 2: many blocks tie
 @pytest.mark.parametrize("shortlist", [1, 5, 64, 130])
-def test_branch_and_bound_finds_the_flat_shortlist_exactly(levels, shortlist):
+@pytest.mark.parametrize("fanout", [FANOUT, 3])
+def test_branch_and_bound_finds_the_flat_shortlist_exactly(levels, shortlist, fanout):
     for seed in range(6):
         nb = [70, 200, 333, 640, 129, 1000][seed]
-        index = filled(nb, seed=seed, levels=levels, shortlist=shortlist)
+        index = filled(nb, seed=seed, levels=levels, shortlist=shortlist, fanout=fanout)
         empty = np.zeros(nb, bool)
         empty[0] = True  # a block of sinks only
         for qseed in range(3):

@@ -47,11 +47,14 @@ class Indexed(Summaries):
         layers, kinds, ram_bytes, folder: As for ``Summaries``.
         shortlist (int): Blocks the tree search keeps for the rerank.
         cap (int): Superblocks one search expands at most (``0``: no cap).
+        fanout (int): Blocks per superblock. Default: :data:`FANOUT`.
     """
 
     def __init__(self, layers: int, kinds: tuple[str, ...] = KINDS, ram_bytes: int = 1 << 62,
-                 folder: str | None = None, shortlist: int = 64, cap: int = 0):  # fmt: skip
+                 folder: str | None = None, shortlist: int = 64, cap: int = 0,
+                 fanout: int = FANOUT):  # fmt: skip
         super().__init__(layers, kinds, ram_bytes, folder)
+        self.fanout = int(fanout)
         self.shortlist, self.cap = int(shortlist), int(cap)
         self.bounds = [np.zeros((0, 2, 0, 0), np.float32) for _ in range(layers)]
         self.scored = None  # what the last search scored (superblocks + blocks)
@@ -74,7 +77,7 @@ class Indexed(Summaries):
     def _merge(self, layer: int, start: int, stop: int) -> None:
         """Fold blocks ``start .. stop - 1`` (one superblock's) into their superblock;
         a superblock's first block starts it afresh."""
-        s = start // FANOUT
+        s = start // self.fanout
         bounds = self.bounds[layer]
         if s >= len(bounds):  # grow (doubling): the new room counts as host memory
             H, D, _ = self.shape
@@ -85,14 +88,14 @@ class Indexed(Summaries):
             bounds = self.bounds[layer] = grown
         lo = self.table("lo", layer, stop, start).min(0)
         hi = self.table("hi", layer, stop, start).max(0)
-        if start % FANOUT:
+        if start % self.fanout:
             lo, hi = np.minimum(lo, bounds[s, 0]), np.maximum(hi, bounds[s, 1])
         bounds[s, 0], bounds[s, 1] = lo, hi
 
     def _rebuild(self, layer: int) -> None:
         count = self.count[layer]
-        for start in range(0, count, FANOUT):
-            self._merge(layer, start, min(count, start + FANOUT))
+        for start in range(0, count, self.fanout):
+            self._merge(layer, start, min(count, start + self.fanout))
 
     def add(self, layer: int, j: int, keys) -> None:
         super().add(layer, j, keys)
@@ -100,10 +103,10 @@ class Indexed(Summaries):
             self._merge(layer, j, j + 1)
 
     def forget(self, layer: int, blocks: int) -> None:
-        cut = blocks < self.count[layer] and blocks % FANOUT
+        cut = blocks < self.count[layer] and blocks % self.fanout
         super().forget(layer, blocks)
         if self.has_tree and cut:
-            start = blocks // FANOUT * FANOUT
+            start = blocks // self.fanout * self.fanout
             self._merge(layer, start, blocks)
 
     def restore(self, reader, data: dict) -> None:
@@ -126,7 +129,7 @@ class Indexed(Summaries):
         ram, disk = super().used()
         if self.shape is not None and self.has_tree:
             H, D, _ = self.shape
-            ram += sum(-(-c // FANOUT) for c in self.count) * 2 * H * D * 4
+            ram += sum(-(-c // self.fanout) for c in self.count) * 2 * H * D * 4
         return ram, disk
 
     # ----- the search -------------------------------------------------------------------
@@ -145,7 +148,9 @@ class Indexed(Summaries):
         for layer, g in enumerate(grouped):
             b = self.bounds[layer][:supers]
             logits.append(quest_logits(g, b[:, 0], b[:, 1]) * np.float32(scale))
-        offsets = [np.logaddexp.reduce(x, axis=-1) + np.float32(np.log(FANOUT)) for x in logits]
+        offsets = [
+            np.logaddexp.reduce(x, axis=-1) + np.float32(np.log(self.fanout)) for x in logits
+        ]
         return self.key(logits, offsets), offsets
 
     @staticmethod
@@ -172,7 +177,7 @@ class Indexed(Summaries):
         token of their own). Sets ``scored``; counts ``searches`` and ``capped``."""
         H = self.shape[0]
         grouped = [_gqa(q.astype(np.float32), H) for q in queries]
-        supers = -(-nb // FANOUT)
+        supers = -(-nb // self.fanout)
         U, offsets = self.upper(grouped, scale, supers)
         found, values, expanded, threshold = [], [], 0, -np.inf
         # per layer and (KV head, query row): the largest logit and the softmax's sum
@@ -187,7 +192,7 @@ class Indexed(Summaries):
             if self.cap and expanded >= self.cap:
                 self.capped += 1
                 break
-            start, stop = s * FANOUT, min(nb, (s + 1) * FANOUT)
+            start, stop = s * self.fanout, min(nb, (s + 1) * self.fanout)
             S, logits = self.raw(grouped, scale, start, stop, offsets)
             keep = ~empty[start:stop]
             for i, x in enumerate(logits):
@@ -210,9 +215,9 @@ class Indexed(Summaries):
         """The shortlist :meth:`search` reranks, as a flat scan of ``S`` would find it
         (for tests and measurements: every block scored)."""
         grouped = [_gqa(q.astype(np.float32), self.shape[0]) for q in queries]
-        _, offsets = self.upper(grouped, scale, -(-nb // FANOUT))
-        S = np.concatenate([self.raw(grouped, scale, a, min(nb, a + FANOUT), offsets)[0]
-                            for a in range(0, nb, FANOUT)] or [[]])  # fmt: skip
+        _, offsets = self.upper(grouped, scale, -(-nb // self.fanout))
+        S = np.concatenate([self.raw(grouped, scale, a, min(nb, a + self.fanout), offsets)[0]
+                            for a in range(0, nb, self.fanout)] or [[]])  # fmt: skip
         S = np.where(empty, -np.inf, S)
         order = np.lexsort((np.arange(nb), -S))[: self.shortlist]
         return np.sort(order[np.isfinite(S[order])])
@@ -227,7 +232,7 @@ class Indexed(Summaries):
             return out
         runs = {}  # superblock -> its shortlisted blocks
         for j in short:
-            runs.setdefault(int(j) // FANOUT, []).append(int(j))
+            runs.setdefault(int(j) // self.fanout, []).append(int(j))
         total = np.zeros(len(short))
         for layer, g in enumerate(grouped):
             x = np.concatenate([self._logits(g, scale, layer, js[0], js[-1] + 1)[..., np.array(js) - js[0]]
