@@ -72,6 +72,31 @@ def to_device(x: np.ndarray, dtype) -> mx.array:
     return a.view(dtype) if view != dtype else a
 
 
+def save_queries(writer, layer: int, entries: list) -> dict | None:
+    """A layer's recent queries (``(first token, queries, anchor)`` entries) written
+    through ``writer`` (a ``persist.Writer``): one file of every entry's rows, and
+    ``[t0, anchor, rows]`` per entry (``None``: no entry)."""
+    if not entries:
+        return None
+    q = mx.concatenate([e[1] for e in entries], axis=2)
+    name = writer.array(f"queries.layer{layer}.npy", to_host(q))
+    rows = [[int(t0), int(anchor), int(x.shape[2])] for t0, x, anchor in entries]
+    return {"file": name, "dtype": dtype_name(q.dtype), "entries": rows}
+
+
+def load_queries(reader, row: dict | None) -> list:
+    """The entries :func:`save_queries` wrote (``reader``: a ``persist.Reader``)."""
+    if row is None:
+        return []
+    q, at, entries = to_device(reader.array(row["file"]), dtype_of(row["dtype"])), 0, []
+    for t0, anchor, n in row["entries"]:
+        entries.append((int(t0), q[:, :, at : at + int(n), :], int(anchor)))
+        at += int(n)
+    if at != q.shape[2]:
+        raise ValueError("queries")
+    return entries
+
+
 def _parts(H: int, block: int, D: int, dtype, bits: int | None, group: int) -> list:
     """``(shape, mx dtype)`` of each stored array of one block's tensor."""
     if bits is None:

@@ -23,7 +23,7 @@ from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
 from mlx_stream.mlxlm import takes_quantized_attention
 from mlx_stream.recall.names import tier_of
 from mlx_stream.recall.spec import RecallSpec
-from mlx_stream.recall.store import BlockStore, dtype_name, dtype_of, to_device, to_host
+from mlx_stream.recall.store import BlockStore, load_queries, save_queries
 
 HISTORY = 16  # selections kept for rollback (a rollback reaches slack + 1 tokens back)
 
@@ -514,15 +514,7 @@ class Recall:
         its numbers: the store, the summaries, ``first``, the selection history, the
         recent queries the next refresh reads, ``scale``. The regions are not saved:
         they are rebuilt from the store."""
-        queries = []  # per layer: one file of every entry's rows, and [t0, anchor, rows]
-        for i, entries in enumerate(self.queries):
-            if not entries:
-                queries.append(None)
-                continue
-            q = mx.concatenate([e[1] for e in entries], axis=2)
-            name = writer.array(f"queries.layer{i}.npy", to_host(q))
-            rows = [[int(t0), int(anchor), int(x.shape[2])] for t0, x, anchor in entries]
-            queries.append({"file": name, "dtype": dtype_name(q.dtype), "entries": rows})
+        queries = [save_queries(writer, i, entries) for i, entries in enumerate(self.queries)]
         return {
             "layers": len(self.layers), "first": [int(f) for f in self.first],
             "history": [[int(p), [int(j) for j in sel], int(hold)] for p, sel, hold in self.history],
@@ -551,18 +543,7 @@ class Recall:
             raise ValueError("history")
         self.scale = data["scale"]
         self.refreshes = int(data["refreshes"])
-        self.queries = []
-        for row in data["queries"]:
-            if row is None:
-                self.queries.append([])
-                continue
-            q, at, entries = to_device(reader.array(row["file"]), dtype_of(row["dtype"])), 0, []
-            for t0, anchor, n in row["entries"]:
-                entries.append((int(t0), q[:, :, at : at + int(n), :], int(anchor)))
-                at += int(n)
-            if at != q.shape[2]:
-                raise ValueError("queries")
-            self.queries.append(entries)
+        self.queries = [load_queries(reader, row) for row in data["queries"]]
         self.regions, self.applied, self._valid = [None] * L, [None] * L, (None, None)
 
     def close(self, remove_files: bool = False) -> None:
