@@ -369,8 +369,8 @@ class Recall:
     def refresh(self, point: int, candidates_at: int | None = None,
                 selector: str | None = None, neighbours: bool = False) -> None:  # fmt: skip
         """Choose the blocks for the calls from ``point`` (or ``candidates_at``) on,
-        from the queries before ``point`` (in pairs: ``select.with_neighbours``);
-        count the blocks scored and the time."""
+        from the queries before ``point`` (with ``neighbours``, in pairs:
+        ``select.with_neighbours``); count the blocks scored and the time."""
         tic = time.perf_counter()
         total = self.scores(point, selector, candidates_at)
         self.refresh_seconds += time.perf_counter() - tic
