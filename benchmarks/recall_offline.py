@@ -45,44 +45,30 @@ def load(path: Path) -> dict:
             "scale": float(d["scale"]), "needle": sorted({at // block, (at + n - 1) // block})}  # fmt: skip
 
 
-def scores(dump: dict, selector: str):
+def scores(dump: dict, selector: str, scan: tuple[int, int] = (1, 0)):
     """Every candidate block's score under ``selector`` (``-inf``: not a candidate), by
-    the tier's own functions (``quest``: the summaries a store keeps, built from the
-    dumped keys)."""
-    import numpy as np
+    the tier's own ``score.block_scores`` (``quest``: the summaries a store keeps, built
+    from the dumped keys; ``scan``: ``(stride, keep)`` of the ``token`` scan, as
+    ``RecallSpec(scan_stride, scan_keep)``: ``score.shortlisted_peaks``)."""
+    import mlx.core as mx
 
     from mlx_stream.recall import score, select
 
     first, bs, keys = dump["first"], dump["block"], dump["keys"]
-    blocks = [j for j, f in enumerate(first) if f < bs]
+    summaries = None
     if selector == "quest":
         summaries = select.Summaries(len(keys), select.kinds_for("quest"))
         for layer, k in enumerate(keys):
-            for j in blocks:
-                summaries.add(layer, j, k[j][:, first[j] :])
-        return score.block_scores("quest", dump["queries"], None, summaries, first, bs,
-                                  dump["scale"])  # fmt: skip
-    fn = score.peak_scores if selector == "token" else score.mass_scores
-    out = np.full(len(first), -np.inf)
-    out[blocks] = fn(dump["queries"], lambda layer, js: keys[layer][js], blocks, first, bs,
-                     dump["scale"])  # fmt: skip
-    return out
+            for j, f in enumerate(first):
+                if f < bs:
+                    summaries.add(layer, j, k[j][:, f:])
 
+    class Dumped:  # the dump's keys, read as a BlockStore's
+        def get(self, layer: int, j: int):
+            return mx.array(keys[layer][j])[None], None
 
-def two_stage(dump: dict, stride: int, keep: int):
-    """``token`` as the tier runs it with ``RecallSpec(scan_stride=stride,
-    scan_keep=keep)`` (``mlx_stream.recall.score.shortlisted_peaks``)."""
-    import numpy as np
-
-    from mlx_stream.recall import score
-
-    bs, keys = dump["block"], dump["keys"]
-    blocks = [j for j, f in enumerate(dump["first"]) if f < bs]
-    out = np.full(len(dump["first"]), -np.inf)
-    out[blocks] = score.shortlisted_peaks(dump["queries"], lambda layer, js: keys[layer][js],
-                                          blocks, dump["first"], bs, dump["scale"], stride,
-                                          keep)  # fmt: skip
-    return out
+    return score.block_scores(selector, dump["queries"], Dumped(), summaries, first, bs,
+                              dump["scale"], scan)  # fmt: skip
 
 
 def rank(total, needle: list[int]) -> int | None:
@@ -147,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dump = load(path)
         totals = {name: scores(dump, name) for name in SELECTORS}
         for stride, keep in stages:
-            totals[f"token-{stride}-{keep}"] = two_stage(dump, stride, keep)
+            totals[f"token-{stride}-{keep}"] = scores(dump, "token", (stride, keep))
         row = {name: rank(total, dump["needle"]) for name, total in totals.items()}
         whole = {name: whole_needle(total, dump["needle"], args.blocks)
                  for name, total in totals.items()}  # fmt: skip
