@@ -14,11 +14,12 @@ blocks' tokens only; ``RecallSpec(scan_stride=S, scan_keep=M)``): a cheaper scan
 every block of the needle is chosen: with the ``k`` best, and in pairs (each block with
 its better neighbour: a prompt's end, ``RecallSpec.prompt_neighbours``). ``--tree``:
 how many blocks the ``tree`` index's branch and bound scores to find the ``k`` best
-by Quest's bound, per superblock size.
+by Quest's bound, per superblock size. ``--balls``: a first pass that reads a fixed
+number of keys, chosen by k-means balls' bounds (:func:`balls`), and what it costs.
 
     python benchmarks/recall.py --haystack alice_in_wonderland --length 16384 \\
         --kinds passkey --questions q0,q1,q2 --caches recall --dump dumps/
-    python benchmarks/recall_offline.py dumps/ --stages 8:64,15:32
+    python benchmarks/recall_offline.py dumps/ --stages 8:64,15:32 --balls 4:64:64:1024:24
 """
 
 from __future__ import annotations
@@ -79,6 +80,88 @@ def rank(total, needle: list[int]) -> int | None:
     return min(found) if found else None
 
 
+def kmeans(x, clusters: int, iters: int = 10):
+    """Lloyd's k-means of ``x`` ``(N, D)`` from an evenly strided start (by hand: a few
+    lines, and no dependency has one): per cluster its centroid and radius (its farthest
+    member's distance), and each row's cluster."""
+    import numpy as np
+
+    c = x[np.linspace(0, len(x) - 1, clusters).astype(int)].copy()
+    for _ in range(iters):
+        a = np.argmin((c * c).sum(1)[None] - 2 * x @ c.T, 1)
+        for j in range(clusters):
+            if (a == j).any():
+                c[j] = x[a == j].mean(0)
+    a = np.argmin((c * c).sum(1)[None] - 2 * x @ c.T, 1)
+    radius = np.zeros(clusters)
+    np.maximum.at(radius, a, np.linalg.norm(x - c[a], axis=1))
+    return c, radius, a
+
+
+def balls(dump: dict, stride: int, segment: int, clusters: int, budget: int, keep: int):
+    """A first pass that reads a few keys instead of every one: per ``stride``-th layer
+    and KV head, each ``segment`` of blocks' keys cut into ``clusters`` balls (k-means:
+    a centroid and a radius); a query row's logit with any key of a ball is at most its
+    logit with the centroid plus its norm times the radius, so the balls are read best
+    bound first until ``budget`` keys per head are read. A block's score in a layer is
+    the largest probability one of its read keys gets (the softmax normaliser: the read
+    keys exactly, every unread ball as its size times its centroid's probability);
+    the ``keep`` best over those layers are ranked with every layer, as ``token-S-M``.
+    Returns the scores and what they cost: ``read``, the share of the scanned layers'
+    keys read; ``work``, the keys and centroids a query row meets over the flat scan's
+    (every key of every layer); ``reranked``, the blocks every layer ranks."""
+    import numpy as np
+
+    from mlx_stream.recall import score
+    from mlx_stream.recall.select import _gqa
+
+    first, bs, scale = dump["first"], dump["block"], dump["scale"]
+    nb = len(first)
+    valid = (np.arange(bs)[None] >= np.array(first)[:, None]).reshape(-1)
+    pre, read, dots = np.zeros(nb), 0, 0
+    layers = range(0, len(dump["keys"]), stride)
+    for li in layers:
+        keys = dump["keys"][li]  # (blocks, H, block, D)
+        g = _gqa(dump["queries"][li], keys.shape[1])
+        peak = np.zeros(nb)
+        for h in range(keys.shape[1]):
+            x = keys[:, h].reshape(-1, keys.shape[-1])
+            cen, rad, members = [], [], []
+            for s0 in range(0, nb, segment):
+                tok = np.arange(s0 * bs, min(nb, s0 + segment) * bs)
+                tok = tok[valid[tok]]
+                c, r, a = kmeans(x[tok], min(clusters, len(tok)))
+                cen.append(c)
+                rad.append(r)
+                members += [tok[a == j] for j in range(len(c))]
+            cen, rad = np.concatenate(cen), np.concatenate(rad)
+            near = g[h] @ cen.T  # (rows, balls)
+            bound = (near + np.linalg.norm(g[h], axis=1)[:, None] * rad[None]).max(0)
+            order, n, taken = np.argsort(-bound, kind="stable"), 0, 0
+            while taken < len(order) and n < budget:
+                n += len(members[order[taken]])
+                taken += 1
+            idx = np.concatenate([members[j] for j in order[:taken]])
+            rest = order[taken:]
+            logits = g[h] @ x[idx].T * scale
+            guess = near[:, rest] * scale + np.log([max(len(members[j]), 1) for j in rest])
+            norm = np.logaddexp.reduce(np.concatenate([logits, guess], 1), axis=1, keepdims=True)
+            np.maximum.at(peak, idx // bs, np.exp(logits - norm).max(0))
+            read += len(idx)
+            dots += len(idx) + len(cen)
+        pre += peak
+    own = set(np.flatnonzero(valid.reshape(nb, bs).any(1)).tolist())  # blocks with a token
+    best = np.argsort(-pre, kind="stable")[:keep]  # with their neighbours: a fact cut in two
+    chosen = sorted({int(j) + d for j in best for d in (-1, 0, 1)} & own)
+    out = np.full(nb, -np.inf)
+    out[chosen] = score.peak_scores(dump["queries"], lambda i, js: dump["keys"][i][js],
+                                    chosen, first, bs, scale)  # fmt: skip
+    heads, flat = dump["keys"][0].shape[1], valid.sum() * len(dump["keys"])
+    dots += heads * len(dump["keys"]) * valid.reshape(nb, bs)[chosen].sum()
+    return out, {"read": read / (valid.sum() * heads * len(layers)),
+                 "work": dots / (flat * heads), "reranked": len(chosen)}  # fmt: skip
+
+
 def tree_search(dump: dict, fanout: int, shortlist: int) -> dict:
     """The ``tree`` index's search (``mlx_stream.recall.index``) over a dump's blocks with
     superblocks of ``fanout`` blocks: the blocks it scored to find the ``shortlist``
@@ -122,18 +205,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--blocks", type=int, default=8, help="k: the blocks recalled")
     parser.add_argument("--stages", default="8:64", help="two-stage scans, STRIDE:KEEP,...")
     parser.add_argument("--tree", default="", help="tree searches: superblock sizes, F,...")
+    parser.add_argument("--balls", default="",
+                        help="ball first passes, STRIDE:SEGMENT:CLUSTERS:BUDGET:KEEP,...")  # fmt: skip
     args = parser.parse_args(argv)
     files = sorted(args.dumps.glob("*.npz"))
     if not files:
         raise SystemExit(f"{args.dumps}: no .npz dumps (recall.py --dump)")
     stages = [tuple(int(x) for x in s.split(":")) for s in args.stages.split(",") if s]
     fanouts = [int(f) for f in args.tree.split(",") if f]
+    probes = [tuple(int(x) for x in b.split(":")) for b in args.balls.split(",") if b]
     records, ranks, wholes = [], {}, {}
     for path in files:
         dump = load(path)
         totals = {name: scores(dump, name) for name in SELECTORS}
         for stride, keep in stages:
             totals[f"token-{stride}-{keep}"] = scores(dump, "token", (stride, keep))
+        costs = {}
+        for probe in probes:
+            name = "balls-" + "-".join(map(str, probe))
+            totals[name], cost = balls(dump, *probe)
+            costs[name] = {key: round(float(v), 4) for key, v in cost.items()}
         row = {name: rank(total, dump["needle"]) for name, total in totals.items()}
         whole = {name: whole_needle(total, dump["needle"], args.blocks)
                  for name, total in totals.items()}  # fmt: skip
@@ -143,7 +234,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tree = {str(f): tree_search(dump, f, args.blocks) for f in fanouts}
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
                                         candidates=len(dump["first"]), ranks=row,
-                                        whole=whole, tree=tree), args.out))  # fmt: skip
+                                        whole=whole, tree=tree,
+                                        cost=costs),
+                               args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
                       "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None),
                       "whole_top_k": sum(w["top_k"] for w in wholes[name]),

@@ -223,7 +223,7 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
     out = tmp_path / "offline.jsonl"
     records = load_script("recall_offline", monkeypatch).main(
         [str(dumps), "--blocks", "2", "--stages", "2:4,1:1000", "--tree", "2",
-         "--out", str(out)])  # fmt: skip
+         "--balls", "1:2:2:100000:1000,1:2:2:8:2", "--out", str(out)])  # fmt: skip
     *rows, summary = records
     assert len(rows) == len(list(dumps.glob("*.npz"))) == 1
     got = rows[0]["ranks"]
@@ -232,6 +232,11 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
         assert got[name] == min(ranked[name])
     assert got["token-1-1000"] == got["token"]  # every layer, every block: the flat scan
     assert 0 <= got["token-2-4"] < rows[0]["candidates"]
+    # balls read until every key is read, every block kept: the flat scan again
+    assert got["balls-1-2-2-100000-1000"] == got["token"]
+    every, few = rows[0]["cost"]["balls-1-2-2-100000-1000"], rows[0]["cost"]["balls-1-2-2-8-2"]
+    assert every["read"] == 1 and every["reranked"] == rows[0]["candidates"]
+    assert 0 < few["read"] < 1 and few["reranked"] <= 2 * 3 and few["work"] < every["work"]
     assert summary["selectors"]["token"]["dumps"] == 1 and summary["k"] == 2
     tree = rows[0]["tree"]["2"]  # superblocks of 2: each bounds its best child
     assert 2 <= tree["scored"] <= tree["candidates"] <= rows[0]["candidates"]
@@ -240,6 +245,19 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
     run_whole = all(b in lines[0]["selection"] for b in lines[0]["needle_blocks"])
     assert rows[0]["whole"]["token"]["pairs"] == run_whole
     assert summary["selectors"]["token"]["whole_pairs"] == int(run_whole)
+
+
+def test_recall_offline_balls_bound_every_member(monkeypatch):
+    import numpy as np
+
+    kmeans = load_script("recall_offline", monkeypatch).kmeans
+    rng = np.random.default_rng(0)
+    x, q = rng.standard_normal((300, 16)), rng.standard_normal((5, 16))
+    centroids, radius, member = kmeans(x, 7)
+    assert set(member) <= set(range(7)) and len(set(member)) > 1
+    assert (np.linalg.norm(x - centroids[member], axis=1) <= radius[member] + 1e-9).all()
+    bound = q @ centroids.T + np.linalg.norm(q, axis=1)[:, None] * radius[None]
+    assert (q @ x.T <= bound[:, member] + 1e-9).all()  # no key beats its ball's bound
 
 
 def test_recall_chat(monkeypatch, tmp_path, tiny_model_dir):
