@@ -130,6 +130,8 @@ def balls(dump: dict, stride: int, segment: int, clusters: int, budget: int, kee
             for s0 in range(0, nb, segment):
                 tok = np.arange(s0 * bs, min(nb, s0 + segment) * bs)
                 tok = tok[valid[tok]]
+                if not len(tok):  # a segment of blocks with no token of their own
+                    continue
                 c, r, a = kmeans(x[tok], min(clusters, len(tok)))
                 cen.append(c)
                 rad.append(r)
@@ -234,8 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tree = {str(f): tree_search(dump, f, args.blocks) for f in fanouts}
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
                                         candidates=len(dump["first"]), ranks=row,
-                                        whole=whole, tree=tree,
-                                        cost=costs),
+                                        whole=whole, tree=tree, cost=costs),
                                args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
                       "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None),
