@@ -113,7 +113,6 @@ def balls(dump: dict, stride: int, segment: int, clusters: int, budget: int, kee
     import numpy as np
 
     from mlx_stream.recall import score
-    from mlx_stream.recall.select import _gqa
 
     first, bs, scale = dump["first"], dump["block"], dump["scale"]
     nb = len(first)
@@ -121,8 +120,8 @@ def balls(dump: dict, stride: int, segment: int, clusters: int, budget: int, kee
     pre, read, dots = np.zeros(nb), 0, 0
     layers = range(0, len(dump["keys"]), stride)
     for li in layers:
-        keys = dump["keys"][li]  # (blocks, H, block, D)
-        g = _gqa(dump["queries"][li], keys.shape[1])
+        keys, q = dump["keys"][li], dump["queries"][li]  # keys: (blocks, H, block, D)
+        g = q.reshape(keys.shape[1], -1, q.shape[-1])  # each KV head's query heads side by side
         peak = np.zeros(nb)
         for h in range(keys.shape[1]):
             x = keys[:, h].reshape(-1, keys.shape[-1])
@@ -152,7 +151,7 @@ def balls(dump: dict, stride: int, segment: int, clusters: int, budget: int, kee
             read += len(idx)
             dots += len(idx) + len(cen)
         pre += peak
-    own = set(np.flatnonzero(valid.reshape(nb, bs).any(1)).tolist())  # blocks with a token
+    own = {j for j, f in enumerate(first) if f < bs}  # blocks with a token of their own
     best = np.argsort(-pre, kind="stable")[:keep]  # with their neighbours: a fact cut in two
     chosen = sorted({int(j) + d for j in best for d in (-1, 0, 1)} & own)
     out = np.full(nb, -np.inf)
