@@ -209,12 +209,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--balls", default="",
                         help="ball first passes, STRIDE:SEGMENT:CLUSTERS:BUDGET:KEEP,...")  # fmt: skip
     args = parser.parse_args(argv)
+
+    def specs(flag: str, value: str, least: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """``A:B:...,A:B:...`` as tuples of integers, each at least its ``least``; or
+        one line naming the bad one."""
+        out = []
+        for spec in filter(None, value.split(",")):
+            parts = spec.split(":")
+            if len(parts) != len(least) or not all(
+                p.isdigit() and int(p) >= m for p, m in zip(parts, least, strict=True)
+            ):
+                parser.error(f"{flag} {spec!r}: expected integers at least {least}")
+            out.append(tuple(int(p) for p in parts))
+        return out
+
+    stages = specs("--stages", args.stages, (1, 0))  # keep 0: the flat scan
+    fanouts = [f for (f,) in specs("--tree", args.tree, (1,))]
+    probes = specs("--balls", args.balls, (1, 1, 1, 1, 1))
     files = sorted(args.dumps.glob("*.npz"))
     if not files:
         raise SystemExit(f"{args.dumps}: no .npz dumps (recall.py --dump)")
-    stages = [tuple(int(x) for x in s.split(":")) for s in args.stages.split(",") if s]
-    fanouts = [int(f) for f in args.tree.split(",") if f]
-    probes = [tuple(int(x) for x in b.split(":")) for b in args.balls.split(",") if b]
     records, ranks, wholes = [], {}, {}
     for path in files:
         dump = load(path)

@@ -247,6 +247,16 @@ def test_recall_offline_ranks_a_dump_as_the_run_ranked_it(monkeypatch, tmp_path,
     assert summary["selectors"]["token"]["whole_pairs"] == int(run_whole)
 
 
+@pytest.mark.parametrize("flags", [["--balls", "1:2"], ["--balls", "1:2:2:0:4"],
+                                   ["--stages", "0:8"], ["--tree", "x"]])  # fmt: skip
+def test_recall_offline_refuses_a_bad_spec_in_one_line(monkeypatch, tmp_path, capsys, flags):
+    main = load_script("recall_offline", monkeypatch).main
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path), *flags, "--out", str(tmp_path / "x.jsonl")])
+    assert stop.value.code == 2 and not (tmp_path / "x.jsonl").exists()
+    assert f"error: {flags[0]} '{flags[1]}'" in capsys.readouterr().err
+
+
 def test_recall_offline_balls_bound_every_member(monkeypatch):
     import numpy as np
 
