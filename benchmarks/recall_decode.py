@@ -83,11 +83,11 @@ class Split:
             self.refreshes += 1
 
         def timed_build(cache, n):
-            before = tier.applied[cache.recall_index]
+            before = tier.region.applied[cache.recall_index]
             tic = time.perf_counter()
             build(cache, n)
-            if tier.applied[cache.recall_index] != before:
-                mx.eval(tier.regions[cache.recall_index])
+            if tier.region.applied[cache.recall_index] != before:
+                mx.eval(tier.region.buffers(cache)[:2])
                 self.build_s += time.perf_counter() - tic
                 self.builds += 1
 
@@ -149,7 +149,7 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
 
     c = tier.layers[0]
     sel = tier.selection
-    if not sel or tier.regions[0] is None:
+    if not sel:
         return {}
     kd = tier.store.shapes[0]
     H, D, dtype = kd
@@ -160,14 +160,16 @@ def attention_cost(tier, plain_cache, reps: int) -> dict:
     kr, vr = (mx.random.normal((1, H, ring, D)).astype(dtype) for _ in range(2))
     kp, vp = (mx.random.normal((1, H, plain, D)).astype(dtype) for _ in range(2))
     mr, mp = mx.zeros((1, 1, 1, ring), dtype), mx.zeros((1, 1, 1, plain), dtype)
-    total = tier.regions[0][0].shape[2] + ring - tier.lead_slots(c)
+    # the ring and the region: one buffer (the storage's tail), or joined without the
+    # ring's sinks when the region holds their copy
+    total = ring + tier.region.slots(c) - (0 if c.storage.tail else tier.lead_slots(c))
     ka, va = (mx.random.normal((1, H, total, D)).astype(dtype) for _ in range(2))
     ma = mx.zeros((1, 1, 1, total), dtype)
     mx.eval(q, kr, vr, kp, vp, ka, va, mr, mp, ma)
     scale = tier.scale or D**-0.5
     saved = list(tier.queries[0])
     n0 = c.tokens_seen - 1
-    if tier.applied[0] != (sel, tier.region_anchor(c, n0), tier.placement):
+    if tier.region.applied[0] != (sel, tier.region_anchor(c, n0), tier.placement):
         return {}
     times = {"recall": [], "window": [], "window-slack": [], "keys-only": []}
 
@@ -207,8 +209,7 @@ def _slots(cache_list_or_layer) -> int:
     c = cache_list_or_layer
     if isinstance(c, list):
         c = next(x for x in c if hasattr(x, "ring"))
-    keys = c.keys[0] if isinstance(c.keys, tuple) else c.keys
-    return keys.shape[2]
+    return c.ring.slots_total
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -119,6 +119,35 @@ def test_chunked_equals_token_by_token(tiny_llama):
     assert mx.abs(a - b).max().item() < 1e-3 * mx.abs(a).max().item()
 
 
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 8}])
+def test_the_region_in_the_rings_tail_equals_a_region_of_its_own(monkeypatch, kv):
+    """Float and same-bits caches keep the region as slots after the ring, so a
+    decode step attends one buffer (no copy); its logits, selections and bytes are
+    those of a region in a buffer of its own (other caches' way)."""
+    from mlx_stream.cache.sink import SinkCache
+
+    model = tiny.make_model("llama", seed=3, hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)  # head dim 64  # fmt: skip
+    tokens = tiny.random_tokens(150, seed=31)
+    seen, with_tail = [], SinkCache.with_tail
+    monkeypatch.setattr(SinkCache, "with_tail", lambda c: seen.append(with_tail(c)) or seen[-1])
+    tail = make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(), **kv)
+    a = feed(model, tail, tokens, 1)
+    used, seen[:] = sum(x is not None for x in seen), []
+    with monkeypatch.context() as m:
+        m.setattr(type(tail[0].storage), "tails", False)
+        own = make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(), **kv)
+    b = feed(model, own, tokens, 1)
+    ta, tb = tail[0].recall, own[0].recall
+    assert tail[0].storage.tail == ta.region.slots(tail[0]) > 0 and own[0].storage.tail == 0
+    assert used > 10 and not any(x is not None for x in seen)  # one buffer, or joined
+    assert ta.history == tb.history and ta.selection
+    assert mx.array_equal(a.argmax(-1), b.argmax(-1))
+    assert mx.abs(a - b).max().item() < 1e-5 * mx.abs(a).max().item()
+    assert ta.device_nbytes == tb.device_nbytes > 0
+    assert sum(c.nbytes for c in tail) == sum(c.nbytes for c in own)  # the tail: region's
+
+
 def test_selection_is_deterministic(tiny_llama):
     tokens = tiny.random_tokens(120, seed=9)
     runs = []
@@ -396,7 +425,7 @@ def test_a_prompts_selection_sits_near_until_the_next_boundary(tiny_llama):
         tier, placed = cache[0].recall, []
         out = generate_step(prompt, tiny_llama, cache, max_tokens=12)
         answers[prompt_placement] = [t for t, _, _ in out if not placed.append(
-            (tier.layers[0].tokens_seen, tier.placement, tier.applied[0]))]  # fmt: skip
+            (tier.layers[0].tokens_seen, tier.placement, tier.region.applied[0]))]  # fmt: skip
         assert tier.history[-1][0] == 136 and tier.placement == "stream"
         if prompt_placement == "near":  # held from the prompt's end to the boundary at 136
             near = [p for n, pl, p in placed if pl == "near"]

@@ -279,7 +279,8 @@ class SinkCache(Relayout, Stored, BaseCache):
         # layouts' sinks, then the call's own tokens: no row needs a slot this call
         # overwrites.
         spares = self._spare_sinks(n, N)
-        pairs = ((self.keys, packed[0]), (self.values, packed[1]))
+        ring_part = self.storage.ring_part
+        pairs = ((ring_part(self.keys), packed[0]), (ring_part(self.values), packed[1]))
         return [
             kvstore.concat([buf, *(pair[i] for pair in spares), new])
             for i, (buf, new) in enumerate(pairs)
@@ -331,6 +332,16 @@ class SinkCache(Relayout, Stored, BaseCache):
             return None, None
         L = self._last_fetched or self.ring.fetched(0)
         return self.storage.fetch(L, self.ring, self._packed)
+
+    def with_tail(self) -> tuple | None:
+        """``(keys, values, L, T)``: when the last ``update_and_fetch`` returned the
+        first ``L`` slots of the buffers as they are (not a concatenation), every slot
+        of them, the ring's ``T`` then the storage's tail (``storage.reserve_tail``),
+        as attention takes them, without a copy; else ``None``."""
+        if self._concatenated or not self.storage.tail or not self._last_fetched:
+            return None
+        keys, values = self.storage.whole()
+        return keys, values, self._last_fetched, self.ring.slots_total
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """The mask for the next ``N`` tokens, describing the buffer after they are

@@ -81,7 +81,8 @@ class Relayout:
             old = self._layout_applied
             if base != old[0]:
                 keep = self.rolls_back  # the moved tensors, for an exact trim back
-                self._undo = Undo(n, old, self._layout_stride, kvstore.copy(buf)) if keep else None
+                moved = kvstore.copy(self.storage.ring_part(buf)) if keep else None
+                self._undo = Undo(n, old, self._layout_stride, moved) if keep else None
                 d = old[0] - base
                 self.storage.rotate(slot, S, C, lambda x: self._shift(x, d))
             if S > 0 and sink_start - base != old[1] - old[0]:
@@ -140,7 +141,9 @@ class Relayout:
                 )
             _, self._layout_applied, self._layout_stride, saved = undo
             slot = self.move.slot if self.move is not None else 0
-            if slot == 0:
+            if self.storage.tail:  # the ring's slots only: the tail is the extension's
+                kvstore.put(self._buffers()[slot], 0, kvstore.length(saved), saved)
+            elif slot == 0:
                 self.keys = saved
             else:
                 self.values = saved

@@ -94,9 +94,10 @@ class SlotStorage:
     (``mlx_stream.cache.variants`` picks the class from the cache's settings).
 
     The protocol: sizes (``ring_slack``, ``in_place``, ``call_limit``, ``check_call``,
-    ``check_trim``), writes (``allocate``, ``pack``, ``put``, ``commit``), moves
-    (``bits_of``, ``floats``, ``rotate``), attention (``columns``, ``visible``,
-    ``fetch``, ``attended``) and state (``state``, ``used_state``, ``load``, ``copy``).
+    ``check_trim``, ``tails``/``reserve_tail``/``ring_part``), writes (``allocate``,
+    ``pack``, ``put``, ``commit``), moves (``bits_of``, ``floats``, ``rotate``),
+    attention (``columns``, ``visible``, ``fetch``, ``attended``, ``whole``) and state
+    (``state``, ``used_state``, ``load``, ``copy``).
     ``ring`` arguments are the cache's ``mlx_stream.cache.ring.Ring``; ``route``: whether
     the cache attends on packed keys (``packs`` variants only).
 
@@ -108,6 +109,7 @@ class SlotStorage:
     """
 
     channel = False  # keys kept per channel (``kvquant.ChannelKeys``)
+    tails = False  # may keep slots after the ring for an extension (``reserve_tail``)
     in_place = False  # calls written into the ring before attention (``Ring(in_place=)``)
     packs = False  # attention may run on the packed keys (``mlx_stream.cache.qattend``)
 
@@ -116,12 +118,29 @@ class SlotStorage:
         self.key_bits, self.value_bits = key_bits, value_bits
         self.kv_group_size, self.sinks = kv_group_size, sinks
         self.keys = self.values = None
+        self.tail = 0  # slots after the ring an extension writes (the recall region)
 
     # ----- sizes ----------------------------------------------------------------------
 
     def ring_slack(self, window: int, slack: int) -> int:
         """The ring's slack for a cache asked for ``slack``."""
         return slack
+
+    def reserve_tail(self, slots: int) -> None:
+        """Keep ``slots`` slots after the ring's, written by an extension (the recall
+        tier's region, so attention reads the ring and them as one buffer, without a
+        copy): allocated with the buffers, never saved (``state``), never counted in
+        the cache's bytes (``nbytes`` reads ``state``)."""
+        if not self.tails:
+            raise Unsupported(f"{type(self).__name__} keeps no slots after its ring")
+        if self.keys is not None:  # already allocated: pad (or cut) to the new tail
+            T = length(self.keys) - self.tail
+            self.keys, self.values = fit(self.keys, T + slots), fit(self.values, T + slots)
+        self.tail = slots
+
+    def ring_part(self, buf):
+        """``buf`` without the tail: the ring's slots."""
+        return get(buf, 0, length(buf) - self.tail) if self.tail else buf
 
     def call_limit(self, n: int) -> int | None:
         """Most tokens a call at token ``n`` may write (``None``: the ring decides)."""
@@ -147,11 +166,13 @@ class SlotStorage:
                 )
         self.keys = self._new_keys(keys, ring)
         B, H, _, D = values.shape
-        self.values = zeros(B, H, ring.slots_total, D, values.dtype, self.value_bits, g)
+        slots = ring.slots_total + self.tail
+        self.values = zeros(B, H, slots, D, values.dtype, self.value_bits, g)
 
     def _new_keys(self, keys: mx.array, ring):
         B, H, _, D = keys.shape
-        return zeros(B, H, ring.slots_total, D, keys.dtype, self.key_bits, self.kv_group_size)
+        slots = ring.slots_total + self.tail
+        return zeros(B, H, slots, D, keys.dtype, self.key_bits, self.kv_group_size)
 
     def pack(self, keys: mx.array, values: mx.array) -> tuple:
         """A call's keys and values in storage form (``None`` for what ``put`` skips)."""
@@ -204,6 +225,10 @@ class SlotStorage:
         """Storage-form keys and values as attention takes them."""
         return keys, values
 
+    def whole(self) -> tuple:
+        """Every slot, the tail's included, as attention takes them (no slice op)."""
+        return self.attended(self.keys, self.values)
+
     @property
     def dtype(self):
         return dtype_of(self.values)
@@ -211,7 +236,7 @@ class SlotStorage:
     # ----- state ----------------------------------------------------------------------
 
     def state(self) -> list:
-        return [self.keys, self.values]
+        return [self.ring_part(self.keys), self.ring_part(self.values)]
 
     def used_state(self, filled: int) -> list:
         """``state`` with only the first ``filled`` slots (at least one)."""
@@ -225,8 +250,9 @@ class SlotStorage:
     def load(self, state: list, slots_total: int) -> None:
         """Take saved ``state`` (``used_state``'s form, or an older one)."""
         keys = tuple(state[0]) if self.key_bits else state[0]
-        self.keys = fit(keys, slots_total)
-        self.values = fit(tuple(state[1]) if self.value_bits else state[1], slots_total)
+        slots = slots_total + self.tail
+        self.keys = fit(keys, slots)
+        self.values = fit(tuple(state[1]) if self.value_bits else state[1], slots)
 
     def copy(self) -> SlotStorage:
         """An independent copy (later in-place writes do not show in it)."""
@@ -238,10 +264,14 @@ class SlotStorage:
 class FloatStorage(SlotStorage):
     """Float keys and values (``kv_bits=None``)."""
 
+    tails = True
+
 
 class TokenStorage(SlotStorage):
     """Keys and values quantized per token with the same bits: attention takes the
     quantized triples, through mlx-lm's quantized kernel."""
+
+    tails = True
 
     def __init__(self, key_bits: int, value_bits: int, kv_group_size: int, sinks: int):
         super().__init__(key_bits, value_bits, kv_group_size, sinks)

@@ -12,28 +12,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 
 import mlx_stream.recall.index as index
 import mlx_stream.recall.score as score
 import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
-from mlx_stream.cache.positions import Move
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
-from mlx_stream.mlxlm import takes_quantized_attention
 from mlx_stream.recall.names import tier_of
+from mlx_stream.recall.region import Regions
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, load_queries, save_queries
 
 HISTORY = 16  # selections kept for rollback (a rollback reaches slack + 1 tokens back)
-
-
-def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
-    """``x`` (1, H, L, D) with token ``i`` moved by ``offsets[i]`` positions."""
-    B, H, L, D = x.shape
-    moved = move.rope(x.transpose(2, 1, 0, 3), offset=offsets).transpose(2, 1, 0, 3)
-    scale = move.scale(D)
-    return (moved / scale if scale != 1.0 else moved).astype(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -82,9 +72,8 @@ class Recall:
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
         self.history = [(0, (), 0)]
         self.queries = [[] for _ in range(L)]  # per layer: (first token, queries, anchor)
-        self.regions = [None] * L  # per layer: [keys, values] in attention's format
-        self.applied = [None] * L  # per layer: (selection, anchor) the region holds
-        self._valid = (None, None)  # ((selection, lead), bool of valid region slots)
+        self.region = Regions(self)  # per layer: the selected blocks, on the device
+        self.region.reserve(self.layers)
         self.scale = None
         self.refreshes, self.scored_blocks, self.refresh_seconds = 0, 0, 0.0
         self.on_prompt_end = None  # called with (tier, token) after a prompt-end refresh
@@ -107,7 +96,7 @@ class Recall:
     @property
     def device_nbytes(self) -> int:
         """Bytes of the retrieval regions (device memory, fixed once allocated)."""
-        return sum(sum(a.nbytes for a in _flat(r)) for r in self.regions if r is not None)
+        return self.region.nbytes
 
     @property
     def store_nbytes(self) -> int:
@@ -203,8 +192,7 @@ class Recall:
                 self.summaries.forget(i, blocks)
         for c in self.layers:
             self.trimmed(c, c.tokens_seen)
-        self.applied = [None] * len(self.layers)
-        self._valid = (None, None)
+        self.region.reset()
 
     # ----- store ----------------------------------------------------------------------
 
@@ -408,104 +396,28 @@ class Recall:
         """Region slots before the blocks: a moved copy of the sinks for ``stream``."""
         return cache.sinks if self.placement == "stream" else 0
 
-    def _lead_max(self, cache) -> int:
+    def lead_max(self, cache) -> int:
         """Slots the region keeps before its blocks (for the copy of the sinks)."""
         return cache.sinks if self.spec.copies_sinks else 0
 
     def build_region(self, cache, n: int) -> None:
-        """Lay the selected blocks into this layer's device region for a call at ``n``
-        (nothing when the selection and its place are unchanged)."""
-        sel = self.selection
-        if not sel:
-            return
-        i = cache.recall_index
-        anchor = self.region_anchor(cache, n)
-        if self.applied[i] == (sel, anchor, self.placement):
-            return
-        bs, k, R, lead = self.block, self.spec.blocks, self.region_slots, self.lead_slots(cache)
-        top, placement = self._lead_max(cache), self.placement  # blocks start at slot top
-        packed = takes_quantized_attention(cache)
-        bits, g = (cache.bits, cache.group_size) if packed else (None, 64)
-        if self.regions[i] is None:
-            (H, kd, dtype), (_, vd, _) = self.store.shapes
-            self.regions[i] = [kvstore.zeros(1, H, top + R, kd, dtype, bits, g),
-                               kvstore.zeros(1, H, top + R, vd, dtype, bits, g)]  # fmt: skip
-        rk, rv = self.regions[i]
-        move = cache.move if cache.moving and cache.move is not None else None
-        if lead:  # the sinks, moved back by the region so the blocks follow them
-            cg = cache.kv_group_size
-            sk = kvstore.unpack(kvstore.get(cache.keys, 0, lead), cache.key_bits, cg)
-            sv = kvstore.unpack(kvstore.get(cache.values, 0, lead), cache.value_bits, cg)
-            if move is not None:
-                sk = move(sk, -R)
-            kvstore.put(rk, 0, lead, kvstore.pack(sk, bits, g))
-            kvstore.put(rv, 0, lead, kvstore.pack(sv, bits, g))
-        for r, j in enumerate(sel, k - len(sel)):
-            keys, values = self.store.get(i, j)
-            if move is not None:
-                if placement == "fixed":  # every token right before the sinks
-                    keys = _shift_tokens(move, keys, mx.array(anchor - 1 - np.arange(bs)))
-                else:
-                    keys = move(keys, anchor - R + lead + r * bs)
-            lo = top + r * bs
-            kvstore.put(rk, lo, lo + bs, kvstore.pack(keys, bits, g))
-            kvstore.put(rv, lo, lo + bs, kvstore.pack(values, bits, g))
-        self.applied[i] = (sel, anchor, placement)
-
-    def _region_valid(self, lead: int) -> np.ndarray:
-        sel = self.selection
-        if self._valid[0] != (sel, lead):
-            bs, k = self.block, self.spec.blocks
-            valid = np.zeros(lead + self.region_slots, bool)
-            valid[:lead] = True
-            for r, j in enumerate(sel, k - len(sel)):
-                valid[lead + r * bs + self.first[j] : lead + (r + 1) * bs] = True
-            self._valid = ((sel, lead), valid)
-        return self._valid[1]
+        """Lay the selected blocks into this layer's region for a call at ``n``."""
+        self.region.build(cache, n)
 
     def attend(self, cache, queries, keys, values, scale, mask, sinks, original):
-        """Attention of one layer over ``[region, ring]`` (the hook calls it)."""
+        """Attention of one layer over the ring and the region (the hook calls it)."""
         i, N = cache.recall_index, queries.shape[2]
         n0 = cache.tokens_seen - N
         anchor = self.anchor(cache, n0) if cache.moving else 0
         kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
         self.queries[i] = [*kept, (n0, queries, anchor)]
-        anchor = self.region_anchor(cache, n0)
         self.scale = scale
         sel = self.selection
-        if not sel or self.applied[i] != (sel, anchor, self.placement):
+        if not sel or self.region.applied[i] != (sel, self.region_anchor(cache, n0),
+                                                 self.placement):  # fmt: skip
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)  # fmt: skip
-        if not isinstance(mask, mx.array):  # mlx-lm's None / "causal": every slot is written
-            K = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
-            if mask is None:
-                mask = mx.ones((N, K), dtype=mx.bool_)
-            elif mask == "causal":
-                mask = create_causal_mask(N, K - N)
-            else:
-                raise RuntimeFailure(
-                    f"recall: the model gave attention a mask it cannot extend ({mask!r})"
-                )
-        lead = self.lead_slots(cache)  # the ring's own sinks are replaced by the region's copy
-        rk, rv = self.regions[i]
-        skip = self._lead_max(cache) - lead  # the slots of a sink copy this placement lacks
-        if skip:
-            rk, rv = (tuple(a[:, :, skip:] for a in x) if isinstance(x, tuple) else x[:, :, skip:]
-                      for x in (rk, rv))  # fmt: skip
-        if isinstance(keys, tuple):
-            keys = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rk, keys))
-            values = tuple(mx.concatenate([a, b[:, :, lead:]], axis=2) for a, b in zip(rv, values))
-        else:
-            keys = mx.concatenate([rk, keys[:, :, lead:]], axis=2)
-            values = mx.concatenate([rv, values[:, :, lead:]], axis=2)
-        valid = self._region_valid(lead)
-        shape = (*mask.shape[:-1], valid.size)
-        if mask.dtype == mx.bool_:
-            region = mx.broadcast_to(mx.array(valid), shape)
-        else:
-            region = mx.broadcast_to(mx.array(np.where(valid, 0.0, -np.inf), mask.dtype), shape)
-        mask = mx.concatenate([region, mask[..., lead:]], axis=-1)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return self.region.attend(cache, queries, keys, values, scale, mask, sinks, original)
 
     # ----- saving and restoring (mlx_stream.recall.persist) -----------------------------
 
@@ -544,7 +456,7 @@ class Recall:
         self.scale = data["scale"]
         self.refreshes = int(data["refreshes"])
         self.queries = [load_queries(reader, row) for row in data["queries"]]
-        self.regions, self.applied, self._valid = [None] * L, [None] * L, (None, None)
+        self.region.reset()
 
     def close(self, remove_files: bool = False) -> None:
         """Free the store (its temporary files too; its files in a given folder with
@@ -552,13 +464,6 @@ class Recall:
         self.store.close(remove_files)
         self.summaries.close(remove_files)
         self.closed = True
-
-
-def _flat(region) -> list:
-    out = []
-    for x in region:
-        out += list(x) if isinstance(x, tuple) else [x]
-    return out
 
 
 def _pad_front(x: mx.array, first: int, block: int) -> mx.array:
