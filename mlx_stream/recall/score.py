@@ -51,11 +51,15 @@ def _chunk_stats(g: np.ndarray, keys: np.ndarray, valid: np.ndarray,
     for a block with no valid token)."""
     nb, H, bs, D = keys.shape
     k = keys.astype(np.float32).transpose(1, 0, 2, 3).reshape(H, nb * bs, D)
-    logits = np.einsum("hrd,htd->hrt", g, k).reshape(H, -1, nb, bs) * scale
-    logits = np.where(valid[None, None], logits, -np.inf)
+    logits = g @ k.transpose(0, 2, 1)  # a BLAS matmul (einsum loops: ~10x slower)
+    logits *= np.float32(scale)  # in place, as below: the scan is memory-bound
+    logits = logits.reshape(H, -1, nb, bs)
+    if not valid.all():
+        logits = np.where(valid[None, None], logits, -np.inf)
     top = logits.max(-1)
     with np.errstate(invalid="ignore"):  # blocks with no valid token: -inf - -inf
-        sums = np.exp(logits - top[..., None]).sum(-1)
+        logits -= top[..., None]
+        sums = np.exp(logits, out=logits).sum(-1)
     return top, np.where(np.isfinite(top), top + np.log(np.maximum(sums, 1e-38)), -np.inf)
 
 

@@ -262,12 +262,6 @@ def _gqa(q: np.ndarray, kv_heads: int) -> np.ndarray:
     return q.reshape(kv_heads, (Hq // kv_heads) * L, D)
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    x = x - x.max(axis=axis, keepdims=True)
-    e = np.exp(x)
-    return e / e.sum(axis=axis, keepdims=True)
-
-
 def layer_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks: int,
                          selector: str, scale: float, empty: np.ndarray) -> np.ndarray:  # fmt: skip
     """Per block: the largest softmax mass over heads and tokens, from summaries."""
@@ -280,7 +274,7 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks:
     query heads and tokens, from summaries."""
     g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
     if selector == "mean":
-        logits = np.einsum("hrd,bhd->hrb", g, summaries.table("mean", layer, blocks))
+        logits = g @ summaries.table("mean", layer, blocks).transpose(1, 2, 0)
     else:
         lo, hi = summaries.table("lo", layer, blocks), summaries.table("hi", layer, blocks)
         logits = quest_logits(g, lo, hi)
@@ -291,15 +285,21 @@ def quest_logits(g: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Quest's bound of ``q . k`` over a block's keys, channel by channel: ``(H, R,
     blocks)`` for grouped queries ``g`` ``(H, R, D)`` and the blocks' key minima and
     maxima ``lo``, ``hi`` ``(blocks, H, D)`` (unscaled)."""
-    pos, neg = np.maximum(g, 0), np.minimum(g, 0)
-    return np.einsum("hrd,bhd->hrb", pos, hi) + np.einsum("hrd,bhd->hrb", neg, lo)
+    pos, neg = np.maximum(g, 0), np.minimum(g, 0)  # matmuls (BLAS): einsum loops, 5x slower
+    return pos @ hi.transpose(1, 2, 0) + neg @ lo.transpose(1, 2, 0)
 
 
 def mass(logits: np.ndarray, scale: float, empty: np.ndarray) -> np.ndarray:
     """``(H, blocks)``: per KV head, the largest softmax mass over blocks of unscaled
-    ``logits`` ``(H, R, blocks)`` over its query rows (``empty`` blocks get none)."""
-    logits = np.where(empty[None, None, :], -np.inf, logits * scale)
-    return _softmax(logits, -1).max(axis=1)
+    ``logits`` ``(H, R, blocks)`` over its query rows (``empty`` blocks get none);
+    ``logits`` is overwritten."""
+    logits *= scale  # in place (the caller's fresh array): the same numbers, 5x sooner
+    if empty.any():
+        logits[..., empty] = -np.inf
+    logits -= logits.max(-1, keepdims=True)
+    np.exp(logits, out=logits)
+    logits /= logits.sum(-1, keepdims=True)
+    return logits.max(axis=1)
 
 
 def top_k(scores: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[int, ...]:
