@@ -16,6 +16,7 @@ its better neighbour: a prompt's end, ``RecallSpec.prompt_neighbours``). ``--tre
 how many blocks the ``tree`` index's branch and bound scores to find the ``k`` best
 by Quest's bound, per superblock size. ``--balls``: a first pass that reads a fixed
 number of keys, chosen by k-means balls' bounds (:func:`balls`), and what it costs.
+``seconds``: each selector's wall time on the dump (its keys read from memory).
 
     python benchmarks/recall.py --haystack alice_in_wonderland --length 16384 \\
         --kinds passkey --questions q0,q1,q2 --caches recall --dump dumps/
@@ -24,11 +25,13 @@ number of keys, chosen by k-means balls' bounds (:func:`balls`), and what it cos
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from common import base_parser, base_record, emit, main_guard  # first: preloads OpenBLAS
 
 SELECTORS = ("quest", "token", "exact")
+SECONDS = {}  # per selector: the wall time of the last dump's scoring (the store read included)
 
 
 def load(path: Path) -> dict:
@@ -68,8 +71,12 @@ def scores(dump: dict, selector: str, scan: tuple[int, int] = (1, 0)):
         def get(self, layer: int, j: int):
             return mx.array(keys[layer][j])[None], None
 
-    return score.block_scores(selector, dump["queries"], Dumped(), summaries, first, bs,
-                              dump["scale"], scan)  # fmt: skip
+    tic = time.perf_counter()
+    total = score.block_scores(selector, dump["queries"], Dumped(), summaries, first, bs,
+                               dump["scale"], scan)  # fmt: skip
+    SECONDS[selector if scan == (1, 0) else f"token-{scan[0]}-{scan[1]}"] = round(
+        time.perf_counter() - tic, 3)  # fmt: skip
+    return total
 
 
 def rank(total, needle: list[int]) -> int | None:
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tree = {str(f): tree_search(dump, f, args.blocks) for f in fanouts}
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
                                         candidates=len(dump["first"]), ranks=row,
-                                        whole=whole, tree=tree, cost=costs),
+                                        whole=whole, tree=tree, cost=costs,
+                                        seconds=dict(SECONDS)),
                                args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
                       "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None),
