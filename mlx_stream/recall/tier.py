@@ -409,8 +409,11 @@ class Recall:
         i, N = cache.recall_index, queries.shape[2]
         n0 = cache.tokens_seen - N
         anchor = self.anchor(cache, n0) if cache.moving else 0
-        kept = [e for e in self.queries[i] if e[0] + e[1].shape[2] > n0 - 2 * self.block]
-        self.queries[i] = [*kept, (n0, queries, anchor)]
+        entries, cut = self.queries[i], 0  # in stream order: the stale ones lead
+        while cut < len(entries) and _end(entries[cut]) <= n0 - 2 * self.block:
+            cut += 1
+        del entries[:cut]  # a decode step drops one at most (a filter: 40 us a layer)
+        entries.append((n0, queries, anchor))
         self.scale = scale
         sel = self.selection
         if not sel or self.region.applied[i] != (sel, self.region_anchor(cache, n0),
@@ -464,6 +467,11 @@ class Recall:
         self.store.close(remove_files)
         self.summaries.close(remove_files)
         self.closed = True
+
+
+def _end(entry) -> int:
+    """The token after the last of a ``queries`` entry ``(first token, queries, anchor)``."""
+    return entry[0] + entry[1].shape[2]
 
 
 def _pad_front(x: mx.array, first: int, block: int) -> mx.array:
