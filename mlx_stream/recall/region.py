@@ -123,16 +123,20 @@ class Regions:
                 sk = move(sk, -R)
             kvstore.put(rk, base, base + lead, kvstore.pack(sk, bits, g))
             kvstore.put(rv, base, base + lead, kvstore.pack(sv, bits, g))
-        for r, j in enumerate(sel, k - len(sel)):
-            keys, values = tier.store.get(i, j)
-            if move is not None:
-                if placement == "fixed":  # every token right before the sinks
-                    keys = _shift_tokens(move, keys, mx.array(anchor - 1 - np.arange(bs)))
-                else:
-                    keys = move(keys, anchor - R + lead + r * bs)
-            lo = base + top + r * bs
-            kvstore.put(rk, lo, lo + bs, kvstore.pack(keys, bits, g))
-            kvstore.put(rv, lo, lo + bs, kvstore.pack(values, bits, g))
+        # The blocks fill the last len(sel) block slots, all moved and written at once
+        # (one rope and one write, not one per block: a rebuild per block boundary)
+        blocks = [tier.store.get(i, j) for j in sel]
+        keys, values = (mx.concatenate([b[x] for b in blocks], axis=2) for x in (0, 1))
+        first = k - len(sel)
+        if move is not None:
+            if placement == "fixed":  # every token right before the sinks
+                shift = np.tile(anchor - 1 - np.arange(bs), len(sel))
+            else:  # block slot r from position anchor - R + lead + r * bs
+                shift = np.repeat(anchor - R + lead + np.arange(first, k) * bs, bs)
+            keys = _shift_tokens(move, keys, mx.array(shift))
+        lo = base + top + first * bs
+        kvstore.put(rk, lo, lo + len(sel) * bs, kvstore.pack(keys, bits, g))
+        kvstore.put(rv, lo, lo + len(sel) * bs, kvstore.pack(values, bits, g))
         self.applied[i] = (sel, anchor, placement)
 
     def _valid(self, cache) -> np.ndarray:
