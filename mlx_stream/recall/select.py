@@ -274,19 +274,28 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks:
     query heads and tokens, from summaries."""
     g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
     if selector == "mean":
-        logits = g @ summaries.table("mean", layer, blocks).transpose(1, 2, 0)
+        logits = matmul(g, summaries.table("mean", layer, blocks).transpose(1, 2, 0))
     else:
         lo, hi = summaries.table("lo", layer, blocks), summaries.table("hi", layer, blocks)
         logits = quest_logits(g, lo, hi)
     return mass(logits, scale, empty)
 
 
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` (float32) through MLX, so on the model's own BLAS threads: numpy's
+    ``einsum`` loops ~10x slower, and numpy's ``@`` wakes a second BLAS thread pool
+    that spins after each call, taking a core from the model on a 2-core machine (the
+    tiny model's stream ran 2x slower with it)."""
+    return np.asarray(mx.array(a) @ mx.array(b))
+
+
 def quest_logits(g: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Quest's bound of ``q . k`` over a block's keys, channel by channel: ``(H, R,
     blocks)`` for grouped queries ``g`` ``(H, R, D)`` and the blocks' key minima and
     maxima ``lo``, ``hi`` ``(blocks, H, D)`` (unscaled)."""
-    pos, neg = np.maximum(g, 0), np.minimum(g, 0)  # matmuls (BLAS): einsum loops, 5x slower
-    return pos @ hi.transpose(1, 2, 0) + neg @ lo.transpose(1, 2, 0)
+    signed = np.concatenate([np.maximum(g, 0), np.minimum(g, 0)], axis=-1)  # (H, R, 2D)
+    bounds = np.concatenate([hi, lo], axis=-1).transpose(1, 2, 0)  # (H, 2D, blocks)
+    return matmul(signed, bounds)
 
 
 def mass(logits: np.ndarray, scale: float, empty: np.ndarray) -> np.ndarray:
