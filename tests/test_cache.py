@@ -546,3 +546,21 @@ def test_mlx_lms_default_prefill_gives_token_by_token_rows(first):
     (_, logprobs) = next(step)
     last = ref[-1] - mx.logsumexp(ref[-1])
     assert float(mx.abs(logprobs - last).max()) < 1e-4
+
+
+def test_a_tail_reserved_after_allocation_pads_the_buffers_and_stays_out_of_state():
+    """``storage.reserve_tail`` on buffers already allocated: the ring's slots keep their
+    values, the tail is zeros, and ``state``/``nbytes`` (what is saved and counted) do
+    not see it; a storage that keeps no tail refuses in one line."""
+    model = tiny.make_model("llama", seed=1)
+    cache = make_sink_cache(model, S, W)
+    feed(model, cache, TOKENS[: W + 9], 1)
+    c = cache[0]
+    before, nbytes = [mx.array(x) for x in c.state], c.nbytes
+    c.storage.reserve_tail(8)
+    assert c.keys.shape[2] == before[0].shape[2] + 8 and c.storage.tail == 8
+    assert all(mx.array_equal(a, b) for a, b in zip(c.state, before)) and c.nbytes == nbytes
+    assert not mx.any(c.keys[:, :, -8:]).item()
+    quantized = make_sink_cache(model, S, W, kv_bits=4, key_bits=8)[0]
+    with pytest.raises(Unsupported, match="keeps no slots after its ring"):
+        quantized.storage.reserve_tail(8)
