@@ -31,7 +31,6 @@ from pathlib import Path
 from common import base_parser, base_record, emit, main_guard  # first: preloads OpenBLAS
 
 SELECTORS = ("quest", "token", "exact")
-SECONDS = {}  # per selector: the wall time of the last dump's scoring (the store read included)
 
 
 def load(path: Path) -> dict:
@@ -53,7 +52,8 @@ def scores(dump: dict, selector: str, scan: tuple[int, int] = (1, 0)):
     """Every candidate block's score under ``selector`` (``-inf``: not a candidate), by
     the tier's own ``score.block_scores`` (``quest``: the summaries a store keeps, built
     from the dumped keys; ``scan``: ``(stride, keep)`` of the ``token`` scan, as
-    ``RecallSpec(scan_stride, scan_keep)``: ``score.shortlisted_peaks``)."""
+    ``RecallSpec(scan_stride, scan_keep)``: ``score.shortlisted_peaks``), and the
+    seconds ``block_scores`` took (the summaries' building left out)."""
     import mlx.core as mx
 
     from mlx_stream.recall import score, select
@@ -74,9 +74,7 @@ def scores(dump: dict, selector: str, scan: tuple[int, int] = (1, 0)):
     tic = time.perf_counter()
     total = score.block_scores(selector, dump["queries"], Dumped(), summaries, first, bs,
                                dump["scale"], scan)  # fmt: skip
-    SECONDS[selector if scan == (1, 0) else f"token-{scan[0]}-{scan[1]}"] = round(
-        time.perf_counter() - tic, 3)  # fmt: skip
-    return total
+    return total, round(time.perf_counter() - tic, 3)
 
 
 def rank(total, needle: list[int]) -> int | None:
@@ -239,9 +237,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records, ranks, wholes = [], {}, {}
     for path in files:
         dump = load(path)
-        totals = {name: scores(dump, name) for name in SELECTORS}
+        timed = {name: scores(dump, name) for name in SELECTORS}
         for stride, keep in stages:
-            totals[f"token-{stride}-{keep}"] = scores(dump, "token", (stride, keep))
+            timed[f"token-{stride}-{keep}"] = scores(dump, "token", (stride, keep))
+        totals = {name: total for name, (total, _) in timed.items()}
+        seconds = {name: s for name, (_, s) in timed.items()}
         costs = {}
         for probe in probes:
             name = "balls-" + "-".join(map(str, probe))
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
                                         candidates=len(dump["first"]), ranks=row,
                                         whole=whole, tree=tree, cost=costs,
-                                        seconds=dict(SECONDS)),
+                                        seconds=seconds),
                                args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),
                       "dumps": len(rs), "ranks": sorted(r for r in rs if r is not None),

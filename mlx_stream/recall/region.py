@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_causal_mask
 
 from mlx_stream.cache import storage as kvstore
@@ -30,13 +31,6 @@ def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
     moved = move.rope(x.transpose(2, 1, 0, 3), offset=offsets).transpose(2, 1, 0, 3)
     scale = move.scale(D)
     return (moved / scale if scale != 1.0 else moved).astype(x.dtype)
-
-
-def _flat(pair) -> list:
-    out = []
-    for x in pair:
-        out += list(x) if isinstance(x, tuple) else [x]
-    return out
 
 
 class Regions:
@@ -93,10 +87,10 @@ class Regions:
         total = 0
         for c, own in zip(self.tier.layers, self.own):
             if own is not None:
-                total += sum(a.nbytes for a in _flat(own))
+                total += sum(a.nbytes for _, a in tree_flatten(own))
             elif c.storage.tail and c.keys is not None:
-                pair = _flat((c.keys, c.values))
-                total += sum(a.nbytes for a in pair) * c.storage.tail // kvstore.length(c.keys)
+                pair = sum(a.nbytes for _, a in tree_flatten([c.keys, c.values]))
+                total += pair * c.storage.tail // kvstore.length(c.keys)
         return total
 
     def build(self, cache, n: int) -> None:
