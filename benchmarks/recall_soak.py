@@ -75,12 +75,16 @@ class Sampler:
         self.tic = self.last_time = time.perf_counter()
         self.refresh_s = self.last_refresh_s = 0.0
         self.pool_max = 0
-        self.compare = False  # --compare: each tree refresh against the flat scan
+        self.compare = False  # --compare: each tree or reuse refresh against the flat scan
         self.compared = self.agreed = self.compared_last = self.agreed_last = 0
+        self.within = self.within_last = 0  # refreshes that scored the flat scan's k
 
-    def agreement(self, point: int) -> None:
+    def agreement(self, point: int, scored) -> None:
         """Score every block as the flat scan does and count whether the ``k`` it
-        chooses are the tree search's (outside the refresh's timing)."""
+        chooses are the tree search's or the shortlist's, and whether they were among
+        the blocks the refresh scored (``scored``: the reuse index's candidates,
+        ``None``: every block), outside the refresh's timing; ``scores`` alone never
+        reads the reuse index's shortlist."""
         from mlx_stream.recall import select
 
         tier = self.tier
@@ -90,8 +94,10 @@ class Sampler:
         finally:
             tier.summaries.searching = True
         if flat is not None:
+            want = select.top_k(flat, tier.spec.blocks)
             self.compared += 1
-            self.agreed += select.top_k(flat, tier.spec.blocks) == tier.selection
+            self.agreed += want == tier.selection
+            self.within += scored is None or set(want) <= {int(j) for j in scored}
 
     def use(self, caches: list) -> None:
         self.caches = caches
@@ -99,11 +105,14 @@ class Sampler:
         refresh = self.tier.refresh
 
         def timed(point):  # wrapped on the instance: the tier's code is unchanged
+            tier = self.tier
+            short = tier.shortlist if self.compare else None  # what it will score
+            scored = short.candidates(tier.candidates(point)) if short else None
             tic = time.perf_counter()
             refresh(point)
             self.refresh_s += time.perf_counter() - tic
-            if self.compare and self.tier.refreshed_at == point:
-                self.agreement(point)
+            if self.compare and tier.refreshed_at == point:
+                self.agreement(point, scored)
 
         self.tier.refresh = timed
 
@@ -154,18 +163,27 @@ class Sampler:
         self.last_position, self.last_nll_sum, self.pool_max = position, nll_sum, 0
         self.last_time, self.last_refresh_s = now, self.refresh_s
         self.compared_last, self.agreed_last = self.compared, self.agreed
+        self.within_last = self.within
 
     def index_record(self) -> dict:
-        """The tree search's counters (``--index tree``): searches, those the cap
-        stopped, and with ``--compare`` the segment's refreshes that chose the flat
-        scan's blocks."""
-        index = self.tier.summaries
-        if not hasattr(index, "searches"):
+        """The tree search's counters (``--index tree``: searches, those the cap
+        stopped) or the shortlist's (``--index reuse``: refreshes that scanned every
+        block, those that read the shortlist), and with ``--compare`` the segment's
+        refreshes that chose the flat scan's blocks."""
+        index, short = self.tier.summaries, self.tier.shortlist
+        if hasattr(index, "searches"):
+            out = {"searches": index.searches, "capped": index.capped}
+        elif short is not None:
+            out = {"scans": short.scans, "reuses": short.reuses}
+        else:
             return {}
-        out = {"searches": index.searches, "capped": index.capped}
         if self.compare:
             n = self.compared - self.compared_last
-            out.update(compared=n, agreed=self.agreed - self.agreed_last)
+            out.update(
+                compared=n,
+                agreed=self.agreed - self.agreed_last,
+                within=self.within - self.within_last,
+            )
         return out
 
 
@@ -252,11 +270,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
     parser.add_argument("--block", type=int, default=64, help="tokens per block (= stride)")
     parser.add_argument("--selector", default="quest")
-    parser.add_argument("--index", default="flat", help="flat or tree (RecallSpec.index)")
-    parser.add_argument("--shortlist", type=int, default=0, help="tree: blocks reranked")
+    parser.add_argument(
+        "--index", default="reuse", help="reuse (the default), flat or tree (RecallSpec.index)"
+    )
+    parser.add_argument(
+        "--shortlist", type=int, default=0, help="tree: blocks reranked; reuse: blocks a scan keeps"
+    )
     parser.add_argument("--expand", type=int, default=0, help="tree: superblocks at most")
+    parser.add_argument(
+        "--rescan",
+        type=int,
+        default=16,
+        help="reuse: every block scanned once per this many refreshes",
+    )
     parser.add_argument("--compare", action="store_true",
-                        help="tree: check every refresh against the flat scan")  # fmt: skip
+                        help="tree, reuse: check every refresh against the flat scan")  # fmt: skip
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--sample", type=int, default=4096, help="tokens per JSON line")
@@ -291,17 +319,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
     recall = RecallSpec(blocks=args.blocks, block=args.block, selector=args.selector, bits=args.bits,
                         ram_bytes=int(args.ram_mb * 1e6), folder=str(folder), index=args.index,
-                        shortlist=args.shortlist, expand=args.expand)  # fmt: skip
+                        shortlist=args.shortlist, expand=args.expand,
+                        rescan=args.rescan)  # fmt: skip
     spec = CacheSpec(args.sinks, args.window, stride=args.block, recall=recall)
     layers = getattr(getattr(model, "args", None), "num_hidden_layers", None)
     settings = dict(sinks=args.sinks, window=args.window, blocks=args.blocks, block=args.block,
                     selector=args.selector, store_bits=args.bits, chunk=args.chunk,
                     sample=args.sample, ram_mb=args.ram_mb, layers=layers,
                     target_tokens=args.tokens, index=args.index, shortlist=args.shortlist,
-                    expand=args.expand)  # fmt: skip
+                    expand=args.expand, rescan=args.rescan)  # fmt: skip
     base = common.base_record("recall-soak", args.model, weights, **settings)
     sampler = Sampler(args.sample, args.out, base, folder)
-    sampler.compare = args.compare and args.index == "tree"
+    sampler.compare = args.compare and args.index in ("tree", "reuse")
     try:
         with StopOnInterrupt((signal.SIGINT, signal.SIGTERM)) as stop:
             result = stream_perplexity(

@@ -134,7 +134,7 @@ def test_a_capped_refresh_scores_fewer_blocks_than_stored(tiny_llama):
     t = tier_of(tree)
     assert t.stored > 2 * FANOUT and t.scored_blocks == -(-t.stored // FANOUT) + FANOUT
     assert t.summaries.searches == t.refreshes and 0 < t.summaries.capped <= t.refreshes
-    flat = recall_cache(tiny_llama)
+    flat = recall_cache(tiny_llama, index="flat")
     feed(tiny_llama, flat, tokens, chunk=8)
     u, v = t.usage(), tier_of(flat).usage()
     assert u["index_bytes"] > v["index_bytes"]  # the superblocks count
@@ -146,7 +146,7 @@ def test_a_capped_refresh_scores_fewer_blocks_than_stored(tiny_llama):
 def test_a_shortlist_of_every_block_keeps_the_flat_selections(tiny_llama):
     tokens = tiny.random_tokens(8 * 160, seed=12)
     tree = recall_cache(tiny_llama, index="tree", shortlist=10_000)
-    flat = recall_cache(tiny_llama)
+    flat = recall_cache(tiny_llama, index="flat")
     feed(tiny_llama, tree, tokens)
     feed(tiny_llama, flat, tokens)
     assert tier_of(tree).history == tier_of(flat).history

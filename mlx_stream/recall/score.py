@@ -143,11 +143,14 @@ def shortlisted_peaks(queries: list[np.ndarray], keys_of: Callable[[int, list[in
 
 
 def block_scores(selector: str, queries: list[np.ndarray], store, summaries, first: list[int],
-                 block: int, scale: float, scan: tuple[int, int] = (1, 0)) -> np.ndarray:  # fmt: skip
+                 block: int, scale: float, scan: tuple[int, int] = (1, 0),
+                 candidates: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Every stored block's score under ``selector`` (``-inf``: a block with no token
     of its own), for blocks ``0 .. len(first) - 1`` of ``store`` (a ``BlockStore``)
     summarised in ``summaries``; ``queries[i]``: layer ``i``'s ``(Hq, L, D)``;
-    ``scan``: ``(stride, keep)`` of :func:`shortlisted_peaks` for ``token``."""
+    ``scan``: ``(stride, keep)`` of :func:`shortlisted_peaks` for ``token``;
+    ``candidates`` (``quest`` and ``mean``, block numbers ascending): score those
+    alone, the softmax over them, the rest ``-inf`` (``mlx_stream.recall.reuse``)."""
     nb = len(first)
     empty = np.array([f >= block for f in first])
     if selector in ("exact", "token"):
@@ -161,7 +164,14 @@ def block_scores(selector: str, queries: list[np.ndarray], store, summaries, fir
         return total
     if selector == "quest" and isinstance(summaries, index.Indexed) and summaries.searches_quest:
         return summaries.search(queries, nb, empty, scale)
-    total = np.zeros(nb)
+    blocks = nb if candidates is None else candidates
+    part = empty if candidates is None else empty[candidates]
+    total = np.zeros(len(part))
     for i, q in enumerate(queries):
-        total += select.layer_scores_summary(q, summaries, i, nb, selector, scale, empty)
-    return np.where(empty, -np.inf, total)
+        total += select.layer_scores_summary(q, summaries, i, blocks, selector, scale, part)
+    total = np.where(part, -np.inf, total)
+    if candidates is None:
+        return total
+    out = np.full(nb, -np.inf)
+    out[candidates] = total
+    return out

@@ -145,6 +145,18 @@ class Summaries(Spill):
         raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return _float32(raw, mx.float32 if kind == "mean" else self.shape[2])
 
+    def rows(self, kind: str, layer: int, ids: np.ndarray) -> np.ndarray:
+        """``kind`` of blocks ``ids`` (ascending) of ``layer``, float32 ``(len(ids), H,
+        D)``: each run of consecutive blocks inside a segment read at once."""
+        if len(ids) == 0:
+            return self.table(kind, layer, 0)
+        cut = np.flatnonzero((np.diff(ids) != 1) | (np.diff(ids // INDEX_SEGMENT) != 0)) + 1
+        parts = []
+        for run in np.split(ids, cut):
+            a = int(run[0])
+            parts.append(self.table(kind, layer, a + len(run), a))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
     # ----- bytes ----------------------------------------------------------------------
 
     def arrays(self):
@@ -262,22 +274,29 @@ def _gqa(q: np.ndarray, kv_heads: int) -> np.ndarray:
     return q.reshape(kv_heads, (Hq // kv_heads) * L, D)
 
 
-def layer_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks: int,
+def layer_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks,
                          selector: str, scale: float, empty: np.ndarray) -> np.ndarray:  # fmt: skip
     """Per block: the largest softmax mass over heads and tokens, from summaries."""
     return head_scores_summary(q, summaries, layer, blocks, selector, scale, empty).max(0)
 
 
-def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks: int,
+def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks,
                         selector: str, scale: float, empty: np.ndarray) -> np.ndarray:  # fmt: skip
     """Per KV head and block ``(H, blocks)``: the largest softmax mass over the head's
-    query heads and tokens, from summaries."""
+    query heads and tokens, from summaries; ``blocks``: an ``int`` (blocks ``0 ..
+    blocks - 1``) or block numbers, ascending (the softmax over those alone; ``empty``
+    is then theirs)."""
     g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
+
+    def read(kind):
+        if isinstance(blocks, (int, np.integer)):
+            return summaries.table(kind, layer, int(blocks))
+        return summaries.rows(kind, layer, blocks)
+
     if selector == "mean":
-        logits = matmul(g, summaries.table("mean", layer, blocks).transpose(1, 2, 0))
+        logits = matmul(g, read("mean").transpose(1, 2, 0))
     else:
-        lo, hi = summaries.table("lo", layer, blocks), summaries.table("hi", layer, blocks)
-        logits = quest_logits(g, lo, hi)
+        logits = quest_logits(g, read("lo"), read("hi"))
     return mass(logits, scale, empty)
 
 

@@ -14,7 +14,7 @@ from mlx_stream.errors import Unsupported
 
 SELECTORS = ("exact", "quest", "mean", "token")
 PLACEMENTS = ("stream", "before", "fixed", "near")
-INDEXES = ("flat", "tree")
+INDEXES = ("flat", "tree", "reuse")
 DEFAULT_BLOCKS = DEFAULT_RECALL_BLOCKS
 DEFAULT_BLOCK = DEFAULT_STRIDE
 DEFAULT_RAM = DEFAULT_RECALL_RAM_MB * 1_000_000  # host bytes before spilling to disk
@@ -63,12 +63,20 @@ class RecallSpec:
             together (the summaries up to a quarter), before new segments spill to
             files in ``folder``. Default: 1 GB.
         folder (str, optional): Where spilled blocks go. Default: a temporary folder.
-        index (str): How a ``quest`` refresh finds its blocks: ``"flat"`` scores every
-            stored block; ``"tree"`` searches superblocks of 64 blocks for a shortlist
-            and reranks it (``mlx_stream.recall.index``: sublinear, its selection not
-            always the flat scan's). Default: ``"flat"``.
-        shortlist (int): Blocks the ``tree`` search reranks; ``0``: ``max(8 * blocks,
-            64)``. Default: ``0``.
+        index (str): How a ``quest`` (or ``mean``) refresh finds its blocks:
+            ``"flat"`` scores every stored block; ``"tree"`` searches superblocks of 64
+            blocks for a shortlist and reranks it (``mlx_stream.recall.index``: its
+            bounds do not prune on real keys); ``"reuse"`` scans every block once per
+            ``rescan`` refreshes and, in between, that scan's ``shortlist`` best, the
+            blocks stored since and those the last prompt's end chose
+            (``mlx_stream.recall.reuse``). Default: ``"reuse"``: the default model's
+            time per 1k tokens the same at 128k as at 32k stored tokens, its streaming
+            perplexity the flat scan's (benchmarks/README.md, "Refreshes between full
+            scans").
+        shortlist (int): Blocks the ``tree`` search reranks, or a ``reuse`` scan keeps;
+            ``0``: ``max(8 * blocks, 64)``. Default: ``0``.
+        rescan (int): A ``reuse`` index scans every block once per this many
+            refreshes. Default: ``16``.
         expand (int): Superblocks one ``tree`` search expands at most (``0``: no cap).
             Default: ``0``.
         scan_stride (int): The ``token`` selector's first pass reads every this many
@@ -93,11 +101,12 @@ class RecallSpec:
     ram_bytes: int = DEFAULT_RAM
     folder: str | None = None
     refeed: int = 2
-    index: str = "flat"
+    index: str = "reuse"
     scan_stride: int = 1
     scan_keep: int = 0
     shortlist: int = 0
     expand: int = 0
+    rescan: int = 16
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -131,6 +140,8 @@ class RecallSpec:
             raise Unsupported("recall scan stride must be 1 or more and scan keep 0 or more")
         if self.shortlist < 0 or self.expand < 0:
             raise Unsupported("recall shortlist and expand must be 0 or more")
+        if self.rescan < 1:
+            raise Unsupported(f"recall rescan must be 1 or more refreshes (got {self.rescan})")
         if self.ram_bytes < 0:
             raise Unsupported(f"recall RAM budget must be 0 or more (got {self.ram_bytes})")
 

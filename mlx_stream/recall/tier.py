@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_stream.recall.index as index
+import mlx_stream.recall.reuse as reuse
 import mlx_stream.recall.score as score
 import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
@@ -36,6 +37,7 @@ class Mark:
     history: tuple
     blocks: tuple[int, ...]
     queries: tuple
+    shortlist: reuse.State | None = None
 
 
 class Recall:
@@ -67,6 +69,8 @@ class Recall:
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size,
                                 spec.ram_bytes - index_ram, spec.folder)  # fmt: skip
         self.summaries = index.summaries_for(spec, L, kinds, index_ram)
+        self.shortlist = reuse.Shortlist(spec.shortlist or max(8 * spec.blocks, 64),
+                                         spec.rescan) if spec.index == "reuse" else None  # fmt: skip
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         # (refresh point, selection, hold): the last one is current; no boundary
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
@@ -114,11 +118,15 @@ class Recall:
         device region (``region_bytes``: reserved once, fixed); the blocks the last
         refresh scored (``scored_blocks``) and the seconds every refresh took
         together (``refresh_seconds``); with the ``tree`` index, its searches and
-        those its expansion cap stopped (``index_searches``, ``index_capped``)."""
+        those its expansion cap stopped (``index_searches``, ``index_capped``); with
+        ``reuse``, the refreshes that scanned every block and those that read its
+        shortlist (``index_scans``, ``index_reuses``)."""
         store, summaries = self.store, self.summaries
         (ram, disk), (iram, idisk) = store.used(), summaries.used()
         tree = {"index_searches": summaries.searches, "index_capped": summaries.capped} if (
             isinstance(summaries, index.Indexed)) else {}  # fmt: skip
+        if self.shortlist is not None:
+            tree = {"index_scans": self.shortlist.scans, "index_reuses": self.shortlist.reuses}
         return {
             "stored_blocks": self.stored,
             "recalled_blocks": len(self.selection),
@@ -167,12 +175,15 @@ class Recall:
         if i == 0:
             while len(self.history) > 1 and self.history[-1][0] > keep:
                 self.history.pop()
+            if self.shortlist is not None:  # blocks it scanned were forgotten: scan again
+                self.shortlist.forget(keep // self.block)
 
     def mark(self) -> Mark:
         """What :meth:`rewind` needs to bring the tier back to its caches as they are
         now (take it with a copy of them: a SinkCache's deep copy shares its tier)."""
         return Mark(tuple(self.history), tuple(self.store.count),
-                    tuple(tuple(q) for q in self.queries))  # fmt: skip
+                    tuple(tuple(q) for q in self.queries),
+                    self.shortlist.state if self.shortlist else None)  # fmt: skip
 
     def rewind(self, caches: list, mark: Mark | None = None) -> None:
         """Bring the tier back to ``caches``: copies of its caches that were restored,
@@ -187,6 +198,8 @@ class Recall:
         if mark is not None:
             self.history = list(mark.history)
             self.queries = [list(q) for q in mark.queries]
+            if self.shortlist is not None:
+                self.shortlist.state = mark.shortlist
             for i, blocks in enumerate(mark.blocks):
                 self.store.forget(i, blocks)
                 self.summaries.forget(i, blocks)
@@ -339,34 +352,49 @@ class Recall:
         mx.eval([x for x in out if x is not None])
         return [None if x is None else np.asarray(x) for x in out]
 
-    def scores(self, point: int, selector: str | None = None,
-               candidates_at: int | None = None) -> np.ndarray | None:  # fmt: skip
+    def candidates(self, point: int, candidates_at: int | None = None) -> int:
+        """Blocks a refresh for the calls from ``point`` (or ``candidates_at``) on
+        chooses from: the stored ones no row of those calls can still see."""
+        at = point if candidates_at is None else min(point, candidates_at)
+        return min(self.stored, self.evicted_blocks(at))
+
+    def scores(self, point: int, selector: str | None = None, candidates_at: int | None = None,
+               only: np.ndarray | None = None) -> np.ndarray | None:  # fmt: skip
         """Every candidate block's score for the calls from ``point`` (or
         ``candidates_at``) on, from the queries before ``point`` (``selector``: the
-        spec's unless named); ``None`` when there is no candidate or no query yet."""
+        spec's unless named; ``only``: those blocks, the rest ``-inf``: see
+        ``score.block_scores``); ``None`` when there is no candidate or no query yet."""
         selector = selector or self.spec.selector
-        at = point if candidates_at is None else min(point, candidates_at)
-        nb = min(self.stored, self.evicted_blocks(at))  # none a row can still see
+        nb = self.candidates(point, candidates_at)
         recent = self.recent_queries(point) if nb and self.scale is not None else [None]
         if any(q is None for q in recent):
             return None
         return score.block_scores(selector, recent, self.store, self.summaries, self.first[:nb],
                                   self.block, self.scale, (self.spec.scan_stride,
-                                                           self.spec.scan_keep))  # fmt: skip
+                                                           self.spec.scan_keep), only)  # fmt: skip
 
     def refresh(self, point: int, candidates_at: int | None = None,
                 selector: str | None = None, neighbours: bool = False) -> None:  # fmt: skip
         """Choose the blocks for the calls from ``point`` (or ``candidates_at``) on,
         from the queries before ``point`` (with ``neighbours``, in pairs:
-        ``select.with_neighbours``); count the blocks scored and the time."""
+        ``select.with_neighbours``); count the blocks scored and the time. With the
+        ``reuse`` index a ``quest`` or ``mean`` refresh scores its shortlist, or every
+        block when its turn to scan has come (``mlx_stream.recall.reuse``)."""
         tic = time.perf_counter()
-        total = self.scores(point, selector, candidates_at)
+        selector = selector or self.spec.selector
+        short = self.shortlist if selector in ("quest", "mean") else None
+        only = short.candidates(self.candidates(point, candidates_at)) if short else None
+        total = self.scores(point, selector, candidates_at, only)
+        if total is not None and short is not None:
+            short.scored(total, full=only is None)
         self.refresh_seconds += time.perf_counter() - tic
         if total is None:
             return
         self.scored_blocks = index.scored(self.summaries, total)
         pick = select.with_neighbours if neighbours else select.top_k
         chosen = pick(total, self.spec.blocks)
+        if self.shortlist is not None and short is None:
+            self.shortlist.include(chosen)
         self.history = [*self.history[-HISTORY:], (point, chosen, point)]
         self.refreshes += 1
 
@@ -435,6 +463,7 @@ class Recall:
             "history": [[int(p), [int(j) for j in sel], int(hold)] for p, sel, hold in self.history],
             "scale": None if self.scale is None else float(self.scale),
             "refreshes": self.refreshes, "queries": queries,
+            "shortlist": self.shortlist.export() if self.shortlist else None,
             "index": self.summaries.export(writer),
             "store": self.store.export(writer),
         }  # fmt: skip
@@ -458,6 +487,8 @@ class Recall:
             raise ValueError("history")
         self.scale = data["scale"]
         self.refreshes = int(data["refreshes"])
+        if self.shortlist is not None:  # saved without one: the next refresh scans
+            self.shortlist.restore(data.get("shortlist"))
         self.queries = [load_queries(reader, row) for row in data["queries"]]
         self.region.reset()
 
