@@ -147,15 +147,21 @@ class Summaries(Spill):
 
     def rows(self, kind: str, layer: int, ids: np.ndarray) -> np.ndarray:
         """``kind`` of blocks ``ids`` (ascending) of ``layer``, float32 ``(len(ids), H,
-        D)``: each run of consecutive blocks inside a segment read at once."""
-        if len(ids) == 0:
+        D)``: a segment in memory indexed once, a spilled one read a run of consecutive
+        blocks at a time."""
+        if kind not in self.kinds or len(ids) == 0:
             return self.table(kind, layer, 0)
-        cut = np.flatnonzero((np.diff(ids) != 1) | (np.diff(ids // INDEX_SEGMENT) != 0)) + 1
-        parts = []
-        for run in np.split(ids, cut):
-            a = int(run[0])
-            parts.append(self.table(kind, layer, a + len(run), a))
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        parts, where = [], ids // INDEX_SEGMENT
+        for index in np.unique(where):
+            seg = self.segments[kind][layer][index]
+            local = ids[where == index] - index * INDEX_SEGMENT
+            if not isinstance(seg, FileArray):
+                parts.append(seg[local])
+                continue
+            for run in np.split(local, np.flatnonzero(np.diff(local) != 1) + 1):
+                parts.append(seg.rows(int(run[0]), int(run[-1]) + 1))
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return _float32(raw, mx.float32 if kind == "mean" else self.shape[2])
 
     # ----- bytes ----------------------------------------------------------------------
 
