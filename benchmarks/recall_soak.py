@@ -78,6 +78,7 @@ class Sampler:
         self.compare = False  # --compare: each tree or reuse refresh against the flat scan
         self.compared = self.agreed = self.compared_last = self.agreed_last = 0
         self.within = self.within_last = 0  # refreshes that scored the flat scan's k
+        self.common = self.common_last = 0  # blocks chosen by both, over the refreshes
 
     def agreement(self, point: int, scored) -> None:
         """Score every block as the flat scan does and count whether the ``k`` it
@@ -97,6 +98,7 @@ class Sampler:
             want = select.top_k(flat, tier.spec.blocks)
             self.compared += 1
             self.agreed += want == tier.selection
+            self.common += len(set(want) & set(tier.selection))
             self.within += scored is None or set(want) <= {int(j) for j in scored}
 
     def use(self, caches: list) -> None:
@@ -163,13 +165,14 @@ class Sampler:
         self.last_position, self.last_nll_sum, self.pool_max = position, nll_sum, 0
         self.last_time, self.last_refresh_s = now, self.refresh_s
         self.compared_last, self.agreed_last = self.compared, self.agreed
-        self.within_last = self.within
+        self.within_last, self.common_last = self.within, self.common
 
     def index_record(self) -> dict:
         """The tree search's counters (``--index tree``: searches, those the cap
         stopped) or the shortlist's (``--index reuse``: refreshes that scanned every
         block, those that read the shortlist), and with ``--compare`` the segment's
-        refreshes that chose the flat scan's blocks."""
+        refreshes compared, those that chose the flat scan's blocks (``agreed``), those
+        that scored all of them (``within``) and the blocks both chose (``common``)."""
         index, short = self.tier.summaries, self.tier.shortlist
         if hasattr(index, "searches"):
             out = {"searches": index.searches, "capped": index.capped}
@@ -183,6 +186,7 @@ class Sampler:
                 compared=n,
                 agreed=self.agreed - self.agreed_last,
                 within=self.within - self.within_last,
+                common=self.common - self.common_last,
             )
         return out
 
