@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         records.append(emit(base_record(
             "recall-needle", args.model, weights, window=args.window, sinks=args.sinks,
             blocks=args.blocks, selector=args.selector, placement=args.placement,
-            store_bits=args.bits, haystack=args.haystack, **r), args.out))  # fmt: skip
+            store_bits=args.bits, index=spec.index, haystack=args.haystack, **r),
+            args.out))  # fmt: skip
 
     tic = time.perf_counter()
     needle_eval(model, tokenizer, hay, args.length, args.depths, args.kinds, args.caches,
