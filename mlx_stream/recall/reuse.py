@@ -10,10 +10,12 @@ stored since that scan, the softmax over them alone. Each refresh then costs
 ``size + blocks stored since`` and one in ``rescan`` the flat scan's: the stream's
 time still grows with it, ``rescan`` times slower. A rollback behind the scan leaves
 the next refresh to scan; the blocks a prompt's end chooses (its own selector, over
-every block) join the shortlist, so the question's choice stays a candidate. Its selection is not always the flat scan's (measured:
-benchmarks/README.md, "Refreshes between full scans").
+every block) join the shortlist, so the question's choice stays a candidate.
 
-Its state is a few hundred block numbers: host memory it does not count.
+Its selection is not always the flat scan's: the flat scan's blocks are almost always
+among the candidates, but the softmax over fewer blocks weighs the query rows
+differently (measured: benchmarks/README.md, "Refreshes between full scans"). Its
+state is a few hundred block numbers: host memory it does not count.
 """
 
 from __future__ import annotations
