@@ -76,8 +76,8 @@ class Shortlist:
         choice) among the candidates until the next scan."""
         s = self.state
         if s is not None:
-            extra = {int(j) for j in chosen if j < s.at} - set(s.ids)
-            self.state = State(tuple(sorted({*s.ids, *extra})), s.at, s.since)
+            ids = {*s.ids, *(int(j) for j in chosen if j < s.at)}
+            self.state = State(tuple(sorted(ids)), s.at, s.since)
 
     def forget(self, blocks: int) -> None:
         """Blocks from ``blocks`` on are gone (a rollback): behind the last scan's, the

@@ -152,6 +152,11 @@ def block_scores(selector: str, queries: list[np.ndarray], store, summaries, fir
     ``candidates`` (``quest`` and ``mean``, block numbers ascending): score those
     alone, the softmax over them, the rest ``-inf`` (``mlx_stream.recall.reuse``)."""
     nb = len(first)
+    if candidates is not None:  # only their own tokens read: the refresh stays off O(nb)
+        part = np.array([first[j] >= block for j in candidates], bool)
+        out = np.full(nb, -np.inf)
+        out[candidates] = _summary_scores(selector, queries, summaries, candidates, scale, part)
+        return out
     empty = np.array([f >= block for f in first])
     if selector in ("exact", "token"):
         blocks = [j for j in range(nb) if not empty[j]]
@@ -164,14 +169,14 @@ def block_scores(selector: str, queries: list[np.ndarray], store, summaries, fir
         return total
     if selector == "quest" and isinstance(summaries, index.Indexed) and summaries.searches_quest:
         return summaries.search(queries, nb, empty, scale)
-    blocks = nb if candidates is None else candidates
-    part = empty if candidates is None else empty[candidates]
-    total = np.zeros(len(part))
+    return _summary_scores(selector, queries, summaries, nb, scale, empty)
+
+
+def _summary_scores(selector: str, queries: list[np.ndarray], summaries, blocks, scale: float,
+                    empty: np.ndarray) -> np.ndarray:  # fmt: skip
+    """The sum over layers of ``select.layer_scores_summary`` for ``blocks`` (a count or
+    block numbers), ``-inf`` where ``empty``."""
+    total = np.zeros(len(empty))
     for i, q in enumerate(queries):
-        total += select.layer_scores_summary(q, summaries, i, blocks, selector, scale, part)
-    total = np.where(part, -np.inf, total)
-    if candidates is None:
-        return total
-    out = np.full(nb, -np.inf)
-    out[candidates] = total
-    return out
+        total += select.layer_scores_summary(q, summaries, i, blocks, selector, scale, empty)
+    return np.where(empty, -np.inf, total)
