@@ -41,6 +41,16 @@ def test_attention(monkeypatch, tmp_path, tiny_model_dir):
     assert "| sink-bool | 100 |" in load_script("tables", monkeypatch).attention_tables(lines)
 
 
+def test_prefill_attention(monkeypatch, tmp_path, tiny_model_dir):
+    *rows, summary = run("prefill_attention", monkeypatch, tmp_path, tiny_model_dir)
+    assert [r["keys"] for r in rows] == [36, 72] and summary["summary"]
+    for r in rows:
+        parts = ("sdpa", "qk", "softmax", "pv", "exp_mlx", "exp_numpy")
+        assert all(r[f"{p}_ms"] > 0 for p in parts)
+        assert abs(r["softmax_share"] - r["softmax_ms"] / r["sdpa_ms"]) < 0.01  # rounded ms
+    assert abs(summary["sdpa_72_over_36"] - rows[1]["sdpa_ms"] / rows[0]["sdpa_ms"]) < 0.01
+
+
 def test_decode_across_windows(monkeypatch, tmp_path, tiny_model_dir):
     # head_dim 16: the 8-bit cache's group size cannot divide it, float caches only here
     lines = run("decode", monkeypatch, tmp_path, tiny_model_dir, "--windows", "16,32",
