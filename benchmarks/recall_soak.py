@@ -89,11 +89,14 @@ class Sampler:
         from mlx_stream.recall import select
 
         tier = self.tier
-        tier.summaries.searching = False
+        tree = hasattr(tier.summaries, "searching")  # the tree index: off for this scan
+        if tree:
+            tier.summaries.searching = False
         try:
             flat = tier.scores(point)
         finally:
-            tier.summaries.searching = True
+            if tree:
+                tier.summaries.searching = True
         if flat is not None:
             want = select.top_k(flat, tier.spec.blocks)
             self.compared += 1

@@ -140,10 +140,7 @@ class Summaries(Spill):
             a = max(0, start - index * INDEX_SEGMENT)
             n = min(INDEX_SEGMENT, blocks - index * INDEX_SEGMENT)
             parts.append(seg.rows(a, n) if isinstance(seg, FileArray) else seg[a:n])
-        if not parts:
-            return np.zeros((0, *self.shape[:2]), np.float32)
-        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return _float32(raw, mx.float32 if kind == "mean" else self.shape[2])
+        return self._joined(kind, parts)
 
     def rows(self, kind: str, layer: int, ids: np.ndarray) -> np.ndarray:
         """``kind`` of blocks ``ids`` (ascending) of ``layer``, float32 ``(len(ids), H,
@@ -160,6 +157,12 @@ class Summaries(Spill):
                 continue
             for run in np.split(local, np.flatnonzero(np.diff(local) != 1) + 1):
                 parts.append(seg.rows(int(run[0]), int(run[-1]) + 1))
+        return self._joined(kind, parts)
+
+    def _joined(self, kind: str, parts: list) -> np.ndarray:
+        """Rows read from segments, as one float32 ``(rows, H, D)`` array."""
+        if not parts:
+            return np.zeros((0, *self.shape[:2]), np.float32)
         raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return _float32(raw, mx.float32 if kind == "mean" else self.shape[2])
 
