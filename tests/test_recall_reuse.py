@@ -51,24 +51,6 @@ def test_the_shortlist_scans_once_per_rescan_and_reads_its_best_and_the_new_betw
     assert (short.scans, short.reuses) == (2, 2)
 
 
-def test_a_shared_shortlist_keeps_a_fixed_part_of_a_growing_store():
-    short = Shortlist(size=2, rescan=2, share=4)
-    short.scored(np.arange(6.0), full=True)  # 6 blocks: 2 kept (the floor)
-    assert short.candidates(6).tolist() == [4, 5]
-    short.scored(np.zeros(6), full=False)
-    short.scored(np.arange(21.0), full=True)  # 21 blocks: ceil(21 / 4) = 6 kept
-    assert short.candidates(21).tolist() == list(range(15, 21))
-
-
-def test_the_default_shortlist_grows_with_the_store_and_a_given_one_does_not(tiny_llama):
-    default = tier_of(recall_cache(tiny_llama, index="reuse")).shortlist
-    given = tier_of(recall_cache(tiny_llama, index="reuse", shortlist=6)).shortlist
-    total = np.arange(2000.0)
-    for short in (default, given):
-        short.scored(total, full=True)
-    assert len(default.state.ids) == 2000 // 8 and len(given.state.ids) == 6
-
-
 def test_blocks_another_selector_chose_join_the_shortlist_until_the_next_scan():
     short = Shortlist(size=2, rescan=4)
     short.include([3])  # nothing scanned yet: nothing to join

@@ -5,12 +5,10 @@ block's queries, once per block: O(stored blocks) each time, the part of a long
 stream's time that grows with it. Consecutive blocks' queries mostly pick the same
 blocks (TokenSelect's selection cache and Quest's reuse across steps rest on the same
 observation), so with this index only every ``rescan``-th refresh scores every block;
-it keeps the ``size`` best (by default at least one in ``SHARE`` of the blocks stored:
-a fixed number held the flat scan's choice less and less often as the store grew), and
-the refreshes in between score those plus every block stored since that scan, the
-softmax over them alone. Each refresh then costs ``size + blocks stored since`` and one
-in ``rescan`` the flat scan's: the stream's time still grows with it, about
-``1 / SHARE + 1 / rescan`` of the flat scan's. A rollback behind the scan leaves
+it keeps the ``size`` best, and the refreshes in between score those plus every block
+stored since that scan, the softmax over them alone. Each refresh then costs
+``size + blocks stored since`` and one in ``rescan`` the flat scan's: the stream's
+time still grows with it, ``rescan`` times slower. A rollback behind the scan leaves
 the next refresh to scan; the blocks a prompt's end chooses (its own selector, over
 every block) join the shortlist, so the question's choice stays a candidate.
 
@@ -25,9 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-#: The default shortlist keeps at least one in this many of the blocks a scan scored.
-SHARE = 8
 
 
 @dataclass(frozen=True)
@@ -44,15 +39,13 @@ class Shortlist:
     """What the next refresh scores (see the module docstring).
 
     Args:
-        size (int): Blocks a full scan keeps (at least, with ``share``).
+        size (int): Blocks a full scan keeps.
         rescan (int): Every this many refreshes, one scans every block (``1``: all).
         state (State, optional): Where it stands (default: nothing scanned yet).
-        share (int): A full scan keeps at least one in this many of the blocks it
-            scored; ``0``: ``size`` alone. Default: ``0``.
     """
 
-    def __init__(self, size: int, rescan: int, state: State | None = None, share: int = 0):
-        self.size, self.rescan, self.share = int(size), int(rescan), int(share)
+    def __init__(self, size: int, rescan: int, state: State | None = None):
+        self.size, self.rescan = int(size), int(rescan)
         self.state = state
         self.scans = self.reuses = 0  # refreshes that scanned, that read the shortlist
 
@@ -69,8 +62,7 @@ class Shortlist:
         """Take a refresh's scores ``total`` (``-inf``: not a candidate); ``full``:
         it scored every block (keep its best ``size``)."""
         if full:
-            keep = max(self.size, -(-len(total) // self.share) if self.share else 0)
-            order = np.argsort(-total, kind="stable")[:keep]
+            order = np.argsort(-total, kind="stable")[: self.size]
             ids = tuple(sorted(int(j) for j in order if np.isfinite(total[j])))
             self.state = State(ids, len(total), 0)
             self.scans += 1

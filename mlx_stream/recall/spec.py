@@ -74,8 +74,7 @@ class RecallSpec:
             perplexity the flat scan's (benchmarks/README.md, "Refreshes between full
             scans").
         shortlist (int): Blocks the ``tree`` search reranks, or a ``reuse`` scan keeps;
-            ``0``: ``max(8 * blocks, 64)``, and for ``reuse`` at least an eighth of
-            the blocks stored (``mlx_stream.recall.reuse.SHARE``). Default: ``0``.
+            ``0``: ``max(8 * blocks, 64)``. Default: ``0``.
         rescan (int): A ``reuse`` index scans every block once per this many
             refreshes. Default: ``16``.
         expand (int): Superblocks one ``tree`` search expands at most (``0``: no cap).

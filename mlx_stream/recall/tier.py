@@ -69,9 +69,8 @@ class Recall:
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size,
                                 spec.ram_bytes - index_ram, spec.folder)  # fmt: skip
         self.summaries = index.summaries_for(spec, L, kinds, index_ram)
-        self.shortlist = reuse.Shortlist(
-            spec.shortlist or max(8 * spec.blocks, 64), spec.rescan,
-            share=0 if spec.shortlist else reuse.SHARE) if spec.index == "reuse" else None  # fmt: skip
+        self.shortlist = reuse.Shortlist(spec.shortlist or max(8 * spec.blocks, 64),
+                                         spec.rescan) if spec.index == "reuse" else None  # fmt: skip
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         # (refresh point, selection, hold): the last one is current; no boundary
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
