@@ -15,10 +15,9 @@ every block) join the shortlist, so the question's choice stays a candidate.
 Its selection is seldom the flat scan's between scans: the softmax over fewer blocks
 weighs the query rows differently, and as the store grows the flat scan's blocks fall
 out of a fixed shortlist more often (at 32k among the candidates on 99% of refreshes,
-at 128k on about half), while streaming perplexity stayed the flat scan's at 32k and
-a shortlist of an eighth of the store's at 128k (measured: benchmarks/README.md,
-"Refreshes between full scans"). Its state is a few hundred block numbers: host
-memory it does not count.
+at 128k on about half), while streaming perplexity stays the flat scan's (over 32k
+and over 128k; measured: benchmarks/README.md, "Refreshes between full scans"). Its
+state is a few hundred block numbers: host memory it does not count.
 """
 
 from __future__ import annotations
