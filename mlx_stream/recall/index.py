@@ -254,8 +254,7 @@ def _fold(top: np.ndarray, sums: np.ndarray, x: np.ndarray):
 def summaries_for(spec, layers: int, kinds: tuple[str, ...], ram_bytes: int) -> Summaries:
     """The tier's index of ``spec`` (a ``RecallSpec``): superblocks for ``"tree"``."""
     if spec.index == "tree":
-        shortlist = spec.shortlist or max(8 * spec.blocks, 64)
-        return Indexed(layers, kinds, ram_bytes, spec.folder, shortlist, spec.expand)
+        return Indexed(layers, kinds, ram_bytes, spec.folder, spec.shortlist_blocks, spec.expand)
     return Summaries(layers, kinds, ram_bytes, spec.folder)
 
 

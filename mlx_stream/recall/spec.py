@@ -108,6 +108,12 @@ class RecallSpec:
     expand: int = 0
     rescan: int = 16
 
+    @property
+    def shortlist_blocks(self) -> int:
+        """Blocks the ``tree`` search reranks or a ``reuse`` scan keeps (``shortlist``,
+        or its default)."""
+        return self.shortlist or max(8 * self.blocks, 64)
+
     def __post_init__(self) -> None:
         if self.blocks < 1:
             raise Unsupported(f"recall blocks must be at least 1 (got {self.blocks})")

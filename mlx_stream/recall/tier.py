@@ -69,8 +69,8 @@ class Recall:
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size,
                                 spec.ram_bytes - index_ram, spec.folder)  # fmt: skip
         self.summaries = index.summaries_for(spec, L, kinds, index_ram)
-        self.shortlist = reuse.Shortlist(spec.shortlist or max(8 * spec.blocks, 64),
-                                         spec.rescan) if spec.index == "reuse" else None  # fmt: skip
+        self.shortlist = reuse.Shortlist(spec.shortlist_blocks, spec.rescan) if (
+            spec.index == "reuse") else None  # fmt: skip
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         # (refresh point, selection, hold): the last one is current; no boundary
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
@@ -123,10 +123,12 @@ class Recall:
         shortlist (``index_scans``, ``index_reuses``)."""
         store, summaries = self.store, self.summaries
         (ram, disk), (iram, idisk) = store.used(), summaries.used()
-        tree = {"index_searches": summaries.searches, "index_capped": summaries.capped} if (
-            isinstance(summaries, index.Indexed)) else {}  # fmt: skip
-        if self.shortlist is not None:
-            tree = {"index_scans": self.shortlist.scans, "index_reuses": self.shortlist.reuses}
+        if isinstance(summaries, index.Indexed):
+            counters = {"index_searches": summaries.searches, "index_capped": summaries.capped}
+        elif self.shortlist is not None:
+            counters = {"index_scans": self.shortlist.scans, "index_reuses": self.shortlist.reuses}
+        else:
+            counters = {}
         return {
             "stored_blocks": self.stored,
             "recalled_blocks": len(self.selection),
@@ -140,7 +142,7 @@ class Recall:
             "disk_reserved_bytes": store.disk_bytes + summaries.disk_bytes,
             "region_bytes": self.device_nbytes,
             "refresh_seconds": round(self.refresh_seconds, 3),
-            **tree,
+            **counters,
         }
 
     @staticmethod
