@@ -196,9 +196,11 @@ class PrefixStore:
     def lookup(self, key: PrefixKey, model: Any = None) -> list | None:
         """The caches stored for ``key`` (fresh objects, the caller's own), or ``None``.
 
-        A file that does not load, whose stored key is not ``key`` or whose contents
-        do not match their digest is removed (if no writer replaced it meanwhile) and
-        ``None`` is returned: the caller computes the prefix again.
+        A file that does not load, whose header asks for caches other than ``key``'s
+        policy gives ``model`` (checked before any is built), whose stored key is not
+        ``key`` or whose contents do not match their digest is removed (if no writer
+        replaced it meanwhile) with one log line, and ``None`` is returned: the caller
+        computes the prefix again.
 
         Args:
             key: The entry's key.
@@ -212,7 +214,11 @@ class PrefixStore:
         except OSError:
             self.misses += 1
             return None
-        caches = self.read(path, key, model)
+        try:
+            caches = self.read(path, key, model)
+        except Exception as e:  # noqa: BLE001 - any unreadable entry is a miss, never an error
+            caches = None
+            logger.warning("prefix store: removed %s (%s)", path.name, " ".join(str(e).split()))
         if caches is None:
             self.misses += 1
             self.rejected += 1
@@ -223,24 +229,22 @@ class PrefixStore:
         self.hits += 1
         return caches
 
-    def read(self, path: Path, key: PrefixKey, model: Any) -> list | None:
-        """The caches of the entry at ``path``, or ``None`` where it is not a valid
-        entry for ``key`` (unreadable, another key, a digest or policy mismatch)."""
+    def read(self, path: Path, key: PrefixKey, model: Any) -> list:
+        """The caches of the entry at ``path``; an exception saying why where it is
+        not a valid entry for ``key`` (unreadable, a header that is not a cache of
+        ``model`` under ``key``'s policy, another key, a digest mismatch)."""
         from mlx_stream.cache.sink import load_cache
 
-        try:
-            caches, meta = load_cache(path, model, None)
-            if meta.get(KEY_FIELD) != key.to_json():
-                return None
-            if meta.get(DIGEST_FIELD) != state_digest(caches, key):
-                return None
-        except Exception:  # noqa: BLE001 - any unreadable entry is a miss, never an error
-            return None
         cache = json.loads(key.cache)
+        caches, meta = load_cache(path, model, None, expect=cache)
+        if meta.get(KEY_FIELD) != key.to_json():
+            raise ValueError("another key")
+        if meta.get(DIGEST_FIELD) != state_digest(caches, key):
+            raise ValueError("its arrays do not match their digest")
         for c in caches:
             spec = getattr(c, "spec", None)
             if spec is not None and spec.to_json() != cache:
-                return None
+                raise ValueError("another cache policy")
         return caches
 
     def _remove_if_unchanged(self, path: Path, before: os.stat_result) -> None:

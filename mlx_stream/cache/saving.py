@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache import extension
+from mlx_stream.cache.header import check_layers
 from mlx_stream.cache.layer import SinkCache
 from mlx_stream.cache.positions import check_model
 from mlx_stream.errors import Unsupported
@@ -94,8 +95,10 @@ def save_cache(
 
 
 def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
-               recall: Any = "saved") -> tuple[list, dict]:  # fmt: skip
-    """Load a prompt cache saved by ``save_cache`` (its recall tier too).
+               recall: Any = "saved", expect: dict | None = None) -> tuple[list, dict]:  # fmt: skip
+    """Load a prompt cache saved by ``save_cache`` (its recall tier too). Its header is
+    checked before any cache is built (``mlx_stream.cache.header``): a file asking for
+    caches the model would not have, or more memory than there is, is refused.
 
     Args:
         path: The file.
@@ -106,6 +109,8 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
             ``None``: the run has no recall (a file with a tier is refused);
             ``"saved"``: whatever the file holds (a tier's store then lives in a
             temporary folder). Default: ``"saved"``.
+        expect (dict, optional): Cache settings (``CacheSpec.to_json``'s form) every
+            SinkCache of the file must have.
 
     Returns:
         tuple: ``(caches, metadata)``.
@@ -113,6 +118,7 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
     Raises:
         UserError: The recall tier is missing, changed or made with other settings
             than ``recall``.
+        Unsupported: The header is not one of a cache of ``model`` (or ``expect``).
     """
     try:
         arrays, header = mx.load(str(path), format="safetensors", return_metadata=True)
@@ -120,7 +126,15 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
         raise Unsupported(f"{path} is not a readable cache file ({e})") from e
     if "mlx_stream" not in header:
         raise Unsupported(f"{path} is not an mlx-stream cache file")
-    layers = json.loads(header.pop("mlx_stream"))["layers"]
+    try:
+        layers = json.loads(header.pop("mlx_stream"))["layers"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise Unsupported(f"{path} has no readable layer list ({e})") from e
+    raw = mlx_cache.make_prompt_cache(model) if model is not None else None
+    try:
+        check_layers(layers, arrays, model, None if raw is None else len(raw), expect)
+    except Unsupported as e:
+        raise Unsupported(f"{path}: {e}") from None
     settings = {"recall": recall}
     bindings = {ext: header.pop(ext.key, None) for ext in extension.registered()}
     missing = [n for n, key in extension.SHIPPED_KEYS.items() if key in header]
@@ -130,7 +144,6 @@ def load_cache(path: str | os.PathLike, model: nn.Module | None = None,
         )
     for ext, binding in bindings.items():
         ext.admit(path, binding, settings.get(ext.name, "saved"), model)
-    raw = mlx_cache.make_prompt_cache(model) if model is not None else None
     verdict = check_model(model, raw) if model is not None else None
     moving = any(
         layer["class"] == "SinkCache" and (layer["meta"] or {}).get("positions") == "cache"
