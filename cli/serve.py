@@ -11,7 +11,10 @@ from typing import Annotated
 import typer
 
 from mlx_stream.defaults import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_TOKENS_CEILING,
     DEFAULT_REPAIR_TOKENS,
     DEFAULT_SERVE_MAX_TOKENS,
     DEFAULT_STOP_LOOPS,
@@ -42,8 +45,9 @@ MemoryBudget = Annotated[
     str,
     typer.Option(
         "--memory-budget",
-        help="Bytes for weights + sessions (e.g. 2GB, 512MiB), or 'auto' (75% of memory). "
-        "A session that does not fit evicts an idle one to disk, or gets 429.",
+        help="Bytes for weights + sessions (e.g. 2GB, 512MiB), or 'auto' (the weights and 8 "
+        "sessions at the full window, at most 75% of memory). A session that does not fit "
+        "evicts an idle one to disk, or gets 429.",
     ),
 ]
 MaxSessions = Annotated[
@@ -144,7 +148,39 @@ MaxTokensCeiling = Annotated[
     typer.Option(
         "--max-tokens-ceiling",
         help="Cap every request's max_tokens at this (said in the X-Max-Tokens-Ceiling "
-        "response header and the log). Default: a request's own value is served.",
+        "response header and the log); 0: no cap.",
+    ),
+]
+CorsOrigin = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--cors-origin",
+        help="A web page's origin (https://app.example:3000) that may call this server "
+        "from a browser (repeatable; '*': any site, which lets every page you open use "
+        "it). Default: only the chat page served here.",
+    ),
+]
+AllowedHost = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allowed-host",
+        help="A Host name requests may be sent to besides 127.0.0.1, localhost, [::1] and "
+        "--host (repeatable; '*': any). Others get 421 (DNS rebinding).",
+    ),
+]
+MaxConnections = Annotated[
+    int,
+    typer.Option(
+        "--max-connections",
+        help="Most open connections; one more closes the oldest that has not sent its "
+        "headers, or gets 503 when all are busy.",
+    ),
+]
+HeaderTimeout = Annotated[
+    float,
+    typer.Option(
+        "--header-timeout",
+        help="Seconds a connection has to send a request's line and headers.",
     ),
 ]
 MaxPromptTokens = Annotated[
@@ -211,7 +247,7 @@ def serve(
     window: ServeWindow = None,
     keep_system: KeepSystem = True,
     max_tokens: ServeMaxTokens = DEFAULT_SERVE_MAX_TOKENS,
-    max_tokens_ceiling: MaxTokensCeiling = None,
+    max_tokens_ceiling: MaxTokensCeiling = DEFAULT_MAX_TOKENS_CEILING,
     max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
     memory_budget: MemoryBudget = "auto",
     max_sessions: MaxSessions = None,
@@ -243,6 +279,10 @@ def serve(
     no_prefix_store: opt.NoPrefixStore = False,
     repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
     stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
+    cors_origin: CorsOrigin = None,
+    allowed_host: AllowedHost = None,
+    max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
+    header_timeout: HeaderTimeout = DEFAULT_HEADER_TIMEOUT,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -272,7 +312,11 @@ def serve(
     temperature gets exactly the sampling it asks for (0: greedy).
     """
     check_positive(max_tokens, "--max-tokens")
-    check_positive(max_tokens_ceiling, "--max-tokens-ceiling")
+    check_positive(max_tokens_ceiling, "--max-tokens-ceiling", 0)
+    max_tokens_ceiling = max_tokens_ceiling or None
+    check_positive(max_connections, "--max-connections")
+    if not header_timeout > 0:
+        fail(f"--header-timeout must be more than 0 seconds (got {header_timeout})")
     if stop_loops and stop_loops < LOOP_REPEATS:
         fail(f"--stop-loops must be 0 (off) or at least {LOOP_REPEATS} tokens, not {stop_loops}")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
@@ -294,6 +338,16 @@ def serve(
     keys = ([api_key.strip()] if api_key is not None else []) + (
         read_api_keys(api_keys) if api_keys is not None else []
     )
+    from mlx_stream.serve.guard import LOOPBACK, Browsers, host_name
+
+    browsers = Browsers.make(host, allowed_host or (), cors_origin or (), keyed=bool(keys))
+    if host_name(host) not in LOOPBACK and not keys:
+        stderr_console().print(
+            f"warning: --host {host} without --api-key: anyone who can reach this port "
+            "may use the model and read its sessions (a Host other than this machine's "
+            "loopback names or an --allowed-host gets 421)",
+            style="yellow", highlight=False, soft_wrap=True,
+        )  # fmt: skip
     if state_dir is not None and not state_dir.is_dir():
         fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
     if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
@@ -323,14 +377,15 @@ def serve(
     import uvicorn
 
     from mlx_stream.generate.session import Settings
+    from mlx_stream.serve.admission import auto_budget, window_for
     from mlx_stream.serve.app import create_app
     from mlx_stream.serve.engine import Engine
 
     if window is None:  # from the model's context and the budget, not the registry's
-        from mlx_stream.serve.admission import window_for
-
         context = getattr(spec, "context", None)
         cache = cache.replace(window=window_for(target, context, cache, budget))
+    if budget is None and recall_policy is None and cluster is None:
+        budget = auto_budget(target, cache)  # a few sessions, not the whole machine
     cache = cache.replace(recall=recall_policy)
     from mlx_stream.generate.model_config import end_of_turn_tokens
 
@@ -367,10 +422,15 @@ def serve(
             highlight=False,
             soft_wrap=True,
         )
+        from mlx_stream.serve.transport import protocol
+
+        app = create_app(engine, api_keys=keys, aliases=aliases, quiet=quiet, ui=not no_ui,
+                         browsers=browsers)  # fmt: skip
         config = uvicorn.Config(
-            create_app(engine, api_keys=keys, aliases=aliases, quiet=quiet, ui=not no_ui),
+            app,
             host=host,
             port=port,
+            http=protocol(header_timeout, max_connections),
             log_level="warning",
             access_log=False,  # ours (mlx_stream.serve.accesslog) replaces uvicorn's
             timeout_graceful_shutdown=5,  # seconds, then open connections are cut

@@ -24,6 +24,9 @@ DEFAULT_MAX_TOKENS = 256
 # answer (a cut reply reads to an agent as a failed turn), still an end for a model that
 # never stops.
 DEFAULT_SERVE_MAX_TOKENS = 4096
+# The most any server request may ask for (serve --max-tokens-ceiling; 0: none): 8x the
+# default, room for any real answer, an end for a client asking 10^30 of CPU time.
+DEFAULT_MAX_TOKENS_CEILING = 32768
 DEFAULT_NUM_DRAFT_TOKENS = 3
 # chat and serve end a reply whose last this-many tokens repeat one span at least four
 # times (mlx_stream.generate.loops): a small model's loop would otherwise run to
@@ -42,6 +45,10 @@ DEFAULT_MAX_PROMPT_TOKENS = 262144
 # the rest flows through the window. An agent's prompt runs to 6-20k tokens: its head
 # (who the assistant is, the rules) stays, its tool list streams by and recall keeps it.
 DEFAULT_PIN_TOKENS = 1024
+# serve's connections (mlx_stream.serve.transport): seconds a request line and its
+# headers may take, and connections open at once (open-file limits are often 1,024).
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_MAX_CONNECTIONS = 256
 
 # Reclaiming MLX's buffer pool (mlx_stream.cache.reclaim).
 DEFAULT_RECLAIM_EVERY = 256

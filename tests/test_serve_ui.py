@@ -413,7 +413,8 @@ def test_a_429_says_when_to_retry(driver, server):
     body = {"model": "default", "stream": True, "max_tokens": 3000,
             "logit_bias": {"1": -100, "2": -100, "3": -100}, "messages": [{"role": "user", "content": "go"}]}  # fmt: skip
     hog.request("POST", "/v1/chat/completions", json.dumps(body),
-                {"Authorization": f"Bearer {KEY}", "X-Session-ID": "hog"})  # fmt: skip
+                {"Authorization": f"Bearer {KEY}", "X-Session-ID": "hog",
+                 "Content-Type": "application/json"})  # fmt: skip
     response = hog.getresponse()
     assert response.status == 200
     response.fp.readline()  # the first event: it runs

@@ -363,16 +363,27 @@ def test_bad_logprobs_requests_are_400(server, path, extra, field):
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
-def test_a_json_body_sent_as_a_form_is_read_as_json(server):
-    """``curl -d`` labels its body application/x-www-form-urlencoded."""
+def test_a_body_not_sent_as_json_is_415(server):
+    """A web page can POST text/plain, a form or an untyped body to any site without a
+    preflight: only ``application/json`` is read (``curl -d`` needs its header)."""
     body = json.dumps({"messages": HI, "max_tokens": 2}).encode()
     for kind in ("application/x-www-form-urlencoded", "text/plain", None):
         headers = {"content-type": kind} if kind else {}
         req = urllib.request.Request(
             server.url + "/v1/chat/completions", data=body, method="POST", headers=headers
         )
-        with urllib.request.urlopen(req, timeout=30) as r:
-            assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 415
+        assert (
+            "Content-Type: application/json" in json.loads(refused.value.read())["error"]["message"]
+        )
+    typed = {"content-type": "application/json; charset=utf-8"}
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions", data=body, method="POST", headers=typed
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"]
 
 
 def test_an_api_key_guards_the_v1_routes_and_not_health(tiny_model_dir):

@@ -27,6 +27,26 @@ PROGRESS_EVERY = 10.0  # seconds between prefill progress lines of one request
 LOOP_NOTE = "stopped a loop: the reply repeated one span (--stop-loops)"
 
 
+# C0 and C1 control characters, DEL, line separators and bidi overrides: a request's
+# path or names must not end a log line (``%0a`` forging one), reach the operator's
+# terminal (``ESC[...``) or reorder what it shows.
+_UNSAFE = (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F))
+_CONTROL = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in _UNSAFE}
+_CONTROL.update({c: f"\\u{c:04x}" for c in range(0x2066, 0x206A)})
+_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def clean(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\n``, ``\\x1b``):
+    what anything taken from a request reads as in a log line."""
+    return text.translate(_CONTROL)
+
+
+def _cleaned(out):
+    """``out`` writing each line :func:`clean`: one request, one line."""
+    return lambda line: out(clean(line))
+
+
 def write(line: str) -> None:
     """One line to stderr (looked up at each call: tests capture it)."""
     sys.stderr.write(line + "\n")
@@ -47,7 +67,7 @@ class Record:
     def __init__(self, method: str, path: str, started: float | None = None, out=None):
         self.method, self.path = method, path
         self.started = time.monotonic() if started is None else started
-        self.out = out or write
+        self.out = _cleaned(out or write)
         self.status: int | None = None
         self.engine = False  # an engine request started (its fields below are known)
         self.session: str | None = None

@@ -194,21 +194,49 @@ def default_window(
     return max(MIN_WINDOW, window // stride * stride)
 
 
+def token_bytes(model: Any, cache: Any) -> int:
+    """Bytes one token takes in a session's caches of ``model`` under the ``cache``
+    policy (its KV quantization); 0 for a model without unbounded KV layers."""
+    from mlx_stream.cache.estimate import cache_bytes, model_layout
+
+    layout, probe = model_layout(model), 1024
+    if layout is None:
+        return 0
+    quant = {"kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group_size,
+             "key_bits": cache.key_bits}  # fmt: skip
+    return cache_bytes(layout, 0, probe, **quant) // probe
+
+
 def window_for(model: Any, context: int | None, cache: Any, budget: int | None) -> int:
     """:func:`default_window` of a loaded ``model`` under the ``cache`` policy (its KV
     quantization) and ``budget`` (default: 75% of the machine, as :class:`Admission`);
     ``context`` defaults to the model's ``max_position_embeddings``."""
-    from mlx_stream.cache.estimate import cache_bytes, model_layout
     from mlx_stream.defaults import DEFAULT_PIN_TOKENS
 
     args = getattr(model, "args", None)
     context = context or getattr(args, "max_position_embeddings", None)
-    layout, probe = model_layout(model), 1024
-    token_bytes = 0
-    if layout is not None:
-        quant = {"kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group_size,
-                 "key_bits": cache.key_bits}  # fmt: skip
-        token_bytes = cache_bytes(layout, 0, probe, **quant) // probe
     budget = budget or int(physical_memory() * 0.75) or 1 << 62
     free = max(0, budget - weights_bytes(model))
-    return default_window(context, token_bytes, free, DEFAULT_PIN_TOKENS, cache.stride)
+    per = token_bytes(model, cache)
+    return default_window(context, per, free, DEFAULT_PIN_TOKENS, cache.stride)
+
+
+AUTO_SESSIONS = 8  # sessions (with checkpoints) the default budget holds at the full window
+AUTO_SNAPSHOTS = 2  # and shared system-prompt snapshots
+
+
+def auto_budget(model: Any, cache: Any, sessions: int = AUTO_SESSIONS) -> int | None:
+    """``serve --memory-budget auto``: the weights and ``sessions`` sessions of
+    ``cache``'s window with a full pinned system prompt, each with its checkpoint, and
+    :data:`AUTO_SNAPSHOTS` snapshots, at most 75% of the machine (a few clients never
+    take the machine; more sessions evict idle ones to disk). ``None`` when the bytes of
+    a token are unknown (75% of the machine then, as :class:`Admission`)."""
+    from mlx_stream.defaults import DEFAULT_PIN_TOKENS
+
+    per = token_bytes(model, cache)
+    if per <= 0:
+        return None
+    session = (cache.sinks + DEFAULT_PIN_TOKENS + cache.window) * per
+    want = weights_bytes(model) + (2 * sessions + AUTO_SNAPSHOTS) * session
+    machine = int(physical_memory() * 0.75)
+    return min(want, machine) if machine else want

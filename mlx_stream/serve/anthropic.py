@@ -32,7 +32,9 @@ events back into Anthropic's shapes:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -51,6 +53,8 @@ KINDS = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
     529: "overloaded_error",
 }
@@ -321,9 +325,20 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
     async def count_tokens(body: CountRequest):
         try:
             fields = to_engine(body)
-            return {"input_tokens": count(engine, fields["messages"], fields["tools"])}
+            # a few MB of text take seconds: off the event loop, one count at a time
+            n = await asyncio.to_thread(count_alone, engine, fields["messages"], fields["tools"])
+            return {"input_tokens": n}
         except UserError as exc:
             return error(400, str(exc))
+
+
+_COUNTING = threading.Lock()
+
+
+def count_alone(engine: Any, messages: list[dict], tools: list[dict] | None) -> int:
+    """:func:`count` on any thread, one at a time (a tokenizer is shared)."""
+    with _COUNTING:
+        return count(engine, messages, tools)
 
 
 def count(engine: Any, messages: list[dict], tools: list[dict] | None) -> int:

@@ -34,6 +34,7 @@ from mlx_stream.serve.fields import (
     sampling_args,
     session_header,
 )
+from mlx_stream.serve.guard import BrowserGuard, Browsers, JsonOnly
 from mlx_stream.serve.logprobs import MAX_TOP
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
@@ -146,8 +147,11 @@ def error(status: int, message: str, param: str | None = None, headers=None) -> 
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
+        421: "invalid_request_error",
         429: "rate_limit_error",
     }.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
@@ -235,31 +239,36 @@ def read_api_keys(path) -> list[str]:
 class ApiKeys:
     """401 for a request without ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``,
     what Anthropic's clients send) naming one of ``keys`` (compared in constant time);
-    ``/health`` stays open for probes. The key's owner
+    ``/health`` stays open for probes (saying more with a key). The key's owner
     (:func:`owner_of_key`) goes with the request: each key has its own sessions."""
 
     def __init__(self, app, keys: list[str]):
         self.app = app
         self.keys = [(k.encode(), owner_of_key(k)) for k in keys]
 
+    def owner(self, headers: dict) -> str | None:
+        """The owner of the key ``headers`` carry, or ``None``."""
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        token, keyed = token.strip(), headers.get(b"x-api-key", b"").strip()
+        owner = None
+        for key, name in self.keys:  # every key compared: the time says nothing
+            if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
+                owner = name
+            if hmac.compare_digest(keyed, key):  # Anthropic's clients send x-api-key
+                owner = name
+        return owner
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "") != "/health":
-            headers = dict(scope.get("headers") or [])
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            token, keyed = token.strip(), headers.get(b"x-api-key", b"").strip()
-            owner = None
-            for key, name in self.keys:  # every key compared: the time says nothing
-                if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
-                    owner = name
-                if hmac.compare_digest(keyed, key):  # Anthropic's clients send x-api-key
-                    owner = name
-            if owner is None:
+        if scope["type"] == "http":
+            owner = self.owner(dict(scope.get("headers") or []))
+            if owner is None and scope.get("path", "") != "/health":
                 message = (
                     "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
                 )
                 response = error_at(scope["path"], 401, message)
                 return await response(scope, receive, send)
-            scope = {**scope, "state": {**scope.get("state", {}), "owner": owner}}
+            if owner is not None:
+                scope = {**scope, "state": {**scope.get("state", {}), "owner": owner}}
         return await self.app(scope, receive, send)
 
 
@@ -284,21 +293,6 @@ class AddHeader:
         return await self.app(scope, receive, with_header)
 
 
-class JsonBody:
-    """Read every POST body as JSON, whatever its Content-Type says: ``curl -d`` sends
-    form-encoded by default, and a JSON body read as a form is a confusing 400 (the
-    OpenAI API takes JSON only, as mlx-lm's and llama.cpp's servers do)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        return await self.app(scope, receive, send)
-
-
 # -------------------------------------------------------------------------- app
 
 
@@ -309,6 +303,7 @@ def create_app(
     aliases: tuple[str, ...] = (),
     quiet: bool = False,
     ui: bool = True,
+    browsers: Browsers | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_keys``, every
     route but ``/health`` answers only requests that carry ``Authorization: Bearer KEY``
@@ -316,9 +311,11 @@ def create_app(
     be the served id, ``default`` or one of ``aliases`` (the model's registry name and
     Hugging Face id). Unless ``quiet``, each request writes a line to stderr
     (:mod:`mlx_stream.serve.accesslog`). With ``ui``, ``GET /`` is the chat page
-    (:mod:`mlx_stream.serve.page`, open without a key: it asks for one)."""
+    (:mod:`mlx_stream.serve.page`, open without a key: it asks for one). With
+    ``browsers``, a request from another site or to another ``Host`` is refused
+    (:mod:`mlx_stream.serve.guard`; the CLI always gives one)."""
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
-    app.add_middleware(JsonBody)
+    app.add_middleware(JsonOnly, refuse=error_at)
     app.add_middleware(BodyLimit, limit=max_body)
     if api_keys:
         app.add_middleware(ApiKeys, keys=list(api_keys))
@@ -329,6 +326,8 @@ def create_app(
         from mlx_stream.serve.page import Page
 
         app.add_middleware(Page)
+    if browsers is not None:  # outside the key check: a preflight carries no key
+        app.add_middleware(BrowserGuard, browsers=browsers, refuse=error_at)
     if not quiet:  # last: outermost, so the refusals above are logged too
         app.add_middleware(AccessLog)
     names = {engine.model_id, "default", *aliases}
@@ -355,7 +354,9 @@ def create_app(
         return JSONResponse(None)
 
     @app.get("/health")
-    async def health():
+    async def health(http: Request):
+        if api_keys and "owner" not in (http.scope.get("state") or {}):
+            return {"status": "ok"}  # the model and the memory only to a key's holder
         return {"status": "ok", "model": engine.model_id, **engine.stats.get("memory", {})}
 
     @app.get("/v1/models")
