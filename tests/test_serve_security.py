@@ -374,3 +374,16 @@ def test_a_name_rebound_to_this_machine_reads_nothing_in_chromium(server, chromi
     chromium.get(f"http://rebound.test:{server.port}/v1/sessions")
     text = chromium.find_element("tag name", "body").text
     assert "--allowed-host" in text and '"data"' not in text, text
+
+
+def test_the_default_budget_holds_a_few_sessions_not_the_machine(server, loaded):
+    from mlx_stream.cache import CacheSpec
+    from mlx_stream.defaults import DEFAULT_PIN_TOKENS
+    from mlx_stream.serve import admission
+
+    model, _ = loaded
+    per = admission.token_bytes(model, CacheSpec(sinks=4, window=64))
+    session = (4 + DEFAULT_PIN_TOKENS + 64) * per
+    want = admission.weights_bytes(model) + (2 * admission.AUTO_SESSIONS + 2) * session
+    assert server.get("/health")["budget_bytes"] == want  # --window 64, --memory-budget auto
+    assert want < admission.physical_memory() * 0.75
