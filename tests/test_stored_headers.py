@@ -104,6 +104,26 @@ CHILD = textwrap.dedent(
     shutil.copy(folder + "/pristine", path)
     results["pristine"] = ps.PrefixStore(folder + "/store").lookup(key, model) is not None
     make_session(model, tokenizer).load(folder + "/chat")
+
+    # a stream-run checkpoint, through the same loader
+    from mlx_stream import checkpoint as ckpt
+    from mlx_stream.cache.sink import make_sink_cache
+
+    caches = make_sink_cache(model, sinks=4, window=32)
+    model(mx.array([tiny.random_tokens(50)]), cache=caches)
+    identity = {{"model": "tiny", "sinks": 4, "window": 32, "positions": "cache"}}
+    saved = folder + "/run.safetensors"
+    ckpt.save(saved, caches, {{"position": 50}}, identity)
+    shutil.copy(saved, folder + "/run.copy")
+    ckpt.load(saved, model)
+    for case in ("window_1e8", "heads_x50", "layers_x1000"):
+        shutil.copy(folder + "/run.copy", saved)
+        rewrite(saved, case)
+        try:
+            ckpt.load(saved, model)
+            results["checkpoint " + case] = "loaded"
+        except UserError as e:
+            results["checkpoint " + case] = str(e)
     print(json.dumps(results), flush=True)
     """
 )
@@ -120,6 +140,9 @@ def test_a_hostile_header_is_a_miss_removed_and_never_allocated(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]  # a segfault is -11
     results = json.loads(p.stdout.strip().splitlines()[-1])
     assert results.pop("pristine") is True  # the untouched entry and session load
+    for case in ("window_1e8", "heads_x50", "layers_x1000"):
+        said = results.pop("checkpoint " + case)
+        assert said != "loaded" and "\n" not in said, (case, said)
     for case, r in results.items():
         assert r["miss"] and r["removed"] and r["rejected"] == 1, (case, r)
         if case != "window_other":  # a session may load another window: its own file
