@@ -155,6 +155,7 @@ CorsOrigin = Annotated[
     list[str] | None,
     typer.Option(
         "--cors-origin",
+        metavar="ORIGIN",
         help="A web page's origin (https://app.example:3000) that may call this server "
         "from a browser (repeatable; '*': any site, which lets every page you open use "
         "it). Default: only the chat page served here.",
@@ -164,6 +165,7 @@ AllowedHost = Annotated[
     list[str] | None,
     typer.Option(
         "--allowed-host",
+        metavar="NAME",
         help="A Host name requests may be sent to besides 127.0.0.1, localhost, [::1] and "
         "--host (repeatable; '*': any). Others get 421 (DNS rebinding).",
     ),
