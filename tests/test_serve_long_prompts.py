@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 
+from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
 from tests.support.engine import ask, make_engine, on_worker
 
 SYSTEM = "you are a captain of the sea " * 60  # ~360 tokens: far over a 64-token window
@@ -124,8 +125,29 @@ def test_a_first_request_with_a_history_is_fed_whole(loaded, tmp_path):
         assert progress and all(total == whole for _, total in progress)
         done = [d for d, _ in progress]
         assert done == sorted(done) and 0 < done[-1] <= whole
+        # read from the caches, not counted from polls: the last line says all but the
+        # prompt's last chunk (which goes in with the first token) is in
+        assert done[-1] >= whole - DEFAULT_PREFILL_CHUNK - 1, (done[-1], whole)
     finally:
         e.stop()
+
+
+def test_progress_is_what_the_caches_hold_not_a_count_of_polls():
+    from types import SimpleNamespace
+
+    from mlx_stream.serve.matching import Entry
+    from mlx_stream.serve.scheduler import Job, fed_so_far
+
+    layer = SimpleNamespace(tokens_seen=700, offset=0)
+    entry = Entry(id="x", system=None, session=SimpleNamespace(caches=[layer]))
+    job = Job(request=None, entry=entry, tokens=iter(()), cached=500, prompt=1000)
+    assert fed_so_far(job) == 200
+    layer.tokens_seen = 1900  # the window wrapped: tokens_seen still counts every token
+    assert fed_so_far(job) == 1000
+    job.cached = 2000  # a stored head read: cached grew past what the caches had counted
+    assert fed_so_far(job) == 0
+
+
 
 
 def test_over_max_prompt_tokens_in_all_is_413_and_leaves_no_session(loaded, tmp_path):

@@ -47,6 +47,10 @@ def _cleaned(out):
     return lambda line: out(clean(line))
 
 
+def _eta(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
 def write(line: str) -> None:
     """One line to stderr (looked up at each call: tests capture it)."""
     sys.stderr.write(line + "\n")
@@ -75,7 +79,20 @@ class Record:
         self.usage: dict | None = None
         self.notes: list[str] = []
         self.progressed = self.started  # when the last progress line was written
+        self.fed = 0  # prompt tokens in at that line
         self.done = False
+
+    def _progress(self, fed: int, total: int, now: float) -> str:
+        """A prefill progress line: the prompt tokens in (read from the caches), the
+        rate since the last line and the time left at that rate."""
+        line = (
+            f"{_clock()} {self.method} {self.path} prefill session={self.session or '-'} "
+            f"{fed:,}/{total:,} tokens"
+        )
+        rate = (fed - self.fed) / max(now - self.progressed, 1e-9)
+        if rate > 0 and fed < total:
+            line += f" · {rate:,.0f} tok/s · ~{_eta((total - fed) / rate)} left"
+        return line
 
     def event(self, event: tuple, now: float) -> None:
         """Take one engine event (on the event loop's thread)."""
@@ -93,11 +110,8 @@ class Record:
         elif kind == "error":
             self.notes.append(f"error {event[1]}: {event[2]}")
         elif kind == "prefill" and now - self.progressed >= PROGRESS_EVERY and not self.done:
-            self.progressed = now
-            self.out(
-                f"{_clock()} {self.method} {self.path} prefill session={self.session or '-'} "
-                f"{event[1]:,}/{event[2]:,} tokens"
-            )
+            self.out(self._progress(event[1], event[2], now))
+            self.progressed, self.fed = now, event[1]
 
     def line(self, now: float) -> str:
         parts = [_clock(), self.method, self.path, str(self.status or "-")]

@@ -90,9 +90,21 @@ class Job:
     sent: int = 0  # tokens its consumer got
     prompt: int = 0  # tokens its turn feeds
     head: int = 0  # of those, the system prompt's, fed before the turn (_head_first)
-    fed: int = 0  # of those, about how many went in (a prefill chunk per poll)
+    fed: int = 0  # of those, how many are in its caches (fed_so_far)
     repaired: Any = None  # the generate.repair.Repaired of an edit repaired first
     origin: Any = None  # the caller's Request (``request`` is the planned copy)
+
+
+def fed_so_far(job: Job) -> int:
+    """Tokens of ``job``'s prompt in its caches now: read from the caches (a poll may
+    come before its chunk ran, a chunk may be cut short by the window, the system
+    prompt's head may be read from the prefix store), never counted from polls."""
+    from mlx_stream.generate.session import cache_count
+
+    session = job.entry.session
+    if session is None or not session.caches:
+        return job.fed
+    return max(0, min(job.prompt, cache_count(session.caches) - job.cached))
 
 
 class Scheduler:
@@ -309,6 +321,9 @@ class Scheduler:
                 self._end(job, rollback=True)
                 return
             if job.batched and job.row is not None and not job.row.inbox and not ending:
+                if not job.row.joined and job.request.progress:  # still prefilling
+                    job.fed = fed_so_far(job)
+                    job.request.emit(("prefill", job.fed, job.prompt))
                 break  # its next token comes with the next batch step
             try:
                 response = next(job.tokens)
@@ -316,10 +331,8 @@ class Scheduler:
                 job.running = False
                 self._finish(job)
                 return
-            if response is None:  # a prefill chunk went in: the others' turn
-                from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
-
-                job.fed = min(job.prompt, job.fed + DEFAULT_PREFILL_CHUNK)
+            if response is None:  # a prefill chunk went in (or not yet): the others' turn
+                job.fed = fed_so_far(job)
                 if job.request.progress:
                     job.request.emit(("prefill", job.fed, job.prompt))
                 break
