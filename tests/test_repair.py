@@ -219,20 +219,36 @@ def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, m
     assert usage["prompt_tokens_details"]["cached_tokens"] == len(before[0])  # appended
 
 
-def test_serve_rebuilds_an_edit_reaching_the_window_past_its_first_eviction(engine):
+def edited_past_the_window(e, at: int) -> tuple[dict, tuple]:
+    """The start info and last event of a conversation resent with its message ``at``
+    (from the end) changed, past the window's first eviction."""
     from mlx_stream.serve.engine import Request
 
-    e = engine(window=24, repair_tokens=4)
     request = converse(e)
-    request[-2] = {"role": "user", "content": "a different recent question"}
+    request[at] = {**request[at], "content": "a different recent message"}
     events: queue.Queue = queue.Queue()
     e.submit(Request(emit=events.put, messages=request + [{"role": "user", "content": "so"}]))
     start = events.get(timeout=60)
     while (last := events.get(timeout=60))[0] not in ("end", "error"):
         pass
+    return start[1], last
+
+
+def test_serve_rebuilds_an_edit_reaching_the_window_past_its_first_eviction(engine):
+    # the reply before the last question: no checkpoint encodes what comes before it
+    start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -3)
     assert last[0] == "end" and "repaired_tokens" not in last[1]
     # why it was rebuilt goes to the access log with the request
-    assert start[1]["note"].startswith("edit rebuilt, not repaired: "), start
+    assert start["note"].startswith("edit rebuilt, not repaired: "), start
+
+
+def test_serve_resumes_an_edit_of_the_last_turn_past_its_first_eviction(engine):
+    """The checkpoint before the last turn encodes everything before the edit: the
+    session goes back to it and feeds the rest, not the whole transcript again."""
+    start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -2)
+    assert last[0] == "end" and last[1]["reused_tokens"] > 0, last
+    assert start["note"].startswith("edit resumed from the turn before, not repaired: ")
+    assert last[1]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_serve_keeps_a_session_whose_edit_is_among_evicted_tokens(engine):

@@ -38,6 +38,7 @@ class Repaired:
     recomputed: int
     moved: int
     shift: int
+    note: str = ""  # how it came about, for the server's log (``serve.sessions``)
 
     @property
     def reused(self) -> int:
@@ -122,7 +123,9 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
     tail = stop - shift  # the old index of the first token kept after the window
     tail = min(tail, n)  # n: nothing kept after the window (what follows it is pending)
     end = max(n, stop + n - tail)
-    why = splice.refusal(session.caches, end)
+    # Nothing old after the prefix (the new transcript extends the old one): the new
+    # tokens are only fed, as a turn's are, whatever the window has evicted.
+    why = splice.refusal(session.caches, end) if prefix < n or tail < n else None
     if why is not None:
         return why
     return Plan(tokens, fed_text, prefix, stop, tail, shift)

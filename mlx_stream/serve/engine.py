@@ -219,6 +219,7 @@ class Engine(Scheduler, Sessions):
         entry, mode, repaired = self._place(request, toolset, system, history, user)
         note = f"edit rebuilt, not repaired: {repaired}" if isinstance(repaired, str) else None
         repaired = None if note else repaired
+        note = note or getattr(repaired, "note", None)
         session = entry.session
         head = self._unfed_head(session)
         if head and self.recall is None and head in self.admission.snapshots:

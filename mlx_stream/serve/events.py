@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_stream.serve import accesslog
+from mlx_stream.serve.fields import session_header
 
 PING_EVERY = 5.0  # seconds between keepalive pings while a prompt goes in
 POLL_EVERY = 0.25  # seconds between checks that a whole reply's client is still there
@@ -59,6 +60,19 @@ class Job:
         self.events.put_nowait(event)
 
 
+AGENT_HEADERS = ("x-claude-code-session-id", "session-id")  # Claude Code's, Codex's
+
+
+def agent_key(headers: Any) -> str:
+    """The agent client's key for its session, from the headers it sends every
+    request (a malformed one is ignored: it only steers forking)."""
+    for name in AGENT_HEADERS:
+        value = headers.get(name)
+        if value and session_header(value) is None:
+            return value
+    return ""
+
+
 async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any, tuple]:
     """Submit an engine request with ``fields``; returns (job, request, first event).
 
@@ -70,6 +84,7 @@ async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any,
 
     if http is not None:
         fields.setdefault("owner", (http.scope.get("state") or {}).get("owner", ""))
+        fields.setdefault("agent", agent_key(http.headers))
     ceiling, asked = getattr(engine, "max_tokens_ceiling", None), fields.get("max_tokens")
     if ceiling is not None and asked is not None and asked > ceiling:
         note(http, f"max_tokens {asked} capped at --max-tokens-ceiling {ceiling}")

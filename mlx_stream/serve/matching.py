@@ -45,6 +45,10 @@ class Entry:
     transient: bool = False  # a plain completion: dropped when done
     owner: str = ""
     tools: Any = None  # its serve.tools.ToolSet (part of what a request must match)
+    agent: str = ""  # the agent client's session key of the requests that made it
+    # During a turn after a repaired edit: the state before the turn, the checkpoint
+    # once the turn has gone through (a failed one goes back to before the edit).
+    repaired: Checkpoint | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -145,16 +149,25 @@ def find(
         for entry in mine:
             if entry.system == system and entry.messages == history:
                 return entry, "append", None
+        agent = agent_of(request)
         for entry in mine:
             if restorable(entry, system, history):
-                fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools)
+                if agent and entry.agent == agent:  # the agent's own: restored in place
+                    return entry, "restore", entry
+                fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools, agent=agent)
                 return _add(entries, fork), "restore", entry
         source = closest(mine, system, history) if repair else None
         if source is not None:
-            fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools)
+            if agent and source.agent == agent:  # an agent never goes back: no copy kept
+                return source, "repair", source
+            fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools, agent=agent)
             return _add(entries, fork), "repair", source
-    entry = _add(entries, Entry(id=new_id(16), system=system, owner=owner, tools=tools))
-    return entry, "rebuild" if history else "new", None
+    entry = Entry(id=new_id(16), system=system, owner=owner, tools=tools, agent=agent_of(request))
+    return _add(entries, entry), "rebuild" if history else "new", None
+
+
+def agent_of(request: Any) -> str:
+    return getattr(request, "agent", "")
 
 
 def closest(entries: list[Entry], system: str | None, history: list) -> Entry | None:

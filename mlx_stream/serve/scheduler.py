@@ -56,6 +56,9 @@ class Request:
     seed: int | None = None
     logprobs: int | None = None
     owner: str = ""
+    # An agent client's own key for its session (Claude Code's x-claude-code-session-id,
+    # Codex's session-id header): a transcript it edits is repaired in place, not forked.
+    agent: str = ""
     # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
     # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
     # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
@@ -73,7 +76,7 @@ class Request:
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
         "logprobs", "owner", "logit_bias", "presence_penalty", "frequency_penalty", "grammar",
-        "tools", "tool_choice", "top_k")  # fmt: skip
+        "tools", "tool_choice", "top_k", "agent")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 
@@ -423,6 +426,9 @@ class Scheduler:
             return
         if rollback and entry.checkpoint is not None:
             entry.session.restore(entry.checkpoint)  # its recall tier too
+        elif entry.repaired is not None:  # the turn went through: the edit stays
+            entry.checkpoint = entry.repaired
+        entry.repaired = None
         entry.messages = [dict(m) for m in entry.session.messages]
         entry.tokens_seen = cache_count(entry.session.caches)
         if rollback:

@@ -292,6 +292,8 @@ class Sessions:
         if mode == "repair":
             fork = checkpoint if source is not entry else None
             repaired = self._repair(entry, fork, history, user)
+            if isinstance(repaired, str):
+                repaired = self._resume(entry, source, history, user, repaired)
             mode = "rebuild" if isinstance(repaired, str) else mode
         if mode == "restore":  # the checkpoint encodes exactly ``history``
             session.restore(checkpoint)
@@ -303,6 +305,24 @@ class Sessions:
             entry.checkpoint = session.checkpoint()
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         return entry, mode, repaired
+
+    def _resume(self, entry: Entry, source: Entry | None, history: list, user: Any, why: str):
+        """When ``source``'s checkpoint (the state before its last turn) encodes a start
+        of ``history``, go back to it and feed the rest: an edit near the end that its
+        repair refused (the window has evicted), such as an agent's reply resent
+        otherwise than it was generated, is then exact from there. The ``Repaired``
+        counts (noted), or ``why`` (the caller rebuilds)."""
+        cp = source.checkpoint if source is not None else None
+        if cp is None or not 0 < len(cp.messages) < len(history):
+            return why
+        if history[: len(cp.messages)] != cp.messages:
+            return why
+        entry.session.restore(cp)
+        done = self._repair(entry, None, history, user)
+        if isinstance(done, str):
+            return why
+        done.note = f"edit resumed from the turn before, not repaired: {why}"
+        return done
 
     def _repair(self, entry: Entry, source: Checkpoint | None, history: list, user: Any) -> Any:
         """Repair ``entry``'s session to encode ``history`` (from ``source``, a copy of
@@ -319,10 +339,12 @@ class Sessions:
             return plan
         entry.checkpoint = session.checkpoint()
         try:
-            return repair.apply(session, history, plan)
+            done = repair.apply(session, history, plan)
         except BaseException:
             session.restore(entry.checkpoint)
             raise
+        entry.repaired = session.checkpoint()  # the checkpoint once the turn goes through
+        return done
 
     def _rebuild(
         self, entry: Entry, system: str | None, history: list[dict], tools: Any = None
