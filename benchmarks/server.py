@@ -31,13 +31,15 @@ from pathlib import Path
 import common
 
 SERVERS = ("mlx-stream", "mlx-lm")
-# Runs inside each server process: preload the same BLAS, sample memory to a file,
-# then start the server. mlx-lm's loader is wrapped to dequantize like mlx-stream.
-WRAPPER = r"""
-import sys, threading, time
-import mlx_stream  # preloads the optimized BLAS before mlx.core
-import mlx.core as mx
+# The head of every server process a benchmark starts: preload OpenBLAS (by importing
+# mlx_stream; a process of another venv, "vllm-mlx", has it in LD_PRELOAD), then sample
+# its RSS and MLX active memory to a file every 0.5 s.
+SAMPLER = r"""
+import os, sys, threading, time
 samples, kind, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+if kind != "vllm-mlx":
+    import mlx_stream  # noqa: F401 - preloads the optimized BLAS before mlx.core
+import mlx.core as mx
 
 def rss():
     with open("/proc/self/status") as f:
@@ -54,6 +56,9 @@ def sample():
             time.sleep(0.5)
 
 threading.Thread(target=sample, daemon=True).start()
+"""
+# Then start the server; mlx-lm's loader is wrapped to dequantize like mlx-stream.
+WRAPPER = SAMPLER + r"""
 if kind == "mlx-lm":
     import mlx_lm.server as server
     from mlx_stream.models.loader import apply_dtype

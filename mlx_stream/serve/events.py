@@ -84,7 +84,7 @@ async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any,
 
     if http is not None:
         fields.setdefault("owner", (http.scope.get("state") or {}).get("owner", ""))
-        fields.setdefault("agent", agent_key(http.headers))
+        fields.setdefault("agent", agent_key(getattr(http, "headers", None) or {}))
     ceiling, asked = getattr(engine, "max_tokens_ceiling", None), fields.get("max_tokens")
     if ceiling is not None and asked is not None and asked > ceiling:
         note(http, f"max_tokens {asked} capped at --max-tokens-ceiling {ceiling}")
