@@ -307,3 +307,32 @@ def test_an_edit_reaching_the_window_of_an_evicting_cache_is_refused(loaded):
     why = fix.repair(s, history, "and now", EXACT)
     assert isinstance(why, str) and "window" in why
     assert (s.tokens, s.fed_text, cache_count(s.caches)) == before
+
+
+def test_a_second_edit_at_the_end_keeps_the_run_between_the_two(loaded):
+    """An agent clears an old tool result and resends its last reply otherwise than it
+    was generated: the run of tokens between the two edits is kept (moved), not
+    computed again, and the caches stay in step with the transcript."""
+    s = talked(loaded)
+    old = len(s.tokens)
+    history = edited(s.messages)
+    history[-1] = {"role": "assistant", "content": "a reply written otherwise"}
+    p = fix.plan(s, history, "new question", 4)
+    assert not isinstance(p, str) and p.keep is not None, p
+    done = fix.apply(s, history, p)
+    assert done.moved > done.recomputed > 4  # the edited span and 4 tokens after it
+    assert done.prefix + done.recomputed + done.moved == cache_count(s.caches) == len(s.tokens)
+    assert len(s.tokens) < old  # the old tokens after the run were dropped, not kept
+    assert s.messages == history
+    assert s.tokens + s.pending == fix.encode_like_rebuild(s, s.fed_text)
+    rebuilt = session(loaded)
+    rebuilt.messages = [dict(m) for m in history]
+    a, fed_a = next_logits(s, "new question")
+    b, fed_b = next_logits(rebuilt, "new question")
+    assert fed_a == fed_b  # the same transcript: only the moved run's KV is approximate
+
+
+def test_one_edit_plans_as_before(loaded):
+    s = talked(loaded)
+    p = fix.plan(s, edited(s.messages), "new question", 4)
+    assert not isinstance(p, str) and p.keep is None

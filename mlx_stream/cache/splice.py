@@ -47,17 +47,19 @@ def refusal(caches: list, end: int) -> str | None:
     return None
 
 
-def cut(caches: list, start: int) -> Tail:
-    """The stored tokens ``start..`` of every cache (forgotten by each)."""
+def cut(caches: list, start: int, stop: int | None = None) -> Tail:
+    """The stored tokens ``start..stop`` (default: to the end) of every cache; each
+    forgets every token from ``start`` on."""
     pairs = []
     n = caches[0].tokens_seen
+    stop = n if stop is None else min(stop, n)
     for c in caches:
-        if c.keys is None or n <= start:
+        if c.keys is None or stop <= start:
             pairs.append(None)
         else:
-            pairs.append([kvstore.copy(kvstore.get(b, start, n)) for b in (c.keys, c.values)])
-        c.trim(n - start)
-    return Tail(pairs, max(0, n - start))
+            pairs.append([kvstore.copy(kvstore.get(b, start, stop)) for b in (c.keys, c.values)])
+        c.trim(max(0, n - start))
+    return Tail(pairs, max(0, stop - start))
 
 
 def paste(caches: list, tail: Tail, shift: int) -> None:

@@ -54,9 +54,10 @@ class Plan:
     fed_text: str  # its rendered text
     prefix: int  # tokens kept before the edit
     stop: int  # recomputed: tokens[prefix:stop]
-    tail: int  # old tokens tail..cached kept (none when tail >= cached)
+    tail: int  # old tokens tail..keep kept (none when tail >= cached)
     shift: int
     evicted: bool = False  # the edit is among evicted tokens: no KV changes
+    keep: int | None = None  # the end of the old tokens kept (None: all that follow)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -122,13 +123,43 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
     stop = min(e - same_end + max(0, window), e)
     tail = stop - shift  # the old index of the first token kept after the window
     tail = min(tail, n)  # n: nothing kept after the window (what follows it is pending)
-    end = max(n, stop + n - tail)
+    p = Plan(tokens, fed_text, prefix, stop, tail, shift)
+    other = second_edit(old, tokens, prefix, window, fed_text)
+    if other is not None and kept_after(other, n) > kept_after(p, n):
+        p = other
+    end = max(n, p.stop + kept_after(p, n))
     # Nothing old after the prefix (the new transcript extends the old one): the new
     # tokens are only fed, as a turn's are, whatever the window has evicted.
-    why = splice.refusal(session.caches, end) if prefix < n or tail < n else None
+    why = splice.refusal(session.caches, end) if prefix < n or p.tail < n else None
     if why is not None:
         return why
-    return Plan(tokens, fed_text, prefix, stop, tail, shift)
+    return p
+
+
+def kept_after(p: Plan, n: int) -> int:
+    """Old tokens ``p`` keeps after its recomputed span (of the ``n`` the caches hold)."""
+    return max(0, (n if p.keep is None else min(p.keep, n)) - p.tail)
+
+
+def second_edit(
+    old: list[int], new: list[int], prefix: int, window: int, fed_text: str
+) -> Plan | None:
+    """A plan that also keeps a run of old tokens that a second, later edit ends (an
+    agent clears an old tool result and its last reply differs too): the longest run
+    of old tokens after the first edit found again after it in ``new``, its first
+    ``window`` tokens recomputed, the rest moved; what follows the run is fed with the
+    turn. Written here: difflib finds the run, nothing aligns KV spans."""
+    from difflib import SequenceMatcher
+
+    if len(old) - prefix < 2 * window or len(new) - prefix < 2 * window:
+        return None
+    i, j, size = SequenceMatcher(None, old, new).find_longest_match(
+        prefix, len(old), prefix, len(new)
+    )
+    if size <= window:
+        return None
+    stop = j + window
+    return Plan(new, fed_text, prefix, stop, i + window, j - i, keep=i + size)
 
 
 def repair(session: Any, history: list[dict], new: Any, window: int) -> Repaired | str:
@@ -166,7 +197,7 @@ def apply(session: Any, history: list[dict], p: Plan) -> Repaired:
         session.fed_text = p.fed_text
         session.tokens, session.pending = list(p.tokens[:n]), list(p.tokens[n:])
         return Repaired(n, 0, 0, 0)
-    tail = splice.cut(caches, p.tail)
+    tail = splice.cut(caches, p.tail, p.keep)
     for c in caches:
         c.trim(c.tokens_seen - p.prefix)
     feed(session, p.tokens[p.prefix : p.stop])
@@ -176,7 +207,7 @@ def apply(session: Any, history: list[dict], p: Plan) -> Repaired:
     session.fed_text = p.fed_text
     session.pending = list(p.tokens[cached:])
     session.tokens = list(p.tokens[:cached])
-    return Repaired(p.prefix, p.stop - p.prefix, tail.length, p.shift if n > p.tail else 0)
+    return Repaired(p.prefix, p.stop - p.prefix, tail.length, p.shift if tail.length else 0)
 
 
 def feed(session: Any, tokens: list[int]) -> None:
