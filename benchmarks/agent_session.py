@@ -49,7 +49,8 @@ import urllib.request
 from pathlib import Path
 
 import common
-from agent_script import Step, plan
+import server as server_bench
+from agent_script import TASKS, Conversation, Step, base_request, plan, sources
 from server import SAMPLER, free_port
 
 SERVERS = ("mlx-stream", "vllm-mlx", "mlx-lm")
@@ -370,8 +371,6 @@ def replay(servers: list[Server], steps: list[Step], args) -> list[dict]:
 
 def concurrent(server: Server, sessions: int, steps: int, args) -> dict:
     """``sessions`` agent sessions at once (each its own id and task, appends only)."""
-    from agent_script import TASKS, Conversation, base_request, sources
-
     base = base_request(args.tools, args.system_chars)
     files = sources()
     out: list[dict] = []
@@ -437,20 +436,9 @@ def ratios(records: list[dict]) -> dict:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    plt = common.pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for r in records:
-        if r.get("phase") != "session":
-            continue
-        t = [s[0] for s in r["series"]]
-        top.plot(t, [s[1] for s in r["series"]], label=r["server"])
-        bottom.plot(t, [s[2] for s in r["series"]], label=r["server"])
-    top.set_ylabel("server RSS (MB)")
-    bottom.set_ylabel("MLX active memory (MB)")
-    bottom.set_xlabel("seconds into the replayed agent session")
-    top.set_title("The same agent session on each server")
-    top.legend()
-    common.save_figure(fig, path)
+    sessions = [r for r in records if r.get("phase") == "session"]
+    server_bench.plot(sessions, path, "seconds into the replayed agent session",
+                "The same agent session on each server")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

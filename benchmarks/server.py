@@ -222,7 +222,13 @@ def run_server(kind: str, model_path: str, system: str, users, args) -> dict:
     }
 
 
-def plot(records: list[dict], path: Path) -> None:
+def plot(
+    records: list[dict],
+    path: Path,
+    xlabel: str = "seconds into the workload",
+    title: str = "Same multi-turn workload: mlx-stream serve vs mlx_lm.server",
+) -> None:
+    """Each record's ``series`` of (seconds, RSS MB, MLX active MB): two panels."""
     plt = common.pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for r in records:
@@ -231,8 +237,8 @@ def plot(records: list[dict], path: Path) -> None:
         bottom.plot(t, [s[2] for s in r["series"]], label=r["server"])
     top.set_ylabel("server RSS (MB)")
     bottom.set_ylabel("MLX active memory (MB)")
-    bottom.set_xlabel("seconds into the workload")
-    top.set_title("Same multi-turn workload: mlx-stream serve vs mlx_lm.server")
+    bottom.set_xlabel(xlabel)
+    top.set_title(title)
     top.legend()
     common.save_figure(fig, path)
 
