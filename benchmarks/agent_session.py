@@ -95,8 +95,13 @@ class Server:
     def command(self) -> tuple[list[str], dict]:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(common.REPO))
         port = str(self.port)
-        if self.kind == "mlx-stream":  # as it starts: no flags but where its store lives
-            flags = ["-m", self.model_dir, "--port", port, "--prefix-store", str(self.cache_dir)]
+        if self.kind == "mlx-stream":  # as it starts: no flags but where its files live
+            # (its prefix store; its state folder, temporary by default, where SIGTERM
+            # saves the sessions for the restart step, as vllm-mlx's --ssd-cache-dir)
+            state = self.cache_dir / "sessions"
+            state.mkdir(exist_ok=True)
+            flags = ["-m", self.model_dir, "--port", port, "--prefix-store", str(self.cache_dir),
+                     "--state-dir", str(state)]  # fmt: skip
             return [sys.executable, "-c", WRAPPER, str(self.samples), self.kind, *flags], env
         if self.kind == "mlx-lm":
             flags = ["--model", self.model_dir, "--port", port, "--log-level", "WARNING"]

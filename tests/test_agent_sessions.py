@@ -76,22 +76,94 @@ def test_without_an_agent_key_each_edit_forks_a_copy_as_before(loaded, tmp_path)
         e.stop()
 
 
-def test_past_the_window_a_replaced_reply_resumes_from_the_turn_before(loaded, tmp_path):
-    """The window has evicted, so the edit cannot be repaired: the checkpoint before
-    the last turn encodes the history up to it, the rest goes in with the turn."""
+def test_past_the_window_a_replaced_reply_resumes_from_the_last_prompt(loaded, tmp_path):
+    """The window has evicted, so the edit cannot be repaired: the mark of the last
+    turn's prompt encodes the history up to the reply, the rest goes in with the turn."""
     e = make_engine(loaded, tmp_path, settings={"window": 48}, repair_tokens=128)
     try:
         rows = replay(e, 4, agent="claude-session-2")
-        last = rows[-1]
-        assert "resumed from the turn before" in last["start"].get("note", ""), last["start"]
-        usage = last["usage"]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        fed = usage["prompt_tokens"] - cached
-        # resumed: only the last turn's result, the scripted reply and the new result
-        # are fed; a rebuild feeds the whole transcript's tail again
-        assert cached > 0 and fed < usage["prompt_tokens"] // 2, usage
+        for r in rows[2:]:
+            assert "resumed from the last turn's prompt" in r["start"]["note"], r["start"]
+            usage = r["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            # only the scripted reply and the new result are fed (a rebuild feeds the
+            # whole transcript's tail again, the turn before its result too)
+            fed = usage["prompt_tokens"] - cached
+            new = len(e.tokenizer.encode(scripted(0)["content"] + result(1)["content"]))
+            assert cached > 0 and fed <= new + 16, (usage, new)
     finally:
         e.stop()
+
+
+# Another exchange in place of the last one (words the tiny tokenizer tells apart).
+OTHER = [
+    {"role": "assistant", "content": "Let me look at the tests instead."},
+    {"role": "user", "content": "tests: assert the path is open and read"},
+]
+
+
+def sent_steps(engine, steps: int, agent: str) -> list[dict]:
+    """``steps`` scripted steps of an agent's session; the messages of the last sent."""
+    messages = [SYSTEM, result(0)]
+    for i in range(steps):
+        turn(engine, messages, agent=agent)
+        sent = list(messages)
+        messages += [scripted(i), result(i + 1)]
+    return sent
+
+
+def test_past_the_window_a_fork_of_the_last_exchange_resumes_two_prompts_back(
+    loaded, tmp_path
+):
+    """The last exchange replaced by another (a fork): the mark of the prompt before
+    it, two turns back, serves."""
+    e = make_engine(loaded, tmp_path, settings={"window": 48}, repair_tokens=128)
+    try:
+        sent = sent_steps(e, 3, "claude-session-3")
+        forked = sent[:-2] + OTHER  # the last exchange sent, replaced
+        r = turn(e, forked, agent="claude-session-3")
+        assert "resumed from the prompt 2 turns back" in r["start"]["note"], r["start"]
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        e.stop()
+
+
+def test_an_edit_among_evicted_tokens_and_a_fork_resume_from_a_mark(loaded, tmp_path):
+    """An agent prunes an old tool result (long evicted) and replaces its last
+    exchange: the mark two turns back serves, the pruned text changing no KV (as a
+    repair keeps such an edit); an edit the window still reads does not."""
+    e = make_engine(loaded, tmp_path, settings={"window": 48}, repair_tokens=128)
+    try:
+        sent = sent_steps(e, 4, "claude-session-4")
+        other = OTHER
+        pruned = [SYSTEM, {"role": "user", "content": "[cleared]"}] + sent[2:-2] + other
+        r = turn(e, pruned, agent="claude-session-4")
+        assert "turns back" in r["start"]["note"], r["start"]
+        assert "edited only where its window had evicted" in r["start"]["note"]
+        recent = pruned[:-3] + [{"role": "user", "content": "[cleared]"}] + other
+        r = turn(e, recent, agent="claude-session-4")
+        assert "resumed from" not in r["start"].get("note", ""), r["start"]
+    finally:
+        e.stop()
+
+
+def test_a_mark_serves_the_greedy_reply_of_a_rebuild(loaded, tmp_path):
+    """Inside the window (nothing evicted, a rebuild is exact): a request served from a
+    mark (repair off, so the resent reply is not repaired) replies as a fresh server
+    given the whole request."""
+    e = make_engine(loaded, tmp_path, settings={"window": 2048}, repair_tokens=0)
+    fresh = make_engine(loaded, tmp_path / "fresh", settings={"window": 2048}, repair_tokens=0)
+    try:
+        messages = [SYSTEM, result(0)]
+        for i in range(3):
+            turn(e, messages, session_id="s")
+            messages += [scripted(i), result(i + 1)]
+        r = turn(e, messages, session_id="s")
+        assert "resumed from the last turn's prompt" in r["start"]["note"], r["start"]
+        assert r["text"] == turn(fresh, messages)["text"]
+    finally:
+        e.stop()
+        fresh.stop()
 
 
 def test_a_resume_feeds_what_a_session_fed_turn_by_turn_feeds(loaded):
@@ -126,3 +198,26 @@ def test_a_resume_feeds_what_a_session_fed_turn_by_turn_feeds(loaded):
     logits_a = a.model(mx.array(tokens_a)[None], cache=a.caches)[0, -1]
     logits_b = b.model(mx.array(tokens_b)[None], cache=b.caches)[0, -1]
     assert mx.array_equal(logits_a, logits_b).item()
+
+
+def test_after_a_restart_an_agent_step_resumes_from_the_saved_mark(loaded, tmp_path):
+    """drain + stop (SIGTERM) saves each session with its newest mark; the restarted
+    server finds the agent's session on disk by its key and resumes the next step
+    (its reply resent otherwise) from the mark: no rebuild of the transcript."""
+    e = make_engine(loaded, tmp_path, settings={"window": 48}, repair_tokens=128)
+    messages = [SYSTEM, result(0)]
+    try:
+        for i in range(3):
+            turn(e, messages, agent="claude-session-5")
+            messages += [scripted(i), result(i + 1)]
+        e.drain()
+    finally:
+        e.stop()
+    assert list(tmp_path.glob("*.mark.safetensors")), list(tmp_path.iterdir())
+    again = make_engine(loaded, tmp_path, settings={"window": 48}, repair_tokens=128)
+    try:
+        r = turn(again, messages, agent="claude-session-5")
+        assert "resumed from the last turn's prompt" in r["start"]["note"], r["start"]
+        assert sessions(again) == 1
+    finally:
+        again.stop()

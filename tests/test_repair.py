@@ -234,17 +234,30 @@ def edited_past_the_window(e, at: int) -> tuple[dict, tuple]:
     return start[1], last
 
 
-def test_serve_rebuilds_an_edit_reaching_the_window_past_its_first_eviction(engine):
-    # the reply before the last question: no checkpoint encodes what comes before it
+def test_serve_resumes_an_edit_reaching_the_window_from_the_prompt_before_it(engine):
+    # the reply before the last question, past the first eviction: no repair, but the
+    # mark of the prompt before that reply (two turns back) encodes what comes before it
     start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -3)
     assert last[0] == "end" and "repaired_tokens" not in last[1]
-    # why it was rebuilt goes to the access log with the request
-    assert start["note"].startswith("edit rebuilt, not repaired: "), start
+    # how it was served goes to the access log with the request
+    assert start["note"].startswith("resumed from the prompt 2 turns back ("), start
+    assert "tokens were evicted" in start["note"]
+    assert last[1]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_serve_resumes_an_edit_of_the_last_turn_past_its_first_eviction(engine):
-    """The checkpoint before the last turn encodes everything before the edit: the
-    session goes back to it and feeds the rest, not the whole transcript again."""
+    """The mark of the last turn's prompt encodes everything before the edit (its
+    reply): the session goes back to it and feeds the rest, not the whole transcript
+    again."""
+    start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -1)
+    assert last[0] == "end", last
+    assert start["note"].startswith("resumed from the last turn's prompt ("), start
+    assert last[1]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_serve_resumes_an_edit_of_the_last_question_from_the_turn_before(engine):
+    """The last question edited: the checkpoint before its turn holds more of the
+    transcript than the mark of the prompt before it, and serves."""
     start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -2)
     assert last[0] == "end" and last[1]["reused_tokens"] > 0, last
     assert start["note"].startswith("edit resumed from the turn before, not repaired: ")

@@ -384,6 +384,6 @@ def test_the_default_budget_holds_a_few_sessions_not_the_machine(server, loaded)
     model, _ = loaded
     per = admission.token_bytes(model, CacheSpec(sinks=4, window=64))
     session = (4 + DEFAULT_PIN_TOKENS + 64) * per
-    want = admission.weights_bytes(model) + (2 * admission.AUTO_SESSIONS + 2) * session
+    want = admission.weights_bytes(model) + (admission.COPIES * admission.AUTO_SESSIONS + 2) * session
     assert server.get("/health")["budget_bytes"] == want  # --window 64, --memory-budget auto
     assert want < admission.physical_memory() * 0.75

@@ -54,6 +54,7 @@ class Row:
     joined: bool = False
     processors: list = field(default_factory=list)  # this row's logits processors
     history: mx.array | None = None  # what they read: the prompt and the tokens sampled
+    on_fed: Callable[[], None] | None = None  # DecodeState.on_prompt_fed
 
 
 def _as_input(token) -> mx.array:
@@ -182,6 +183,8 @@ class Batch:
             row.prompt = row.prompt[next(chunks) :]  # one chunk
             if len(row.prompt) > 1:
                 return
+        if row.on_fed is not None:  # all but the last token is in
+            row.on_fed()
         self.waiting.remove(row)
         if row.caches[0].keys is None:  # a stream's first token: no buffer to join yet
             logits = self.model(mx.array(row.prompt)[None], cache=row.caches)[:, -1, :]
@@ -253,6 +256,7 @@ class Batch:
             state.prompt_tokens = len(prompt)
             tic = time.perf_counter()
             row = self.add(prompt_cache, prompt, temp, top_p, seed, max_tokens, logits_processors)
+            row.on_fed = state.on_prompt_fed
             if on_row is not None:
                 on_row(row)
             try:

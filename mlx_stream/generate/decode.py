@@ -122,6 +122,8 @@ def generate_step(
         before = done
         if poll:  # feed_steps enters the stream per chunk: a poll yields outside of it
             yield None
+    if state.on_prompt_fed is not None:
+        state.on_prompt_fed()
     with mx.stream(stream):
         for m, c in models:  # recall: the prompt's own queries choose what its end recalls
             recall_prompt_end(m, c, prompt[:-1])

@@ -6,6 +6,7 @@ of logits, the bounded history logits processors read, and :class:`DecodeState`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -34,6 +35,8 @@ class DecodeState:
         consistent: False only if an exception inside the generator interrupted a
             model call; the caches must then be rebuilt.
         prompt_time: Seconds until the first token was ready.
+        on_prompt_fed: Called once all of the prompt but its last token is in the
+            caches, before the last goes in (a server takes its turn marks there).
     """
 
     prompt_tokens: int = 0
@@ -45,6 +48,7 @@ class DecodeState:
     last_token: int | None = None
     consistent: bool = True
     prompt_time: float = 0.0
+    on_prompt_fed: Callable[[], None] | None = None
 
 
 def as_tokens(prompt: mx.array | list[int]) -> mx.array:

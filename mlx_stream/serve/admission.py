@@ -3,8 +3,9 @@ to evict, least recently used first, so that they fit the memory budget.
 
 Contract: ``weights + snapshots + resident sessions x bytes <= budget`` (and at most
 ``max_sessions`` resident) holds after every :meth:`Admission.make_room`. A session
-costs its caches plus the checkpoint taken before its current turn (twice its
-caches, measured once per sink count from real caches) plus what it holds once
+costs its caches plus the checkpoint taken before its current turn plus the marks
+of its last turns' prompts (:data:`COPIES` times its caches, measured once per sink
+count from real caches) plus what it holds once
 whatever its checkpoints (``fixed``: a recall session's region and its store's host
 memory cap, :mod:`~mlx_stream.serve.recall`); a shared system-prompt snapshot costs
 its caches once. Room is made by evicting idle sessions (through the
@@ -25,10 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_stream.generate.session import Checkpoint
+from mlx_stream.serve.marks import MARKS
 from mlx_stream.serve.matching import Entry
 from mlx_stream.serve.refusals import BadRequest, Busy
 
 MAX_SNAPSHOTS = 8  # shared system-prompt snapshots kept (least recently used dropped)
+COPIES = 2 + MARKS  # copies of its caches a session holds: its own, a checkpoint, its marks
 
 
 def weights_bytes(model: Any) -> int:
@@ -60,8 +63,10 @@ class Admission:
         evict (Callable[[Entry], None]): Save an idle resident session and free it
             (raises to refuse the request that needed the room).
         fixed (Callable[[int], int], optional): Bytes a session with the given
-            number of sinks holds once, beside its caches and their checkpoint copy.
+            number of sinks holds once, beside its caches and their copies.
             Default: none.
+        copies (int): Copies of its caches a resident session holds. Default:
+            :data:`COPIES` (2 for sessions that keep no marks).
     """
 
     def __init__(
@@ -74,25 +79,27 @@ class Admission:
         measure: Callable[[int], int],
         evict: Callable[[Entry], None],
         fixed: Callable[[int], int] | None = None,
+        copies: int = COPIES,
     ):
         self.entries, self.weights, self.max_sessions = entries, weights, max_sessions
         self.budget = budget if budget else int(physical_memory() * 0.75) or 1 << 62
         self.measure, self.evict, self.fixed = measure, evict, fixed or (lambda sinks: 0)
+        self.copies = copies
         self.snapshots: dict[str, tuple[Checkpoint, int]] = {}  # least recently used first
         self.bytes_by_sinks: dict[int, int] = {}
         self._snapshot_used: dict[str, float] = {}  # when each snapshot was last used
 
     def session_bytes(self, sinks: int) -> int:
-        """Bytes of one resident session with ``sinks`` sinks: its caches and its
-        checkpoint, measured once from real caches (after their one allocation), and
+        """Bytes of one resident session with ``sinks`` sinks: its caches and their
+        copies (checkpoint, marks), measured once from real caches (after their one allocation), and
         what it holds once (``fixed``)."""
         if sinks not in self.bytes_by_sinks:
-            self.bytes_by_sinks[sinks] = 2 * self.measure(sinks) + self.fixed(sinks)
+            self.bytes_by_sinks[sinks] = self.copies * self.measure(sinks) + self.fixed(sinks)
         return self.bytes_by_sinks[sinks]
 
     def cache_bytes(self, sinks: int) -> int:
         """Bytes of one copy of a session's caches (a snapshot's cost)."""
-        return (self.session_bytes(sinks) - self.fixed(sinks)) // 2
+        return (self.session_bytes(sinks) - self.fixed(sinks)) // self.copies
 
     def single_bytes(self, sinks: int) -> int:
         """Bytes of a session without a checkpoint (a plain completion)."""
@@ -186,11 +193,11 @@ def default_window(
     """``serve``'s window when none is given: the model's trained ``context`` less the
     pinned system prompt (positions never reach past what it was trained on), cut to
     what ``free`` bytes (the budget less the weights) hold for :data:`MIN_SESSIONS`
-    sessions of ``pin + window`` tokens at ``token_bytes`` each, twice (a checkpoint);
+    sessions of ``pin + window`` tokens at ``token_bytes`` each, :data:`COPIES` times;
     a multiple of ``stride``, at least :data:`MIN_WINDOW`."""
     window = (context or 4096) - pin
     if token_bytes > 0:
-        window = min(window, free // (2 * MIN_SESSIONS * token_bytes) - pin)
+        window = min(window, free // (COPIES * MIN_SESSIONS * token_bytes) - pin)
     return max(MIN_WINDOW, window // stride * stride)
 
 
@@ -227,7 +234,7 @@ AUTO_SNAPSHOTS = 2  # and shared system-prompt snapshots
 
 def auto_budget(model: Any, cache: Any, sessions: int = AUTO_SESSIONS) -> int | None:
     """``serve --memory-budget auto``: the weights and ``sessions`` sessions of
-    ``cache``'s window with a full pinned system prompt, each with its checkpoint, and
+    ``cache``'s window with a full pinned system prompt, each with its copies, and
     :data:`AUTO_SNAPSHOTS` snapshots, at most 75% of the machine (a few clients never
     take the machine; more sessions evict idle ones to disk). ``None`` when the bytes of
     a token are unknown (75% of the machine then, as :class:`Admission`)."""
@@ -237,6 +244,6 @@ def auto_budget(model: Any, cache: Any, sessions: int = AUTO_SESSIONS) -> int | 
     if per <= 0:
         return None
     session = (cache.sinks + DEFAULT_PIN_TOKENS + cache.window) * per
-    want = weights_bytes(model) + (2 * sessions + AUTO_SNAPSHOTS) * session
+    want = weights_bytes(model) + (COPIES * sessions + AUTO_SNAPSHOTS) * session
     machine = int(physical_memory() * 0.75)
     return min(want, machine) if machine else want

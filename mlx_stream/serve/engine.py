@@ -12,6 +12,7 @@ re-exports the names the HTTP side imports. The design: ``docs/serve.md``.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Iterator
@@ -21,8 +22,10 @@ from typing import Any
 from mlx_stream.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PIN_TOKENS
 from mlx_stream.errors import UserError
 from mlx_stream.generate.session import ChatSession, Reply, Settings, cache_count, clean_text
+from mlx_stream.generate.steps import DecodeState
+from mlx_stream.serve import marks
 from mlx_stream.serve import recall as recalled
-from mlx_stream.serve.admission import Admission, weights_bytes
+from mlx_stream.serve.admission import COPIES, Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
 from mlx_stream.serve.matching import Entry, split_messages
 from mlx_stream.serve.planning import Planner
@@ -130,6 +133,7 @@ class Engine(Scheduler, Sessions):
         self.admission = Admission(
             self.entries, weights, budget, max_sessions, measure=self.measure_cache, evict=self._evict,
             fixed=lambda sinks: recalled.fixed_bytes(model, self.recall, sinks),
+            copies=2 if self.recall is not None else COPIES,  # marks only without recall
         )  # fmt: skip
         self._dropped: set[tuple[str, str]] = set()  # caches dropped: rebuilt on next use
         self._active: list[Job] = []
@@ -218,14 +222,16 @@ class Engine(Scheduler, Sessions):
         system, history, user = split_messages(request.messages)
         entry, mode, repaired = self._place(request, toolset, system, history, user)
         note = f"edit rebuilt, not repaired: {repaired}" if isinstance(repaired, str) else None
-        repaired = None if note else repaired
-        note = note or getattr(repaired, "note", None)
+        resumed = repaired if isinstance(repaired, marks.Resumed) else None
+        repaired = None if note or resumed else repaired
+        note = note or getattr(resumed or repaired, "note", None)
         session = entry.session
         head = self._unfed_head(session)
         if head and self.recall is None and head in self.admission.snapshots:
             self._restore_head(session, head)  # a fork or rebuild of a shared prompt
             head = ""
-        turn = session.turn_tokens(user)  # with an unfed head: the head too
+        # with an unfed head: the head too
+        turn = resumed.turn if resumed is not None else session.turn_tokens(user)
         if len(turn[0]) > self.max_prompt_tokens:
             if mode in ("rebuild", "new"):  # its caches would not encode its transcript
                 self.drop(entry)
@@ -235,6 +241,9 @@ class Engine(Scheduler, Sessions):
             )
         cached = cache_count(session.caches)
         box: list = []
+        if self.recall is None:  # marks: see serve.marks
+            fed = functools.partial(marks.take, entry.marks, session, user, None if head else turn)
+            extra = {**extra, "state": DecodeState(on_prompt_fed=fed)}
         tokens = session.stream(
             user, turn=None if head else turn, max_tokens=request.max_tokens,
             temp=request.temp, top_p=request.top_p, stop=request.stop, seed=request.seed,

@@ -49,6 +49,8 @@ class Entry:
     # During a turn after a repaired edit: the state before the turn, the checkpoint
     # once the turn has gone through (a failed one goes back to before the edit).
     repaired: Checkpoint | None = None
+    # Resident only: the caches at the end of its last turns' prompts (serve.marks).
+    marks: list[Checkpoint] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -157,6 +159,9 @@ def find(
                 fork = Entry(id=new_id(16), system=system, owner=owner, tools=tools, agent=agent)
                 return _add(entries, fork), "restore", entry
         source = closest(mine, system, history) if repair else None
+        if repair and agent and (source is None or source.agent != agent):
+            # the agent's own latest session, on disk too (a restart): it goes on there
+            source = next((e for e in mine if e.agent == agent and e.system == system), source)
         if source is not None:
             if agent and source.agent == agent:  # an agent never goes back: no copy kept
                 return source, "repair", source

@@ -17,7 +17,7 @@ from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.session import ChatSession, Checkpoint, Settings
-from mlx_stream.serve import matching
+from mlx_stream.serve import marks, matching
 from mlx_stream.serve import recall as recalled
 from mlx_stream.serve.matching import Entry
 from mlx_stream.serve.scheduler import Job
@@ -95,12 +95,12 @@ class Sessions:
             if not drop:
                 raise
             recalled.release(entry.session)
-            entry.session, entry.checkpoint = None, None
+            entry.session, entry.checkpoint, entry.marks = None, None, []
             self._dropped.add(entry.key)
             self.dropped += 1
             return
         recalled.release(entry.session)  # the saved files hold it now
-        entry.path, entry.session, entry.checkpoint = path, None, None
+        entry.path, entry.session, entry.checkpoint, entry.marks = path, None, None, []
         entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
         stored = [e for e in self.entries.values() if e.session is None]
@@ -232,6 +232,7 @@ class Sessions:
             self.admission.make_room(need, entry)
             try:
                 self.store.check(entry)
+                entry.marks = marks.load(session, entry.path)  # its newest mark first
                 session.load(entry.path)
                 self.restores += 1
             except UserError:
@@ -293,8 +294,13 @@ class Sessions:
             fork = checkpoint if source is not entry else None
             repaired = self._repair(entry, fork, history, user)
             if isinstance(repaired, str):
-                repaired = self._resume(entry, source, history, user, repaired)
+                repaired = self._on_mark(entry, source, history, user, repaired, checkpoint)
             mode = "rebuild" if isinstance(repaired, str) else mode
+        elif mode == "rebuild" and entry.session is not None and entry.marks:
+            resumed = marks.resume(
+                entry.session, entry.marks, history, user, "its transcript differs"
+            )
+            mode, repaired = ("repair", resumed) if resumed is not None else (mode, None)
         if mode == "restore":  # the checkpoint encodes exactly ``history``
             session.restore(checkpoint)
             entry.checkpoint = checkpoint
@@ -305,6 +311,24 @@ class Sessions:
             entry.checkpoint = session.checkpoint()
         entry.messages = [dict(m) for m in session.messages]  # true even if the start fails
         return entry, mode, repaired
+
+    def _on_mark(
+        self, entry: Entry, source: Entry, history: list, user: Any, why: str, before: Any
+    ) -> Any:
+        """After a repair refused for ``why``: resume from a mark of ``source``
+        (:mod:`~mlx_stream.serve.marks`), else from its checkpoint (:meth:`_resume`). On a
+        mark, a failed turn goes back to the entry's checkpoint, ``before`` for a fork
+        (both encode their own transcripts exactly)."""
+        cp = source.checkpoint
+        usable = cp is not None and 0 < len(cp.messages) < len(history)
+        usable = usable and history[: len(cp.messages)] == cp.messages
+        beyond = len(cp.tokens or ()) if usable else 0  # the checkpoint, where it holds more
+        resumed = marks.resume(entry.session, source.marks, history, user, why, beyond)
+        if resumed is None:
+            return self._resume(entry, source, history, user, why)
+        if entry.checkpoint is None:
+            entry.checkpoint = before
+        return resumed
 
     def _resume(self, entry: Entry, source: Entry | None, history: list, user: Any, why: str):
         """When ``source``'s checkpoint (the state before its last turn) encodes a start

@@ -29,6 +29,7 @@ from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.session import cache_count
+from mlx_stream.serve import marks
 from mlx_stream.serve.matching import Entry
 from mlx_stream.serve.refusals import Unsaved
 
@@ -36,7 +37,8 @@ MAX_STORED = 256  # sessions kept on disk (oldest dropped)
 INDEX = "index.json"  # the state folder's list of saved sessions and their checksums
 RECALL = ".recall"  # the folder of a saved session's recall store (ChatSession.save)
 # the files of a saved session (of its recall folder: the manifest)
-SUFFIXES = (".safetensors", ".json", ".draft.safetensors", RECALL + "/manifest.json")
+SUFFIXES = (".safetensors", ".json", ".draft.safetensors", RECALL + "/manifest.json",
+            ".mark.safetensors", ".mark.json", ".mark.draft.safetensors")  # fmt: skip
 
 
 class SessionStore:
@@ -89,6 +91,7 @@ class SessionStore:
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)  # deleted under us
             session.save(path)
+            marks.save(session, entry.marks, path)  # its newest mark, for a restart
             self.records[entry.key] = record = {
                 "owner": entry.owner,
                 "id": entry.id,
@@ -96,6 +99,7 @@ class SessionStore:
                 "system": entry.system,
                 "tools": None if entry.tools is None else list(entry.tools.tools),
                 "native_tools": None if entry.tools is None else entry.tools.native,
+                "agent": entry.agent,  # the agent client's session key: found after a restart
                 "messages": session.messages,
                 "sinks": session.sinks,
                 "tokens_seen": cache_count(session.caches),
@@ -205,7 +209,7 @@ class SessionStore:
                     tools = ToolSet(tuple(str(t) for t in r["tools"]), bool(r["native_tools"]))
                 entry = Entry(
                     id=r["id"], owner=r["owner"], system=r["system"], messages=r["messages"],
-                    path=path, tools=tools,
+                    path=path, tools=tools, agent=str(r.get("agent", "")),
                     tokens_seen=int(r["tokens_seen"]), sinks=int(r["sinks"]),
                     last_used=now - max(0.0, wall - float(r["saved"])),
                 )  # fmt: skip
