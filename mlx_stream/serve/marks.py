@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.errors import UserError
-
 from mlx_stream.generate.session import ChatSession, Checkpoint, cache_count
 from mlx_stream.generate.transcript import new_messages
 
@@ -59,8 +58,13 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
     caches then hold, or ``None``. A mark whose prompt was edited since only among
     tokens its window has evicted still serves, as a repair keeps such an edit: no
     later query reads them (:func:`~mlx_stream.generate.repair.plan`)."""
-    from mlx_stream.generate.repair import common_prefix, common_suffix, evicted_before
-    from mlx_stream.generate.repair import encode_like_rebuild, resized
+    from mlx_stream.generate.repair import (
+        common_prefix,
+        common_suffix,
+        encode_like_rebuild,
+        evicted_before,
+        resized,
+    )
 
     messages = list(history) + new_messages(user)
     full = session.render(session.conversation(messages))
@@ -125,7 +129,11 @@ def save(session: ChatSession, marks: list[Checkpoint], path: Path) -> None:
     mark, names = marks[-1], ("caches", "messages", "fed_text", "pending", "tokens")
     live = {name: getattr(session, name) for name in names}
     try:  # the session's own save, of the mark's state: no copy of the caches
-        session.caches, session.messages, session.fed_text = mark.caches, mark.messages, mark.fed_text
+        session.caches, session.messages, session.fed_text = (
+            mark.caches,
+            mark.messages,
+            mark.fed_text,
+        )
         session.pending, session.tokens = mark.pending, mark.tokens
         session.save(target)
     finally:
