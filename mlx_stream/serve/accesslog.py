@@ -68,8 +68,10 @@ def _seconds(s: float) -> str:
 class Record:
     """What one request's log line says; ``now`` values are ``time.monotonic()``."""
 
-    def __init__(self, method: str, path: str, started: float | None = None, out=None):
-        self.method, self.path = method, path
+    def __init__(
+        self, method: str, path: str, started: float | None = None, out=None, observe=None
+    ):  # fmt: skip
+        self.method, self.path, self.observe = method, path, observe
         self.started = time.monotonic() if started is None else started
         self.out = _cleaned(out or write)
         self.status: int | None = None
@@ -131,7 +133,10 @@ class Record:
         """Write the line (once)."""
         if not self.done:
             self.done = True
-            self.out(self.line(time.monotonic() if now is None else now))
+            now = time.monotonic() if now is None else now
+            self.out(self.line(now))
+            if self.observe is not None:  # the metrics (serve.metrics)
+                self.observe(self, now)
 
 
 def record_of(http: Any) -> Record | None:
@@ -153,13 +158,16 @@ class AccessLog:
     (outermost): refusals by the other middleware are logged too, and their copies of
     ``scope["state"]`` carry the record on."""
 
-    def __init__(self, app, out=None):
-        self.app, self.out = app, out
+    def __init__(self, app, out=None, quiet: bool = False, observe=None):
+        self.app, self.observe = app, observe
+        self.out = (lambda line: None) if quiet else out  # quiet: records for the metrics only
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        record = Record(scope.get("method", ""), scope.get("path", ""), out=self.out)
+        record = Record(
+            scope.get("method", ""), scope.get("path", ""), out=self.out, observe=self.observe
+        )
         scope = {**scope, "state": {**(scope.get("state") or {}), KEY: record}}
 
         async def logged(message):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -160,10 +160,12 @@ def error(status: int, message: str, param: str | None = None, headers=None) -> 
 
 def error_at(path: str, status: int, message: str, param=None, headers=None) -> JSONResponse:
     """:func:`error` in the shape of the API that ``path`` belongs to."""
-    from mlx_stream.serve import anthropic
+    from mlx_stream.serve import anthropic, ollama
 
     if path.startswith(anthropic.PREFIX):
         return anthropic.error(status, message, headers)
+    if path.startswith(ollama.PREFIX):
+        return ollama.error(status, message, headers)
     return error(status, message, param, headers)
 
 
@@ -328,8 +330,11 @@ def create_app(
         app.add_middleware(Page)
     if browsers is not None:  # outside the key check: a preflight carries no key
         app.add_middleware(BrowserGuard, browsers=browsers, refuse=error_at)
-    if not quiet:  # last: outermost, so the refusals above are logged too
-        app.add_middleware(AccessLog)
+    from mlx_stream.serve.metrics import CONTENT_TYPE, Metrics
+
+    metrics = Metrics(engine)
+    # last: outermost, so the refusals above are logged (and counted) too
+    app.add_middleware(AccessLog, quiet=quiet, observe=metrics.observe)
     names = {engine.model_id, "default", *aliases}
 
     @app.exception_handler(RequestValidationError)
@@ -445,10 +450,17 @@ def create_app(
     async def completions(body: CompletionRequest, http: Request):
         return await run(body, {"prompt": body.prompt, "max_tokens": body.max_tokens}, "text", http)
 
-    from mlx_stream.serve import anthropic, responses
+    from mlx_stream.serve import anthropic, ollama, responses
 
     anthropic.register(app, engine, check_model)  # POST /v1/messages (Claude Code)
     responses.register(app, engine, check_model)  # POST /v1/responses (Codex)
+    ollama.register(app, engine, check_model, tuple(aliases))  # /api/... (ollama's clients)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    metrics.routes = {getattr(r, "path", "") for r in app.routes}
 
     return app
 

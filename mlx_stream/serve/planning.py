@@ -98,6 +98,10 @@ class Planner:
         planned = dataclasses.replace(request, **changes)
         constraint = self._constraint(planned, plan)
         penalty = sampling.resolve(planned, self.sampling, draft=self.draft)  # fills planned's
+        if planned.repetition_penalty is not None:  # the request's own
+            if self.draft:
+                raise BadRequest("repeat_penalty: not supported with a draft model")
+            penalty = planned.repetition_penalty if planned.repetition_penalty != 1.0 else None
         extra = sampling.overrides(
             planned, planned.temp, planned.top_p, self.vocab(), constraint, draft=self.draft,
             repetition_penalty=penalty,
