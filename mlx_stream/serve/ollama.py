@@ -211,7 +211,6 @@ def _stats(usage: dict, finish: str | None, clock: dict[str, float]) -> dict[str
 
 def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()) -> None:
     """Add ollama's routes to ``app`` (served by ``engine`` under its id and ``names``)."""
-    window = engine.settings.cache.window
 
     async def answer(body: Body, http: Request, chat: bool, fields: dict[str, Any]):
         if check_model(body.model) is not None:
@@ -219,7 +218,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
                 404, f"model {body.model!r} not found (this server serves {engine.model_id!r})"
             )
         try:
-            fields |= sampling(body.options, http, window)
+            fields |= sampling(body.options, http, engine.settings.cache.window)
             fields["grammar"] = grammar(body.format)
         except UserError as exc:
             return error(400, str(exc))
