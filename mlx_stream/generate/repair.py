@@ -116,10 +116,8 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
     if len(full) - same_end <= evicted_before(session.caches):
         if any(getattr(c, "recall", None) is not None for c in session.caches):
             return "a recall tier (its store holds the edited text)"
-        kept = tokens[:prefix] + resized(
-            tokens[prefix : e - same_end], len(full) - same_end - prefix
-        )
-        return Plan(kept + tokens[e - same_end :], fed_text, n, n, n, 0, evicted=True)
+        kept = keep_evicted(tokens, len(full), prefix, same_end)
+        return Plan(kept, fed_text, n, n, n, 0, evicted=True)
     stop = min(e - same_end + max(0, window), e)
     tail = stop - shift  # the old index of the first token kept after the window
     tail = min(tail, n)  # n: nothing kept after the window (what follows it is pending)
@@ -180,6 +178,15 @@ def evicted_before(caches: list) -> int:
     if c.tokens_seen <= c.sinks + c.window + c.slack + 1:
         return 0
     return c.tokens_seen - c.window - c.slack - 1
+
+
+def keep_evicted(new: list[int], n: int, prefix: int, same_end: int) -> list[int]:
+    """``new``'s tokens as caches that hold ``n`` tokens keep them after an edit among
+    tokens they have evicted (``new`` and what they hold share ``prefix`` tokens first
+    and ``same_end`` last): the edited span :func:`resized` to the length it had."""
+    e = len(new)
+    edited = resized(new[prefix : e - same_end], n - same_end - prefix)
+    return new[:prefix] + edited + new[e - same_end :]
 
 
 def resized(tokens: list[int], n: int) -> list[int]:

@@ -63,7 +63,7 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
         common_suffix,
         encode_like_rebuild,
         evicted_before,
-        resized,
+        keep_evicted,
     )
 
     messages = list(history) + new_messages(user)
@@ -85,8 +85,7 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
         p = common_prefix(old, head[:n])
         s = common_suffix(old, head[:n], min(len(old), n) - p)
         if p >= session.sinks and len(old) - s <= evicted_before(mark.caches):
-            kept = head[:p] + resized(head[p : n - s], len(old) - s - p) + head[n - s : n]
-            return mark, kept, (tokens[n:], full)
+            return mark, keep_evicted(head[:n], len(old), p, s), (tokens[n:], full)
     return None
 
 

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events, ollama_models
 from mlx_stream.serve.fields import owner_of, sampling_args
-from mlx_stream.serve.ollama_models import error, now
+from mlx_stream.serve.ollama_models import error, not_found, now
 from mlx_stream.serve.structured import response_format_grammar
 
 PREFIX = "/api/"
@@ -214,9 +214,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
 
     async def answer(body: Body, http: Request, chat: bool, fields: dict[str, Any]):
         if check_model(body.model) is not None:
-            return error(
-                404, f"model {body.model!r} not found (this server serves {engine.model_id!r})"
-            )
+            return not_found(body.model, engine)
         try:
             fields |= sampling(body.options, http, engine.settings.cache.window)
             fields["grammar"] = grammar(body.format)
@@ -249,9 +247,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
     def loaded(body: Body, chat: bool) -> JSONResponse:
         """An empty request: ollama's way to load a model, answered at once."""
         if check_model(body.model) is not None:
-            return error(
-                404, f"model {body.model!r} not found (this server serves {engine.model_id!r})"
-            )
+            return not_found(body.model, engine)
         out = {"model": body.model, "created_at": now(), "done": True, "done_reason": "load"}
         if chat:
             out["message"] = {"role": "assistant", "content": ""}

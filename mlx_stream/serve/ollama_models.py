@@ -32,6 +32,11 @@ def now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
+def not_found(name: str | None, engine: Any) -> JSONResponse:
+    """The 404 of a model this server does not serve."""
+    return error(404, f"model {name!r} not found (this server serves {engine.model_id!r})")
+
+
 class ShowBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -89,7 +94,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
     async def show(body: ShowBody):
         name = body.model or body.name
         if not name or check_model(name) is not None:
-            return error(404, f"model {name!r} not found (this server serves {engine.model_id!r})")
+            return not_found(name, engine)
         args = getattr(engine.model, "args", None)
         info = details(engine)
         arch = info["family"]

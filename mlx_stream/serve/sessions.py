@@ -320,9 +320,7 @@ class Sessions:
         mark, a failed turn goes back to the entry's checkpoint, ``before`` for a fork
         (both encode their own transcripts exactly)."""
         cp = source.checkpoint
-        usable = cp is not None and 0 < len(cp.messages) < len(history)
-        usable = usable and history[: len(cp.messages)] == cp.messages
-        beyond = len(cp.tokens or ()) if usable else 0  # the checkpoint, where it holds more
+        beyond = len(cp.tokens or ()) if starts(cp, history) else 0  # where it holds more
         resumed = marks.resume(entry.session, source.marks, history, user, why, beyond)
         if resumed is None:
             return self._resume(entry, source, history, user, why)
@@ -337,9 +335,7 @@ class Sessions:
         otherwise than it was generated, is then exact from there. The ``Repaired``
         counts (noted), or ``why`` (the caller rebuilds)."""
         cp = source.checkpoint if source is not None else None
-        if cp is None or not 0 < len(cp.messages) < len(history):
-            return why
-        if history[: len(cp.messages)] != cp.messages:
+        if not starts(cp, history):
             return why
         entry.session.restore(cp)
         done = self._repair(entry, None, history, user)
@@ -394,3 +390,9 @@ class Sessions:
     def _add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry
         return entry
+
+
+def starts(cp: Checkpoint | None, history: list) -> bool:
+    """Whether ``cp`` encodes a start of ``history`` shorter than all of it."""
+    n = len(cp.messages) if cp is not None else 0
+    return 0 < n < len(history) and history[:n] == cp.messages
