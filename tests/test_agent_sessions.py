@@ -221,3 +221,65 @@ def test_after_a_restart_an_agent_step_resumes_from_the_saved_mark(loaded, tmp_p
         assert sessions(again) == 1
     finally:
         again.stop()
+
+
+def test_an_edit_deep_in_a_session_resumes_from_its_base_on_disk(loaded, tmp_path):
+    """Past the window, an agent truncates an early tool result the window has since
+    overwritten and replaces its last exchange: no mark in memory holds it, but the
+    base (the session's last whole mark, written to disk as the window first filled)
+    is cut back to the tokens the request keeps: fewer fed than a rebuild, and the
+    greedy reply of a fresh server given the whole request."""
+    e = make_engine(loaded, tmp_path, settings={"window": 512}, repair_tokens=128)
+    fresh = make_engine(loaded, tmp_path / "fresh", settings={"window": 512}, repair_tokens=128)
+    try:
+        sent = sent_steps(e, 14, "claude-session-6")
+        assert list(tmp_path.glob("*.base.safetensors")), list(tmp_path.iterdir())
+        edited = deep_edit(sent)
+        r = turn(e, edited, agent="claude-session-6")
+        assert "base on disk" in r["start"]["note"], r["start"]
+        kept = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        rebuilt = turn(fresh, edited)
+        assert kept > rebuilt["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert r["text"] == rebuilt["text"]
+    finally:
+        e.stop()
+        fresh.stop()
+
+
+def deep_edit(sent: list[dict]) -> list[dict]:
+    """``sent`` with an early tool result truncated (one the last marks' windows still
+    read) and its last exchange replaced."""
+    return [*sent[:7], {"role": "user", "content": "file 3: [truncated]"}, *sent[8:-2], *OTHER]
+
+
+def test_a_damaged_base_is_a_rebuild_not_a_wrong_reply(loaded, tmp_path):
+    e = make_engine(loaded, tmp_path, settings={"window": 512}, repair_tokens=128)
+    fresh = make_engine(loaded, tmp_path / "fresh", settings={"window": 512}, repair_tokens=128)
+    try:
+        edited = deep_edit(sent_steps(e, 14, "claude-session-7"))
+        (base,) = tmp_path.glob("*.base.safetensors")
+        base.write_bytes(base.read_bytes()[:100])
+        r = turn(e, edited, agent="claude-session-7")
+        assert "rebuilt" in r["start"]["note"], r["start"]
+        assert not list(tmp_path.glob("*.base.safetensors"))  # forgotten
+        assert r["text"] == turn(fresh, edited)["text"]
+    finally:
+        e.stop()
+        fresh.stop()
+
+
+def test_the_base_outlives_a_restart(loaded, tmp_path):
+    """SIGTERM saves the base with the session (checksummed in the index): after the
+    restart the same deep edit resumes from it."""
+    e = make_engine(loaded, tmp_path, settings={"window": 512}, repair_tokens=128)
+    try:
+        edited = deep_edit(sent_steps(e, 14, "claude-session-8"))
+        e.drain()
+    finally:
+        e.stop()
+    again = make_engine(loaded, tmp_path, settings={"window": 512}, repair_tokens=128)
+    try:
+        r = turn(again, edited, agent="claude-session-8")
+        assert "base on disk" in r["start"]["note"], r["start"]
+    finally:
+        again.stop()

@@ -242,6 +242,8 @@ class Engine(Scheduler, Sessions):
         cached = cache_count(session.caches)
         box: list = []
         if self.recall is None:  # marks: see serve.marks
+            if entry.marks.spill is None and not entry.transient:  # where its base goes
+                entry.marks.spill = self.store.path(entry.owner, entry.id)
             fed = functools.partial(marks.take, entry.marks, session, user, None if head else turn)
             extra = {**extra, "state": DecodeState(on_prompt_fed=fed)}
         tokens = session.stream(

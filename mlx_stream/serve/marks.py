@@ -12,11 +12,20 @@ tokens then go in as a turn: the caches are those of the session had it been sen
 the new request's tokens from the start. A session keeps the marks of its last
 :data:`MARKS` turns (each a copy of its caches: counted by admission); none with a
 recall tier (a copy would share its store).
+
+Its base: the newest mark whose caches still hold every token (taken before the window
+first overwrote a slot), written to disk when it leaves the last :data:`MARKS` and no
+newer whole mark extends it (once per session, as its window first fills: no memory).
+Such caches cut back to any of their tokens are exactly those tokens' caches, so a
+request that shares any prefix with the base, such as an edit deep in a long session
+(a tool result pruned, then the last exchange replaced), resumes at the longest one
+instead of being rebuilt from its system prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +33,32 @@ from typing import Any
 from mlx_stream.errors import UserError
 from mlx_stream.generate.session import ChatSession, Checkpoint, cache_count
 from mlx_stream.generate.transcript import new_messages
+from mlx_stream.prefix_store import MIN_TOKENS
 
 MARKS = 2  # the last turn's prompt (a resent reply) and the one before (a fork)
+BASE = ".base"  # a session's base on disk: PATH.base.safetensors and PATH.base.json
+
+
+class Marks(list):
+    """A session's marks (:class:`Checkpoint` s, newest last) and where its base goes.
+
+    Attributes:
+        spill (Path, optional): ``PATH`` of the base's files (``PATH.base.*``); ``None``
+            keeps no base.
+        base (list[int], optional): The tokens the base's caches hold (its caches on disk).
+        system (str, optional): The base's system prompt.
+    """
+
+    def __init__(self, items=(), spill: Path | None = None):
+        super().__init__(items)
+        self.spill, self.base, self.system = spill, None, None
+
+
+def whole(caches: list) -> bool:
+    """Whether ``caches`` still hold every token they were given (no ring slot was
+    overwritten yet): any later tokens can then be cut off exactly."""
+    rings = [getattr(c, "ring", None) for c in caches]
+    return bool(rings) and all(r is not None and r.tokens_seen <= r.capacity for r in rings)
 
 
 @dataclass
@@ -49,15 +82,43 @@ def take(marks: list[Checkpoint], session: ChatSession, user: Any, turn: tuple |
     mark = session.checkpoint()
     mark.messages += [dict(m) for m in new_messages(user)]
     mark.tokens, mark.fed_text, mark.pending = fed, full, []
+    if len(marks) >= MARKS and isinstance(marks, Marks):
+        _retire(marks, session, marks[0], [*marks[1:], mark])
     marks[:] = (marks + [mark])[-MARKS:]
 
 
+def _retire(marks: Marks, session: ChatSession, old: Checkpoint, newer: list) -> None:
+    """``old`` leaves ``marks``: it becomes the base (written to disk) when its caches
+    hold every token and no ``newer`` mark that does extends it."""
+    if marks.spill is None or not old.tokens or not whole(old.caches):
+        return
+    n = len(old.tokens)
+    if any(m.tokens and whole(m.caches) and m.tokens[:n] == old.tokens for m in newer):
+        return  # that one will serve every prefix this one serves
+    try:
+        _write(session, old, marks.spill.with_name(marks.spill.name + BASE))
+    except (OSError, RuntimeError, UserError):
+        forget(marks)  # no base: an edit deep in the session is rebuilt, as before
+        return
+    marks.base, marks.system = list(old.tokens), old.system
+
+
+def forget(marks: list) -> None:
+    """Remove ``marks``' base from disk."""
+    if isinstance(marks, Marks) and marks.spill is not None:
+        _remove(marks.spill.with_name(marks.spill.name + BASE))
+        marks.base = marks.system = None
+
+
 def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any):
-    """The newest of ``marks`` a rebuild of ``history`` + ``user`` would start from,
-    and the tokens it feeds after it: ``(mark, tokens, turn)``, ``tokens`` what the
-    caches then hold, or ``None``. A mark whose prompt was edited since only among
-    tokens its window has evicted still serves, as a repair keeps such an edit: no
-    later query reads them (:func:`~mlx_stream.generate.repair.plan`)."""
+    """The state of ``marks`` a rebuild of ``history`` + ``user`` would start from that
+    holds the most of it, and the tokens it feeds after it: ``(mark, tokens, turn,
+    cut)``, ``mark`` ``None`` for the base (on disk), ``tokens`` what the caches then
+    hold once ``cut`` tokens are cut off their end, or ``None``. A mark whose prompt was
+    edited since only among tokens its window has evicted still serves, as a repair
+    keeps such an edit: no later query reads them
+    (:func:`~mlx_stream.generate.repair.plan`); a whole one (:func:`whole`) or the base
+    serves the longest prefix it shares with the request."""
     from mlx_stream.generate.repair import (
         common_prefix,
         common_suffix,
@@ -69,6 +130,7 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
     messages = list(history) + new_messages(user)
     full = session.render(session.conversation(messages))
     tokens = encode_like_rebuild(session, full)
+    best = None
     for mark in reversed(marks):
         old, k = mark.tokens or [], len(mark.messages)
         if mark.system != session.system or not 0 < k <= len(messages) or not old:
@@ -81,12 +143,30 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
         if n < 1 or len(tokens) <= n or tokens[:n] != head[:n]:
             continue
         if head[:n] == old:
-            return mark, list(old), (tokens[n:], full)
+            best = mark, list(old), (tokens[n:], full), 0
+            break
         p = common_prefix(old, head[:n])
         s = common_suffix(old, head[:n], min(len(old), n) - p)
         if p >= session.sinks and len(old) - s <= evicted_before(mark.caches):
-            return mark, keep_evicted(head[:n], len(old), p, s), (tokens[n:], full)
-    return None
+            best = mark, keep_evicted(head[:n], len(old), p, s), (tokens[n:], full), 0
+            break
+    whole_ones = [(m, m.tokens) for m in reversed(marks) if m.tokens and whole(m.caches)]
+    if isinstance(marks, Marks) and marks.base:
+        whole_ones.append((None, marks.base))
+    # worth it past what a rebuild starts from (the system prompt's snapshot) by a file's worth
+    floor = len(best[1]) if best else MIN_TOKENS + max(session.sinks, len(head_tokens(session)))
+    for mark, old in whole_ones if whole_ones else ():
+        system = marks.system if mark is None else mark.system
+        p = common_prefix(old, tokens[: len(tokens) - 1])
+        if system == session.system and p > floor:
+            best, floor = (mark, list(old[:p]), (tokens[p:], full), len(old) - p), p
+    return best
+
+
+def head_tokens(session: ChatSession) -> list[int]:
+    """The tokens of ``session``'s rendered system prompt (what a rebuild restores)."""
+    head = session.system_text()
+    return session.encode(head) if head else []
 
 
 def resume(
@@ -97,19 +177,35 @@ def resume(
     why: str,
     beyond: int = 0,
 ) -> Resumed | None:
-    """Put ``session`` on the newest mark that serves ``history`` + ``user`` (see
-    :func:`find`); its transcript is then ``history``. ``None`` when none serves, or
-    none holds more than ``beyond`` tokens (another state the caller has holds more)."""
+    """Put ``session`` on the state of ``marks`` that serves the most of ``history`` +
+    ``user`` (see :func:`find`); its transcript is then ``history``. ``None`` when none
+    serves, or none holds more than ``beyond`` tokens (another state the caller has
+    holds more), or the base does not load (``session`` is then left for the caller
+    to restore or rebuild)."""
     found = find(marks, session, history, user)
     if found is None or len(found[1]) <= beyond:
         return None
-    mark, kept, turn = found
-    back = len(marks) - marks.index(mark)
-    session.restore(mark)
+    mark, kept, turn, cut = found
+    if mark is None:
+        try:
+            session.load(marks.spill.with_name(marks.spill.name + BASE))
+        except UserError:
+            forget(marks)
+            return None
+        where = "the session's start (its base on disk)"
+    else:
+        back = len(marks) - marks.index(mark)
+        session.restore(mark)
+        where = "the last turn's prompt" if back == 1 else f"the prompt {back} turns back"
+    for cache in session.caches:  # whole caches: cut back exactly
+        cache.trim(cut)
     session.messages = [dict(m) for m in history]
     session.tokens, session.pending = kept, []
-    where = "the last turn's prompt" if back == 1 else f"the prompt {back} turns back"
-    edited = "" if kept == mark.tokens else ", edited only where its window had evicted"
+    if cut:  # the text of what the caches hold (the turn's own is given with its tokens)
+        session.fed_text = session.tokenizer.decode(kept)
+    edited = ", cut back to what the request keeps" if cut else ""
+    if not cut and mark is not None and kept != mark.tokens:
+        edited = ", edited only where its window had evicted"
     return Resumed(turn, f"resumed from {where} ({len(kept):,} tokens{edited}): {why}")
 
 
@@ -120,14 +216,17 @@ def save(session: ChatSession, marks: list[Checkpoint], path: Path) -> None:
     """Save the newest of ``marks`` beside ``session``'s files at ``path`` (a restart
     then resumes an agent's next step from it), or remove a stale one."""
     target = path.with_name(path.name + MARK)
-    if not marks:
-        for suffix in (".safetensors", ".json", ".draft.safetensors"):
-            with contextlib.suppress(OSError):
-                target.with_name(target.name + suffix).unlink()
-        return
-    mark, names = marks[-1], ("caches", "messages", "fed_text", "pending", "tokens")
+    if marks:
+        _write(session, marks[-1], target)
+    else:
+        _remove(target)
+
+
+def _write(session: ChatSession, mark: Checkpoint, target: Path) -> None:
+    """Save ``mark`` at ``target`` with ``session``'s own save: no copy of the caches."""
+    names = ("caches", "messages", "fed_text", "pending", "tokens")
     live = {name: getattr(session, name) for name in names}
-    try:  # the session's own save, of the mark's state: no copy of the caches
+    try:
         session.caches, session.messages, session.fed_text = (
             mark.caches,
             mark.messages,
@@ -140,16 +239,30 @@ def save(session: ChatSession, marks: list[Checkpoint], path: Path) -> None:
             setattr(session, name, value)
 
 
-def load(session: ChatSession, path: Path) -> list[Checkpoint]:
-    """The mark saved beside the session at ``path`` (:func:`save`) as a list of one;
-    none when there is none or it does not load (a checked file: a bad one is only a
-    lost mark). ``session`` is left holding it: load the session's own state after."""
+def _remove(target: Path) -> None:
+    for suffix in (".safetensors", ".json", ".draft.safetensors"):
+        with contextlib.suppress(OSError):
+            target.with_name(target.name + suffix).unlink()
+
+
+def load(session: ChatSession, path: Path) -> Marks:
+    """The mark saved beside the session at ``path`` (:func:`save`) as marks of one,
+    and its base when one is on disk; no mark when there is none or it does not load
+    (a checked file: a bad one is only a lost mark). ``session`` is left holding it:
+    load the session's own state after."""
+    found = Marks(spill=path)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        state = json.loads(path.with_name(path.name + BASE + ".json").read_text())
+        if isinstance(state["tokens"], list) and state["tokens"]:
+            found.base, found.system = state["tokens"], state["system"]
     target = path.with_name(path.name + MARK)
     if not target.with_name(target.name + ".safetensors").is_file():
-        return []
+        return found
     try:
         session.load(target)
     except UserError:
-        return []
+        return found
     mark = session.checkpoint()
-    return [mark] if mark.tokens else []
+    if mark.tokens:
+        found.append(mark)
+    return found

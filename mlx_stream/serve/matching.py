@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.generate.session import ChatSession, Checkpoint, clean_text
+from mlx_stream.serve.marks import Marks
 from mlx_stream.serve.refusals import BadRequest, Busy
 
 
@@ -50,7 +51,7 @@ class Entry:
     # once the turn has gone through (a failed one goes back to before the edit).
     repaired: Checkpoint | None = None
     # Resident only: the caches at the end of its last turns' prompts (serve.marks).
-    marks: list[Checkpoint] = field(default_factory=list)
+    marks: Marks = field(default_factory=Marks)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -95,12 +95,14 @@ class Sessions:
             if not drop:
                 raise
             recalled.release(entry.session)
-            entry.session, entry.checkpoint, entry.marks = None, None, []
+            marks.forget(entry.marks)
+            entry.session, entry.checkpoint, entry.marks = None, None, marks.Marks()
             self._dropped.add(entry.key)
             self.dropped += 1
             return
         recalled.release(entry.session)  # the saved files hold it now
-        entry.path, entry.session, entry.checkpoint, entry.marks = path, None, None, []
+        # (its base stays on disk beside it: marks.load finds it again)
+        entry.path, entry.session, entry.checkpoint, entry.marks = path, None, None, marks.Marks()
         entry.tokens_seen = record["tokens_seen"]
         self.evictions += 1
         stored = [e for e in self.entries.values() if e.session is None]
@@ -128,6 +130,7 @@ class Sessions:
         self.entries.pop(entry.key, None)
         self._dropped.discard(entry.key)
         recalled.release(entry.session)
+        marks.forget(entry.marks)
         if entry.path is not None:
             self.store.forget(entry)
 

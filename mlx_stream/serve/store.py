@@ -38,7 +38,8 @@ INDEX = "index.json"  # the state folder's list of saved sessions and their chec
 RECALL = ".recall"  # the folder of a saved session's recall store (ChatSession.save)
 # the files of a saved session (of its recall folder: the manifest)
 SUFFIXES = (".safetensors", ".json", ".draft.safetensors", RECALL + "/manifest.json",
-            ".mark.safetensors", ".mark.json", ".mark.draft.safetensors")  # fmt: skip
+            ".mark.safetensors", ".mark.json", ".mark.draft.safetensors",
+            ".base.safetensors", ".base.json", ".base.draft.safetensors")  # fmt: skip
 
 
 class SessionStore:
