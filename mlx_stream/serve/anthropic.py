@@ -20,12 +20,13 @@ events back into Anthropic's shapes:
   (a ``type`` such as ``web_search_20250305``) cannot run here: left out, logged.
 - ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``max_tokens`` are read
   from the body (recent SDKs send sampling fields as extra body fields).
-- Replies: ``content`` blocks (``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
+- Replies: ``content`` blocks (``thinking`` for a model that thinks, with an empty
+  ``signature``; ``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
   ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the one that matched),
   ``usage`` (``input_tokens`` = tokens fed this turn, ``cache_read_input_tokens`` =
   tokens the session's cache already held). Streamed:
-  ``message_start``, ``content_block_start`` / ``content_block_delta`` (``text_delta``,
-  ``input_json_delta``) / ``content_block_stop`` per block, ``message_delta`` with the
+  ``message_start``, ``content_block_start`` / ``content_block_delta`` (``thinking_delta``,
+  ``text_delta``, ``input_json_delta``) / ``content_block_stop`` per block, ``message_delta`` with the
   stop reason and usage, ``message_stop``.
 - Errors: ``{"type": "error", "error": {"type", "message"}}`` (:func:`error`).
 """
@@ -312,9 +313,12 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         reply = await events.drain(job, request, http)
         if reply.error is not None:
             return error(*reply.error)
-        content = ([{"type": "text", "text": reply.text}] if reply.text else []) + [
-            _tool_use(c) for c in reply.calls
-        ]
+        thought = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}]
+        content = (
+            (thought if reply.reasoning else [])
+            + ([{"type": "text", "text": reply.text}] if reply.text else [])
+            + [_tool_use(c) for c in reply.calls]
+        )
         whole = {
             "id": ident, "type": "message", "role": "assistant", "model": engine.model_id,
             "content": content, **stop_fields(reply.finish, request), "usage": _usage(reply.usage),
@@ -371,20 +375,26 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
         yield _sse("message_start", {"message": message})
-        index, text_open, pings = 0, False, 0
+        index, kind, pings = 0, None, 0  # kind: the open block's ("text", "thinking")
         while True:
             event = await job.events.get()
-            if event[0] == "text" and event[1]:
-                if not text_open:
-                    block = {"type": "text", "text": ""}
+            if event[0] in ("text", "reasoning") and event[1]:
+                want = "text" if event[0] == "text" else "thinking"
+                if kind not in (None, want):
+                    yield _sse("content_block_stop", {"index": index})
+                    index, kind = index + 1, None
+                if kind is None:
+                    block = {"type": want, want: ""}
+                    if want == "thinking":
+                        block["signature"] = ""  # nothing signs a local model's thought
                     yield _sse("content_block_start", {"index": index, "content_block": block})
-                    text_open = True
-                delta = {"type": "text_delta", "text": event[1]}
+                    kind = want
+                delta = {"type": want + "_delta", want: event[1]}
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
             elif event[0] == "tool_call":
-                if text_open:
+                if kind is not None:
                     yield _sse("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
+                    index, kind = index + 1, None
                 block = {**_tool_use(event[2]), "input": {}}
                 yield _sse("content_block_start", {"index": index, "content_block": block})
                 delta = {
@@ -400,14 +410,14 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                 if pings == 1:
                     continue  # a short prompt's reply stays as the whole one would be
                 # Claude Code's idle timer skips pings: an empty text delta resets it.
-                if not text_open:
+                if kind is None:
                     block = {"type": "text", "text": ""}
                     yield _sse("content_block_start", {"index": index, "content_block": block})
-                    text_open = True
-                delta = {"type": "text_delta", "text": ""}
+                    kind = "text"
+                delta = {"type": kind + "_delta", kind: ""}
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
             elif event[0] == "end":
-                if text_open:
+                if kind is not None:
                     yield _sse("content_block_stop", {"index": index})
                 delta = stop_fields(event[2], request)
                 yield _sse("message_delta", {"delta": delta, "usage": _usage(event[1])})

@@ -425,6 +425,8 @@ def create_app(
         if reply.error is not None:
             return error(*reply.error)
         whole = shape.whole(reply.text, reply.finish, reply.usage, reply.logprobs, reply.calls)
+        if reply.reasoning:  # the thought apart (serve.reasoning), as DeepSeek's API names it
+            whole["choices"][0]["message"]["reasoning_content"] = reply.reasoning
         return JSONResponse(whole, headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -564,6 +566,10 @@ async def _sse(job: events.Job, cancelled: threading.Event, shape: _Shape, inclu
                 yield _event(shape.chunk(event[1], None, logprob=event[2]))
             elif event[0] == "tool_call":
                 yield _event(shape.call_chunk(event[1], event[2]))
+            elif event[0] == "reasoning":
+                chunk = shape.chunk(None, None)
+                chunk["choices"][0]["delta"]["reasoning_content"] = event[1]
+                yield _event(chunk)
             elif event[0] == "end":
                 _, usage, finish = event
                 yield _event(shape.chunk(None, finish))

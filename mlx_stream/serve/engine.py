@@ -29,6 +29,7 @@ from mlx_stream.serve.admission import COPIES, Admission, weights_bytes
 from mlx_stream.serve.logprobs import TokenLogprobs
 from mlx_stream.serve.matching import Entry, split_messages
 from mlx_stream.serve.planning import Planner
+from mlx_stream.serve.reasoning import ThinkStream
 from mlx_stream.serve.refusals import (
     DEFAULT_RETRY_AFTER,  # noqa: F401 - re-exported
     BadRequest,
@@ -232,6 +233,8 @@ class Engine(Scheduler, Sessions):
             head = ""
         # with an unfed head: the head too
         turn = resumed.turn if resumed is not None else session.turn_tokens(user)
+        if isinstance(request.emit, ThinkStream):
+            request.emit.prompt(turn[1])  # a thought the prompt opened
         if len(turn[0]) > self.max_prompt_tokens:
             if mode in ("rebuild", "new"):  # its caches would not encode its transcript
                 self.drop(entry)

@@ -24,7 +24,14 @@ from mlx_stream.serve.fields import session_header
 
 PING_EVERY = 5.0  # seconds between keepalive pings while a prompt goes in
 POLL_EVERY = 0.25  # seconds between checks that a whole reply's client is still there
-CORE = ("start", "text", "tool_call", "end", "error")  # what the engine's contract names
+CORE = (
+    "start",
+    "text",
+    "reasoning",
+    "tool_call",
+    "end",
+    "error",
+)  # what the engine's contract names
 GONE = (499, "the client closed the connection")
 
 
@@ -136,6 +143,7 @@ class Reply:
     ``logprobs``: (text, entry) per token where the request asked for them."""
 
     text: str = ""
+    reasoning: str = ""  # the thought before the answer (serve.reasoning)
     calls: list[dict] = field(default_factory=list)
     usage: dict = field(default_factory=dict)
     finish: str = "stop"
@@ -147,7 +155,7 @@ async def drain(job: Job, request: Any, http: Any = None) -> Reply:
     """Collect the rest of a request's events into a :class:`Reply`. With ``http``
     (the starlette request), a client that leaves stops the request: the reply's
     ``error`` is then (499, ...)."""
-    reply, texts = Reply(), []
+    reply, texts, thoughts = Reply(), [], []
     try:
         while True:
             event = await next_event(job, http)
@@ -159,6 +167,8 @@ async def drain(job: Job, request: Any, http: Any = None) -> Reply:
                 texts.append(event[1])
                 if event[2] is not None:
                     reply.logprobs.append((event[1], event[2]))
+            elif event[0] == "reasoning":
+                thoughts.append(event[1])
             elif event[0] == "tool_call":
                 reply.calls.append(event[2])
             elif event[0] == "end":
@@ -170,7 +180,7 @@ async def drain(job: Job, request: Any, http: Any = None) -> Reply:
     except asyncio.CancelledError:
         request.cancelled.set()
         raise
-    reply.text = "".join(texts)
+    reply.text, reply.reasoning = "".join(texts), "".join(thoughts)
     return reply
 
 

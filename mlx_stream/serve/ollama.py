@@ -18,9 +18,11 @@ events back into ollama's shapes:
   in the access log when it is less than a session keeps (sessions here have the
   server's fixed window: more context than asked, never less); other options (threads,
   GPU layers, mirostat off) change nothing here and are ignored, as ollama ignores
-  unknown ones. ``keep_alive``: the one model stays loaded. ``think: true`` is refused
-  (this model does not think), ``images``, ``suffix``, ``template`` and ``context``
-  too, each in one line naming the field.
+  unknown ones. ``keep_alive``: the one model stays loaded. A model that thinks has its
+  thought apart in ``thinking`` (``think`` true or left out; false cannot switch it off
+  here: the thought still comes apart); ``think: true`` for one that does not is
+  refused, ``images``, ``suffix``, ``template`` and ``context`` too, each in one line
+  naming the field.
 - Replies: streamed (the default) as newline-delimited JSON, a line per piece of text
   (``message.content`` / ``response``), a tool call as ``message.tool_calls`` with its
   arguments as an object, then a ``done: true`` line with ``done_reason`` (``stop``,
@@ -42,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
-from mlx_stream.serve import events, ollama_models
+from mlx_stream.serve import events, ollama_models, reasoning
 from mlx_stream.serve.fields import owner_of, sampling_args
 from mlx_stream.serve.ollama_models import error, not_found, now
 from mlx_stream.serve.structured import response_format_grammar
@@ -106,9 +108,10 @@ class GenerateBody(Body):
     context: list[int] | None = None
 
 
-def _refuse(body: Body, fields: tuple[str, ...]) -> None:
+def _refuse(body: Body, fields: tuple[str, ...], engine: Any) -> None:
     """One line naming the first field this server cannot honor."""
-    if body.think not in (None, False, "false", "none"):
+    thinks = reasoning.markers(getattr(engine, "tokenizer", None)) is not None
+    if body.think not in (None, False, "false", "none") and not thinks:
         raise UserError("think: this model does not think (leave it out or set false)")
     for name in fields:
         if getattr(body, name, None) not in (None, "", []):
@@ -235,11 +238,14 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
             if whole:
                 joined = whole.get("message", whole)
                 part = p.get("message", p)
-                key = "content" if chat else "response"
-                joined[key] = joined.get(key, "") + part.get(key, "")
+                for key in ("content" if chat else "response", "thinking"):
+                    if key in part:
+                        joined[key] = joined.get(key, "") + part[key]
                 if part.get("tool_calls"):
                     joined["tool_calls"] = joined.get("tool_calls", []) + part["tool_calls"]
-                whole.update({k: v for k, v in p.items() if k not in ("message", "response")})
+                whole.update(
+                    {k: v for k, v in p.items() if k not in ("message", "response", "thinking")}
+                )
             else:
                 whole = p
         return JSONResponse(whole)
@@ -258,7 +264,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
     @app.post(PREFIX + "chat")
     async def chat(body: ChatBody, http: Request):
         try:
-            _refuse(body, ())
+            _refuse(body, (), engine)
             if not body.messages:
                 return loaded(body, chat=True)
             fields = {"messages": chat_messages(body.messages), "tools": body.tools or None}
@@ -269,7 +275,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
     @app.post(PREFIX + "generate")
     async def generate(body: GenerateBody, http: Request):
         try:
-            _refuse(body, ("images", "suffix", "template", "context"))
+            _refuse(body, ("images", "suffix", "template", "context"), engine)
         except UserError as exc:
             return error(400, str(exc))
         if not body.prompt:
@@ -301,10 +307,14 @@ async def _pieces(job: events.Job, request: Any, head: dict, chat: bool, clock: 
             event = await events.next_event(job, http)
             if event is None:  # the client left
                 break
-            if event[0] in ("text", "tool_call"):
+            if event[0] in ("text", "reasoning", "tool_call"):
                 clock.setdefault("first", time.perf_counter())
             if event[0] == "text" and event[1]:
                 yield piece(event[1])
+            elif event[0] == "reasoning":  # the thought apart, as ollama's ``thinking``
+                out = piece("")
+                (out["message"] if chat else out)["thinking"] = event[1]
+                yield out
             elif event[0] == "tool_call":
                 yield piece("", [_call(event[2])])
             elif event[0] == "end":

@@ -6,7 +6,8 @@ server's default, never over the operator's ceiling) and refuses a new message o
 ``max_prompt_tokens`` (:class:`TooLarge`). :meth:`Planner.plan` checks a request's agent
 fields before any session is touched: its messages in the engine's shape, its tool plan,
 its sampling arguments and grammar; with tools, its ``emit`` is a
-:class:`~mlx_stream.serve.tools.CallStream`.
+:class:`~mlx_stream.serve.tools.CallStream`; for a model that thinks, a
+:class:`~mlx_stream.serve.reasoning.ThinkStream` before it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Planner:
 
     def plan(self, request: Any) -> Planned:
         """``request``'s tool plan and sampling arguments, as a new request."""
-        from mlx_stream.serve import sampling, tools
+        from mlx_stream.serve import reasoning, sampling, tools
 
         plan, changes = None, {}
         if request.messages is not None:
@@ -106,9 +107,13 @@ class Planner:
             planned, planned.temp, planned.top_p, self.vocab(), constraint, draft=self.draft,
             repetition_penalty=penalty,
         )  # fmt: skip
-        if plan is not None and not isinstance(planned.emit, tools.CallStream):
-            salt = json.dumps(planned.messages[-1], sort_keys=True) + str(len(planned.messages))
-            planned.emit = tools.CallStream(plan, planned.emit, salt=salt)
+        if not isinstance(planned.emit, (tools.CallStream, reasoning.ThinkStream)):
+            if plan is not None:
+                salt = json.dumps(planned.messages[-1], sort_keys=True) + str(len(planned.messages))
+                planned.emit = tools.CallStream(plan, planned.emit, salt=salt)
+            marks = reasoning.markers(self.tokenizer) if request.messages is not None else None
+            if marks is not None:  # the thought first, then calls read from the answer
+                planned.emit = reasoning.ThinkStream(marks, planned.emit)
         return Planned(planned, plan, extra)
 
     def vocab(self) -> int:

@@ -16,7 +16,9 @@ back into Responses shapes; nothing here runs the model.
 - ``tools`` (function tools, flat: ``name``, ``parameters``), ``tool_choice``,
   ``text.format`` (``json_object`` / ``json_schema``: structured output),
   ``temperature``, ``top_p``, ``max_output_tokens``.
-- Output: a ``message`` item with ``output_text`` and one ``function_call`` item per
+- Output: a ``reasoning`` item first for a model that thinks (``reasoning_text``
+  content; streamed as ``response.reasoning_text.delta``), a ``message`` item with
+  ``output_text`` and one ``function_call`` item per
   call; usage with ``input_tokens_details.cached_tokens``; ``status`` ``incomplete``
   when ``max_output_tokens`` ended it. Streamed: ``response.created``,
   ``response.in_progress``, ``response.output_item.added``,
@@ -182,7 +184,11 @@ def _usage(usage: dict) -> dict[str, Any]:
         "input_tokens": usage.get("prompt_tokens", 0),
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": usage.get("completion_tokens", 0),
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0
+            )
+        },
         "total_tokens": usage.get("total_tokens", 0),
         **events.repair_counts(usage),
     }
@@ -197,6 +203,12 @@ class _Shape:
         self.message_id = "msg_" + uuid.uuid4().hex[:24]
         self.body, self.model, self.created = body, model, int(time.time())
         self.text, self.calls, self.usage, self.finish = "", [], None, None
+        self.reasoning, self.reasoning_id = "", "rs_" + uuid.uuid4().hex[:24]
+
+    def reasoning_item(self, status: str = "completed") -> dict[str, Any]:
+        part = {"type": "reasoning_text", "text": self.reasoning}
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
+                "content": [part]}  # fmt: skip
 
     def message_item(self, status: str = "completed") -> dict[str, Any]:
         part = {"type": "output_text", "text": self.text, "annotations": []}
@@ -213,7 +225,8 @@ class _Shape:
         return item
 
     def output(self) -> list[dict[str, Any]]:
-        items = [self.message_item()] if self.text or not self.calls else []
+        items = [self.reasoning_item()] if self.reasoning else []
+        items += [self.message_item()] if self.text or not self.calls else []
         return items + [self.call_item(c) for c in self.calls]
 
     def response(self, status: str) -> dict[str, Any]:
@@ -312,8 +325,9 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         reply = await events.drain(job, request, http)
         if reply.error is not None:
             return error(*reply.error)
-        shape.text, shape.calls, shape.usage, shape.finish = (
+        shape.text, shape.reasoning, shape.calls, shape.usage, shape.finish = (
             reply.text,
+            reply.reasoning,
             reply.calls,
             reply.usage,
             reply.finish,
@@ -353,6 +367,20 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
             event = await job.events.get()
             if event[0] == "ping":  # a long prompt going in: a real event keeps it alive
                 yield sse("response.in_progress", response=shape.response("in_progress"))
+            if event[0] == "reasoning":
+                if not shape.reasoning:
+                    item = {**shape.reasoning_item("in_progress"), "content": []}
+                    yield sse("response.output_item.added", output_index=index, item=item)
+                shape.reasoning += event[1]
+                yield sse("response.reasoning_text.delta", item_id=shape.reasoning_id,
+                          output_index=index, content_index=0, delta=event[1])  # fmt: skip
+                continue
+            if shape.reasoning and index == 0 and event[0] in ("text", "tool_call", "end"):
+                yield sse("response.reasoning_text.done", item_id=shape.reasoning_id,
+                          output_index=index, content_index=0, text=shape.reasoning)  # fmt: skip
+                yield sse("response.output_item.done", output_index=index,
+                          item=shape.reasoning_item())  # fmt: skip
+                index += 1
             if event[0] == "text" and event[1]:
                 if not text_open:
                     item = {**shape.message_item("in_progress"), "content": []}

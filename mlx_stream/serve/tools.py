@@ -369,7 +369,7 @@ class CallStream:
             self.held += text
             at = self.held.find(self.plan.start)
             if at < 0:
-                keep = _partial(self.held, self.plan.start)
+                keep = marker_start(self.held, self.plan.start)
                 out, self.held = (
                     self.held[: len(self.held) - keep],
                     self.held[len(self.held) - keep :],
@@ -427,7 +427,7 @@ class CallStream:
         session.messages[-1] = reply
 
 
-def _partial(text: str, marker: str) -> int:
+def marker_start(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that begins ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -154,9 +154,10 @@ TOOLS_TEMPLATE = (
 )
 
 
-def save_bpe_model_folder(path, template: str = CHATML):
+def save_bpe_model_folder(path, template: str = CHATML, extra_specials: tuple = ()):
     """A tiny llama with a byte-level BPE tokenizer (what llguidance needs: any JSON
-    can be written), ChatML specials and ``template``, saved as an mlx-lm folder."""
+    can be written), ChatML specials (and ``extra_specials``) and ``template``, saved
+    as an mlx-lm folder."""
     import json
 
     import mlx.core as mx
@@ -165,6 +166,7 @@ def save_bpe_model_folder(path, template: str = CHATML):
 
     path.mkdir(parents=True)
     bpe = tiny_bpe()
+    bpe.add_special_tokens(list(extra_specials))
     vocab = bpe.get_vocab_size()
     model = tiny.make_model("llama", vocab_size=vocab)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -173,6 +175,7 @@ def save_bpe_model_folder(path, template: str = CHATML):
     (path / "config.json").write_text(json.dumps(config, indent=2))
     PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None,
-        additional_special_tokens=["<|im_start|>", "<|endoftext|>"], chat_template=template,
+        additional_special_tokens=["<|im_start|>", "<|endoftext|>", *extra_specials],
+        chat_template=template,
     ).save_pretrained(str(path))  # fmt: skip
     return path

@@ -1,0 +1,112 @@
+"""Reasoning kept apart from the answer, for models that think before they reply.
+
+Contract: for a tokenizer that marks thinking (mlx-lm's ``TokenizerWrapper`` infers the
+markers: ``<think>``/``</think>`` for DeepSeek-R1, Qwen3, QwQ and the like, and the
+other pairs it knows), a chat request's ``("text", ...)`` events are split by a
+:class:`ThinkStream`: text between the start and the end marker, or from the reply's
+first token when the prompt left a thought open (a template that ends its generation
+prompt with the start marker), becomes ``("reasoning", text)`` events; the markers
+themselves go nowhere; the rest stays text (one thought per reply: a start marker
+after it is the answer's text). Tool calls are read from the answer only
+(the stream sits before :class:`~mlx_stream.serve.tools.CallStream`). The ``end``
+event's usage gains ``completion_tokens_details.reasoning_tokens``: the segments
+(one per sampled token) that gave the thought text, the markers' own not counted. A model without markers gets no stream.
+The session's transcript keeps the reply as generated (its caches hold the thought);
+a client that resends the reply without it is an edit like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_stream.serve.tools import marker_start
+
+
+def markers(tokenizer: Any) -> tuple[str, str] | None:
+    """The model's thinking markers ``(start, end)``, or ``None`` (it does not think)."""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if not getattr(tokenizer, "has_thinking", False) or not start or not end:
+        return None
+    return start, end
+
+
+def left_open(prompt: str, marks: tuple[str, str]) -> bool:
+    """Whether ``prompt`` (rendered, with its generation prompt) ends inside a thought."""
+    return prompt.rfind(marks[0]) > prompt.rfind(marks[1])
+
+
+@dataclass
+class ThinkStream:
+    """A request's event callback that routes its thought to ``("reasoning", text)``."""
+
+    # By hand: mlx-lm splits thinking inside its server's generation loop (a token
+    # state machine), not in a function it exports.
+
+    marks: tuple[str, str]
+    emit: Any
+    thinking: bool = False  # inside a thought (set from the prompt: :func:`left_open`)
+    held: str = ""  # text that may begin the marker awaited
+    tokens: int = 0  # segments routed to reasoning
+    strip: bool = False  # drop the blank lines between a thought and the answer
+    done: bool = False  # the thought has ended
+    counted: bool = False
+    reasoning: list[str] = field(default_factory=list)
+
+    def prompt(self, text: str) -> None:
+        """The rendered prompt the reply follows: whether it opened a thought."""
+        self.thinking = left_open(text, self.marks)
+
+    def __call__(self, event: tuple) -> None:
+        if event[0] == "text":
+            self._feed(event[1], event[2] if len(event) > 2 else None)
+        elif event[0] == "end":
+            self._flush()
+            usage = dict(event[1])
+            details = dict(usage.get("completion_tokens_details") or {})
+            usage["completion_tokens_details"] = {**details, "reasoning_tokens": self.tokens}
+            self.emit(("end", usage, *event[2:]))
+        else:
+            self.emit(event)
+
+    def _feed(self, text: str, logprob: Any) -> None:
+        self.counted = False  # this segment (a sampled token) not yet counted as thought
+        self.held += text
+        while True:
+            if self.done:  # one thought per reply: a later marker is the answer's text
+                held, self.held = self.held, ""
+                self._out(held, logprob)
+                return
+            marker = self.marks[1] if self.thinking else self.marks[0]
+            at = self.held.find(marker)
+            if at < 0:
+                keep = marker_start(self.held, marker)
+                out, self.held = (
+                    self.held[: len(self.held) - keep],
+                    self.held[len(self.held) - keep :],
+                )
+                self._out(out, logprob)
+                return
+            self._out(self.held[:at], logprob)
+            logprob = None
+            self.held = self.held[at + len(marker) :]
+            self.done, self.thinking = self.thinking, not self.thinking
+            self.strip = self.done  # the answer starts past the thought's blank line
+
+    def _out(self, text: str, logprob: Any) -> None:
+        if self.thinking:
+            if text:
+                self.tokens += not self.counted
+                self.counted = True
+                self.reasoning.append(text)
+                self.emit(("reasoning", text))
+            return
+        if self.strip:
+            text = text.lstrip("\n")
+            self.strip = not text
+        if text or logprob is not None:
+            self.emit(("text", text, logprob))
+
+    def _flush(self) -> None:
+        held, self.held = self.held, ""
+        self._out(held, None)
