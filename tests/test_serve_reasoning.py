@@ -186,8 +186,10 @@ def test_ollama_thinking_whole_and_streamed(client):
 
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-)
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)  # as Qwen3's switch: thinking off writes an empty thought into the generation prompt
 
 
 @pytest.fixture(scope="module")
@@ -200,21 +202,48 @@ def thinking_model_dir(tmp_path_factory):
     return save_bpe_model_folder(path, THINKING_TEMPLATE, extra_specials=MARKS)
 
 
-def test_a_real_engine_routes_a_thought_the_template_opened(thinking_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def thinking(thinking_model_dir, tmp_path_factory):
     from mlx_stream.models.loader import load
     from mlx_stream.serve.app import create_app
     from tests.support.engine import make_engine
 
     loaded = load(str(thinking_model_dir))
     assert markers(loaded[1]) == MARKS
-    engine = make_engine(loaded, tmp_path, settings={"window": 256})
+    engine = make_engine(loaded, tmp_path_factory.mktemp("state"), settings={"window": 256})
     try:
         with TestClient(create_app(engine, quiet=True, ui=False)) as c:
-            body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
-            whole = c.post("/v1/chat/completions", json=body).json()
+            yield c
     finally:
         engine.stop()
+
+
+def test_a_real_engine_routes_a_thought_the_template_opened(thinking):
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    whole = thinking.post("/v1/chat/completions", json=body).json()
     message, usage = whole["choices"][0]["message"], whole["usage"]
     thought, details = message.get("reasoning_content") or "", usage["completion_tokens_details"]
     assert thought and "<think>" not in message["content"] + thought
     assert 1 <= details["reasoning_tokens"] <= usage["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
+        ("/v1/chat/completions", {"reasoning_effort": "none"}),
+        ("/v1/messages", {"model": "tiny", "thinking": {"type": "disabled"}}),
+        ("/api/chat", {"model": "tiny", "think": False, "stream": False}),
+    ],
+)
+def test_each_api_can_switch_the_thought_off(thinking, route, body):
+    """The request's switch reaches the template (``enable_thinking``): the generation
+    prompt then closes the thought, and the whole reply is the answer."""
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, **body}
+    if route == "/api/chat":
+        body["options"] = {"num_predict": body.pop("max_tokens"), "temperature": 0}
+    reply = json.dumps(thinking.post(route, json=body).json())
+    assert "reasoning_content" not in reply and '"thinking"' not in reply, reply
+    on = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "reasoning_effort": "high"}
+    whole = thinking.post("/v1/chat/completions", json=on).json()
+    assert whole["choices"][0]["message"].get("reasoning_content")

@@ -132,6 +132,7 @@ class ChatSession:
     last: Reply | None = None
     specials: tuple[str, ...] | None = field(default=None, repr=False)
     tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
+    thinking: bool | None = None  # the template's enable_thinking (mlx-lm's wrapper renames it)
     # A mlx_stream.prefix_store.PrefixStore: the first turn starts from its copy of the
     # rendered system prompt's caches (made and put there on a miss).
     prefix_store: Any = None
@@ -162,9 +163,10 @@ class ChatSession:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template (plain lines without one)."""
         tok = self.tokenizer
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {} if self.thinking is None else {"enable_thinking": self.thinking}
         if self.tools is not None:
-            messages, extra = self.tools.for_template(messages)
+            messages, tool_extra = self.tools.for_template(messages)
+            extra |= tool_extra
         if not getattr(tok, "chat_template", None):
             return "".join(m["content"] + "\n" for m in messages)
         try:

@@ -239,7 +239,10 @@ def to_engine(body: MessagesRequest | CountRequest) -> dict[str, Any]:
             raise UserError("tool_choice.name: required when type is tool")
         tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
         tool_choice = tool_choice or {"type": "function", "function": {"name": choice.name}}
-    return {"messages": messages, "tools": tools or None, "tool_choice": tool_choice}
+    thinking = (getattr(body, "model_extra", None) or {}).get("thinking")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    return {"messages": messages, "tools": tools or None, "tool_choice": tool_choice,
+            "thinking": {"enabled": True, "disabled": False}.get(kind)}  # fmt: skip
 
 
 def hosted_tools(body: MessagesRequest | CountRequest) -> list[str]:

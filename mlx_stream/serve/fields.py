@@ -41,7 +41,19 @@ def openai_fields(body: Any) -> dict[str, Any]:
         "grammar": response_format_grammar(getattr(body, "response_format", None)),
         "tools": getattr(body, "tools", None) or None,
         "tool_choice": getattr(body, "tool_choice", None),
+        "thinking": thinking_of(getattr(body, "model_extra", None) or {}),
     }
+
+
+def thinking_of(extra: dict[str, Any]) -> bool | None:
+    """Whether an OpenAI body asks the model to think: ``chat_template_kwargs``'
+    ``enable_thinking`` (vllm's and mlx-lm's servers take it), else ``reasoning_effort``
+    (``"none"``: off, another level: on); ``None``: the template's default."""
+    kwargs = extra.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
+        return kwargs["enable_thinking"]
+    effort = extra.get("reasoning_effort")
+    return None if effort is None else effort != "none"
 
 
 def sampling_args(temp: float | None, top_p: float | None) -> dict[str, float | None]:

@@ -19,8 +19,8 @@ events back into ollama's shapes:
   server's fixed window: more context than asked, never less); other options (threads,
   GPU layers, mirostat off) change nothing here and are ignored, as ollama ignores
   unknown ones. ``keep_alive``: the one model stays loaded. A model that thinks has its
-  thought apart in ``thinking`` (``think`` true or left out; false cannot switch it off
-  here: the thought still comes apart); ``think: true`` for one that does not is
+  thought apart in ``thinking``; ``think`` sets the template's ``enable_thinking``
+  (left out: its default); ``think: true`` for a model that does not think is
   refused, ``images``, ``suffix``, ``template`` and ``context`` too, each in one line
   naming the field.
 - Replies: streamed (the default) as newline-delimited JSON, a line per piece of text
@@ -220,6 +220,9 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
             return not_found(body.model, engine)
         try:
             fields |= sampling(body.options, http, engine.settings.cache.window)
+            fields["thinking"] = (
+                None if body.think is None else body.think not in (False, "false", "none")
+            )
             fields["grammar"] = grammar(body.format)
         except UserError as exc:
             return error(400, str(exc))

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
-from mlx_stream.serve.fields import field_of, owner_of, sampling_args, session_header
+from mlx_stream.serve.fields import field_of, owner_of, sampling_args, session_header, thinking_of
 from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
 from mlx_stream.serve.tools import canonical_messages
 
@@ -63,6 +63,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_output_tokens: int | None = Field(None, ge=1)
+    reasoning: dict[str, Any] | None = None  # its effort: "none" asks for no thought
     metadata: dict[str, Any] | None = None
     store: bool = True
 
@@ -302,6 +303,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             engine, http=http, messages=messages, session_id=session_id,
             max_tokens=body.max_output_tokens,
             grammar=grammar, tools=tools, tool_choice=_choice(body.tool_choice), owner=owner,
+            thinking=thinking_of({"reasoning_effort": (body.reasoning or {}).get("effort")}),
             **sampling_args(body.temperature, body.top_p),
         )  # fmt: skip
         if first[0] == "error":

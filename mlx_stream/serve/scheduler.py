@@ -70,6 +70,7 @@ class Request:
     tool_choice: Any = None
     top_k: int | None = None
     repetition_penalty: float | None = None  # mlx-lm's, over the last 20 tokens (ollama's)
+    thinking: bool | None = None  # the template's enable_thinking (None: its default)
     matched_stop: str | None = None  # set by the engine: the stop string that ended it
     progress: bool = False  # also emit ("prefill", done, total) while its prompt goes in
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -77,7 +78,7 @@ class Request:
 
 WIRE = ("messages", "prompt", "session_id", "max_tokens", "temp", "top_p", "stop", "seed",
         "logprobs", "owner", "logit_bias", "presence_penalty", "frequency_penalty", "grammar",
-        "tools", "tool_choice", "top_k", "agent", "repetition_penalty")  # fmt: skip
+        "tools", "tool_choice", "top_k", "agent", "repetition_penalty", "thinking")  # fmt: skip
 FOLLOW = "follow"  # a follower's worker: take requests from rank 0 from now on
 
 

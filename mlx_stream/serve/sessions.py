@@ -293,6 +293,7 @@ class Sessions:
                 self.drop(entry)
             raise
         session, repaired = entry.session, None
+        session.thinking = request.thinking  # before anything renders its turn
         if mode == "repair":
             fork = checkpoint if source is not entry else None
             repaired = self._repair(entry, fork, history, user)
@@ -375,6 +376,7 @@ class Sessions:
         """Start ``entry`` over from its system prompt's snapshot with ``history`` as
         its transcript (the next turn feeds the tail of it that fits the window)."""
         session = self._new_session(system, tools)
+        session.thinking = entry.session.thinking if entry.session is not None else None
         need = self.session_bytes(session.sinks)
         try:
             if need > entry.bytes:
