@@ -21,8 +21,10 @@ Contract:
   to its tool's schema, closed to the keys it lists (:func:`arguments_schema`).
 - :class:`CallStream` wraps a request's event callback: text inside the markers is
   held back and becomes ``("tool_call", index, call)`` events, parsed with mlx-lm's
-  parser for the template (``json_tools`` for ours and for a forced call, whose JSON
-  the grammar wrote); the end event's finish reason becomes
+  parser for the template, or :mod:`~mlx_stream.serve.call_formats`' for families it
+  has none for (``json_tools`` for ours and for a forced call, whose JSON the grammar
+  wrote); a format without an end marker reads the call at the reply's end; the end
+  event's finish reason becomes
   ``tool_calls``; :meth:`CallStream.settle` rewrites the transcript's reply.
 Bad input (a ``tool_choice`` naming a missing tool, a tool result without its call)
 is a :class:`~mlx_stream.errors.UserError` naming the field, raised before any
@@ -152,7 +154,10 @@ class ToolSet:
     def make(cls, tools: list[dict], tokenizer: Any) -> ToolSet | None:
         if not tools:
             return None
+        from mlx_stream.serve import call_formats
+
         native = bool(getattr(tokenizer, "has_tool_calling", False))
+        native = native or call_formats.native(tokenizer) is not None
         return cls(tuple(json.dumps(t, ensure_ascii=False) for t in tools), native)
 
     @property
@@ -229,13 +234,19 @@ class ToolPlan:
             raise UserError(f"tool_choice: no tool named {name!r} (tools: {', '.join(names)})")
         from mlx_lm.tool_parsers import json_tools
 
+        from mlx_stream.serve import call_formats
+
         toolset = ToolSet.make(defs, tokenizer)
-        plan = cls(toolset, name)
-        if toolset.native:
+        plan, fmt = cls(toolset, name), call_formats.native(tokenizer)
+        if fmt is not None:  # a family mlx-lm has no parser for
+            plan.start, plan.end, plan.parser = fmt.start, fmt.end, fmt.parse
+        elif toolset.native:
             plan.start, plan.end = tokenizer.tool_call_start, tokenizer.tool_call_end
             plan.parser = tokenizer.tool_parser
         else:
             plan.parser = json_tools.parse_tool_call
+        if name not in ("auto", "none") and not plan.end:  # a forced call needs its end
+            plan.start, plan.end = START, END
         special = _special_tokens(tokenizer, plan.start, plan.end)
         if name not in ("auto", "none"):
             chosen = [t for t in defs if name == "required" or t["function"]["name"] == name]
@@ -381,6 +392,8 @@ class CallStream:
             self.held = ""
             if before:
                 self._text(before, None)
+        if not self.plan.end:  # the call runs to the end of the reply (read at flush)
+            return
         at = self.inside.find(self.plan.end)
         if at >= 0:
             body, rest = self.inside[:at], self.inside[at + len(self.plan.end) :]
