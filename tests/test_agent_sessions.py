@@ -283,3 +283,18 @@ def test_the_base_outlives_a_restart(loaded, tmp_path):
         assert "base on disk" in r["start"]["note"], r["start"]
     finally:
         again.stop()
+
+
+def test_a_system_prompt_computed_for_a_request_is_not_reported_cached(loaded, tmp_path):
+    """The first session's system prompt is computed for its first request (usage: no
+    cached tokens); a second session with the same prompt starts from its shared
+    snapshot (cached)."""
+    e = make_engine(loaded, tmp_path, settings={"window": 256})
+    try:
+        first = turn(e, [SYSTEM, result(0)])
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        second = turn(e, [SYSTEM, result(1)])
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert sessions(e) == 2
+    finally:
+        e.stop()

@@ -75,6 +75,9 @@ def test_a_tool_call_is_read_from_the_answer_not_the_thought(tiny_tools_model_di
     assert [e[0] for e in out] == ["reasoning", "reasoning", "tool_call", "end"]
     assert call in "".join(e[1] for e in out if e[0] == "reasoning")
     assert out[-1][2] == "tool_calls"
+    session = SimpleNamespace(messages=[{"role": "assistant", "content": "as generated"}])
+    stream.settle(session)  # the transcript's reply in the canonical shape, as without a thought
+    assert session.messages[-1]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 # ------------------------------------------------------------------ each API's shape

@@ -42,8 +42,10 @@ def test_second_turn_is_served_from_the_cache_and_feeds_only_the_new_message(ser
     messages = conversation("hello there")
     first = chat(server, messages)
     assert first.choices[0].message.content
-    # The system prompt is the session's pinned, shared prefill: cached from turn one.
-    assert first.usage.prompt_tokens_details.cached_tokens > 0
+    # The system prompt is the sessions' pinned, shared prefill: another conversation
+    # with it starts from its snapshot (the first computed it: not cached there).
+    other = chat(server, conversation("the ship"))
+    assert other.usage.prompt_tokens_details.cached_tokens > 0
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "the sea"},

@@ -254,8 +254,10 @@ class Engine(Scheduler, Sessions):
             temp=request.temp, top_p=request.top_p, stop=request.stop, seed=request.seed,
             steps=self._steps(request, box), **extra,
         )  # fmt: skip
-        job = self._start(request, entry, tokens, cached, self._batch is not None, note)
+        prefilled, entry.prefilled = min(entry.prefilled, cached), 0  # computed, not cached
+        job = self._start(request, entry, tokens, cached - prefilled, self._batch is not None, note)
         job.prompt, job.repaired, job.origin = len(turn[0]), repaired, origin
+        job.head += prefilled
         if head:
             job.tokens = self._head_first(job, session, head, tokens)
         box.append(job)

@@ -50,6 +50,7 @@ class Entry:
     # During a turn after a repaired edit: the state before the turn, the checkpoint
     # once the turn has gone through (a failed one goes back to before the edit).
     repaired: Checkpoint | None = None
+    prefilled: int = 0  # its system prompt's tokens computed for the request that made it
     # Resident only: the caches at the end of its last turns' prompts (serve.marks).
     marks: Marks = field(default_factory=Marks)
 

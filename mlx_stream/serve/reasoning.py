@@ -69,6 +69,12 @@ class ThinkStream:
         else:
             self.emit(event)
 
+    def settle(self, session: Any) -> None:
+        """The tool-call reader's :meth:`~mlx_stream.serve.tools.CallStream.settle`."""
+        settle = getattr(self.emit, "settle", None)
+        if settle is not None:
+            settle(session)
+
     def _feed(self, text: str, logprob: Any) -> None:
         self.counted = False  # this segment (a sampled token) not yet counted as thought
         self.held += text

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.generate.session import ChatSession, Checkpoint, Settings
+from mlx_stream.generate.session import ChatSession, Checkpoint, Settings, cache_count
 from mlx_stream.serve import marks, matching
 from mlx_stream.serve import recall as recalled
 from mlx_stream.serve.matching import Entry
@@ -172,8 +172,13 @@ class Sessions:
             size = admission.cache_bytes(session.sinks)
             shared = admission.fits(extra + size, keep, head)
             admission.make_room(extra + size if shared else extra, keep, head)
-            for _ in session.prefill_stored(head, self.prefixes):  # or from the store
-                pass
+            steps = session.prefill_stored(head, self.prefixes)  # or from the store
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:  # computed, not read: this request's work
+                    keep.prefilled = 0 if done.value else cache_count(session.caches)
+                    break
             if shared:
                 admission.add_snapshot(head, session.checkpoint(), size)
 
