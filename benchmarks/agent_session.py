@@ -58,7 +58,9 @@ SERVERS = ("mlx-stream", "vllm-mlx", "mlx-lm")
 # the SSD tier); --vllm-flags changes it.
 VLLM_FLAGS = "--continuous-batching --use-paged-cache --enable-prefix-cache --ssd-cache-dir {cache}"
 # Runs inside each server process (server.SAMPLER samples its memory), then the server.
-WRAPPER = SAMPLER + r"""
+WRAPPER = (
+    SAMPLER
+    + r"""
 if kind == "mlx-lm":
     import runpy
     sys.argv = ["mlx_lm.server", *args]
@@ -72,6 +74,7 @@ else:
     sys.argv = ["mlx-stream", "serve", *args]
     main()
 """
+)
 TOOLS_HEAD = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -164,12 +167,16 @@ class Server:
 
     def send(self, step: Step) -> dict:
         """One streamed request: status, prompt and cached tokens, time to first token."""
-        if self.kind == "mlx-lm" or (self.kind == "vllm-mlx" and self.args.vllm_route == "openai"):
-            body, path = openai_body(step.body, self.model_id), "/v1/chat/completions"
-        else:
-            body, path = {**step.body, "model": self.model_id}, "/v1/messages"
         headers = {"content-type": "application/json", "x-api-key": "none",
                    "anthropic-version": "2023-06-01", **step.headers}  # fmt: skip
+        if self.kind == "mlx-lm" or (self.kind == "vllm-mlx" and self.args.vllm_route == "openai"):
+            body, path = openai_body(step.body, self.model_id), "/v1/chat/completions"
+        elif self.kind == "mlx-stream" and self.args.route == "responses":  # as Codex sends it
+            body, path = responses_body(step.body, self.model_id), "/v1/responses"
+            headers = {"content-type": "application/json", "authorization": "Bearer none",
+                       "session-id": next(iter(step.headers.values()), "")}  # fmt: skip
+        else:
+            body, path = {**step.body, "model": self.model_id}, "/v1/messages"
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers)
         logged = self.log_size()
         tic = time.perf_counter()
@@ -234,8 +241,13 @@ def sse(response):
 
 
 def has_text(event: dict) -> bool:
-    """Whether ``event`` carries the reply's first text or tool call (Anthropic or
-    OpenAI streams; empty keep-alive deltas do not count)."""
+    """Whether ``event`` carries the reply's first text or tool call (Anthropic,
+    OpenAI chat or Responses streams; empty keep-alive deltas do not count)."""
+    kind = event.get("type", "")
+    if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+        return bool(event.get("delta"))
+    if kind == "response.output_item.added":
+        return event.get("item", {}).get("type") == "function_call"
     if event.get("type") == "content_block_delta":
         d = event.get("delta", {})
         return bool(d.get("text") or d.get("partial_json") or d.get("thinking"))
@@ -251,9 +263,13 @@ def has_text(event: dict) -> bool:
 def usage_fields(event: dict, row: dict) -> None:
     """Prompt and cached tokens from an Anthropic or OpenAI stream's usage."""
     usage = event.get("usage") or event.get("message", {}).get("usage")
+    usage = usage or (event.get("response") or {}).get("usage")
     if not usage:
         return
-    if "input_tokens" in usage:  # Anthropic: input_tokens are the uncached ones
+    if "input_tokens_details" in usage:  # Responses: input_tokens are all of them
+        row["prompt_tokens"] = usage["input_tokens"]
+        row["cached_tokens"] = usage["input_tokens_details"].get("cached_tokens", 0)
+    elif "input_tokens" in usage:  # Anthropic: input_tokens are the uncached ones
         cached = usage.get("cache_read_input_tokens") or 0
         if usage["input_tokens"] or cached:
             row["prompt_tokens"] = usage["input_tokens"] + cached
@@ -300,6 +316,35 @@ def openai_body(body: dict, model: str) -> dict:
         messages.append({"role": m["role"], "content": "\n".join(parts)})
     return {"model": model, "messages": messages, "max_tokens": body["max_tokens"],
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+def responses_body(body: dict, model: str) -> dict:
+    """The Anthropic body as Codex would send the same conversation on the Responses
+    API: ``instructions``, input items (messages, ``function_call`` and
+    ``function_call_output``), function tools, ``store: false``."""
+    tools = [{"type": "function", "name": t["name"], "description": t.get("description", ""),
+              "parameters": t["input_schema"]} for t in body.get("tools", [])]  # fmt: skip
+    items: list[dict] = []
+    for m in body["messages"]:
+        blocks = (
+            m["content"]
+            if isinstance(m["content"], list)
+            else [{"type": "text", "text": m["content"]}]
+        )
+        for b in blocks:
+            if b["type"] == "text":
+                part = "output_text" if m["role"] == "assistant" else "input_text"
+                items.append({"type": "message", "role": m["role"],
+                              "content": [{"type": part, "text": b["text"]}]})  # fmt: skip
+            elif b["type"] == "tool_use":
+                items.append({"type": "function_call", "name": b["name"], "call_id": b["id"],
+                              "arguments": json.dumps(b["input"])})  # fmt: skip
+            elif b["type"] == "tool_result":
+                items.append({"type": "function_call_output", "call_id": b["tool_use_id"],
+                              "output": block_text(b["content"])})  # fmt: skip
+    return {"model": model, "instructions": "\n\n".join(b["text"] for b in body["system"]),
+            "input": items, "tools": tools, "tool_choice": "auto", "stream": True,
+            "store": False, "max_output_tokens": body["max_tokens"], "temperature": 0.0}  # fmt: skip
 
 
 def float32_copy(model: str) -> str:
@@ -435,7 +480,8 @@ def ratios(records: list[dict]) -> dict:
                 )
                 out[f"concurrent_throughput_ours_over_{kind}"] = round(
                     conc["mlx-stream"]["prompt_tokens_per_s"]
-                    / max(rec["prompt_tokens_per_s"], 1e-9), 2
+                    / max(rec["prompt_tokens_per_s"], 1e-9),
+                    2,
                 )
     return out
 
@@ -462,6 +508,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vllm-route", choices=("openai", "anthropic"), default="openai",
                         help="vllm-mlx's route: openai (the same rendered text as the others) "
                         "or anthropic (its Messages API leaves out tools the template lacks)")  # fmt: skip
+    parser.add_argument("--route", choices=("anthropic", "responses"), default="anthropic",
+                        help="mlx-stream's route: Claude Code's Messages API or the same "
+                        "session as Codex sends it (Responses API)")  # fmt: skip
     parser.add_argument("--concurrent", type=int, default=4, help="sessions at once (0: none)")
     parser.add_argument("--concurrent-steps", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=3600)
@@ -481,6 +530,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for s in servers:
                 s.start()
             note = dict(steps=args.steps, read_lines=args.read_lines, max_tokens=args.max_tokens,
+                        route=args.route,
                         tools=args.tools, system_chars=args.system_chars,
                         vllm_flags=args.vllm_flags if "vllm-mlx" in args.servers else None,
                         vllm_route=args.vllm_route if "vllm-mlx" in args.servers else None,
