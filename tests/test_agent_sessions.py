@@ -298,3 +298,23 @@ def test_a_system_prompt_computed_for_a_request_is_not_reported_cached(loaded, t
         assert sessions(e) == 2
     finally:
         e.stop()
+
+
+def test_caches_that_cannot_be_cut_back_keep_no_base_and_rebuild_exactly(loaded, tmp_path):
+    """4-bit keys quantized per channel cannot reopen an older group: no base is
+    written, and the same deep edit is rebuilt (the fresh server's greedy reply)."""
+    from tests import tiny
+
+    wide = (tiny.make_model("llama", num_attention_heads=2, num_key_value_heads=1), loaded[1])
+    quant = {"window": 512, "kv_bits": 4, "kv_group_size": 32}  # head dimension 32
+    e = make_engine(wide, tmp_path, settings=quant, repair_tokens=128)
+    fresh = make_engine(wide, tmp_path / "fresh", settings=quant, repair_tokens=128)
+    try:
+        edited = deep_edit(sent_steps(e, 14, "claude-session-9"))
+        assert not list(tmp_path.glob("*.base.safetensors"))
+        r = turn(e, edited, agent="claude-session-9")
+        assert "base on disk" not in r["start"].get("note", ""), r["start"]
+        assert r["text"] == turn(fresh, edited)["text"]
+    finally:
+        e.stop()
+        fresh.stop()

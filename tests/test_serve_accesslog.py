@@ -104,9 +104,10 @@ def test_one_line_per_request_with_the_replys_numbers(engine, capsys):
     assert refused["session"] is None and refused["fed"] is None
     assert first["session"] == "ab12cd"
     assert numbers(first) == from_usage(whole.json()["usage"])
-    assert numbers(first)[1] > 0  # the system prompt's shared snapshot
+    assert numbers(first)[1] == 0  # its system prompt computed for it: nothing cached
     assert stream["session"] == streamed.headers["x-session-id"]
     assert numbers(stream) == from_usage(chunks[-1]["usage"])
+    assert numbers(stream)[1] > 0  # another session: the system prompt's shared snapshot
     assert completion["session"] == "-"  # a plain completion keeps no session
     assert numbers(completion) == from_usage(plain.json()["usage"])
     for line in (first, stream, completion):

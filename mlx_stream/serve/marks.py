@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_stream.errors import UserError
+from mlx_stream.errors import Unsupported, UserError
 from mlx_stream.generate.session import ChatSession, Checkpoint, cache_count
 from mlx_stream.generate.transcript import new_messages
 from mlx_stream.prefix_store import MIN_TOKENS
@@ -59,6 +59,18 @@ def whole(caches: list) -> bool:
     overwritten yet): any later tokens can then be cut off exactly."""
     rings = [getattr(c, "ring", None) for c in caches]
     return bool(rings) and all(r is not None and r.tokens_seen <= r.capacity for r in rings)
+
+
+def cuttable(caches: list, n: int) -> bool:
+    """Whether each of ``caches`` can drop its last ``n`` tokens exactly (per-channel
+    quantized keys cannot reopen an older group, for one)."""
+    try:
+        for c in caches:
+            c.ring.check_trim(n)
+            c.storage.check_trim(c.ring.tokens_seen, n)
+    except (Unsupported, AttributeError):
+        return False
+    return True
 
 
 @dataclass
@@ -92,6 +104,8 @@ def _retire(marks: Marks, session: ChatSession, old: Checkpoint, newer: list) ->
     hold every token and no ``newer`` mark that does extends it."""
     if marks.spill is None or not old.tokens or not whole(old.caches):
         return
+    if not cuttable(old.caches, len(old.tokens) - session.sinks - 1):
+        return  # its caches cannot go back far enough to serve anything
     n = len(old.tokens)
     if any(m.tokens and whole(m.caches) and m.tokens[:n] == old.tokens for m in newer):
         return  # that one will serve every prefix this one serves
@@ -158,6 +172,8 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
     for mark, old in whole_ones if whole_ones else ():
         system = marks.system if mark is None else mark.system
         p = common_prefix(old, tokens[: len(tokens) - 1])
+        if mark is not None and not cuttable(mark.caches, len(old) - p):
+            continue
         if system == session.system and p > floor:
             best, floor = (mark, list(old[:p]), (tokens[p:], full), len(old) - p), p
     return best
@@ -197,6 +213,8 @@ def resume(
         back = len(marks) - marks.index(mark)
         session.restore(mark)
         where = "the last turn's prompt" if back == 1 else f"the prompt {back} turns back"
+    if not cuttable(session.caches, cut):  # checked before for a mark in memory
+        return None
     for cache in session.caches:  # whole caches: cut back exactly
         cache.trim(cut)
     session.messages = [dict(m) for m in history]

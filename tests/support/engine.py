@@ -13,7 +13,8 @@ def make_engine(loaded, state_dir, settings=None, **kw):
 
     model, tokenizer = loaded
     given = {"sinks": 2, "window": 64, "max_tokens": 40, **(settings or {})}
-    cache = CacheSpec(sinks=given.pop("sinks"), window=given.pop("window"))
+    quant = {k: given.pop(k) for k in ("kv_bits", "key_bits", "kv_group_size") if k in given}
+    cache = CacheSpec(sinks=given.pop("sinks"), window=given.pop("window"), **quant)
     settings = Settings(cache, **given)
     e = Engine(model, tokenizer, settings, "tiny", state_dir=state_dir, **kw)
     e.start()
