@@ -83,3 +83,41 @@ def test_the_harness_replays_three_steps_on_serve(monkeypatch, tmp_path, tiny_bp
     assert all(r["cached_tokens"] > 0 for r in rows[1:])  # the transcript so far was kept
     assert session["series"] and session["rss_mb_max"] > 0
     assert summary["summary"] is True
+
+
+def test_codex_gets_the_same_conversation_on_the_responses_route(monkeypatch, script):
+    """``--route responses``: the Anthropic step as Codex sends it (instructions, the
+    messages, calls and their outputs as input items), with its usage read back."""
+    bench = load_script("agent_session", monkeypatch)
+    body = script.plan(steps=3)[-1].body
+    sent = bench.responses_body(body, "m")
+    assert sent["instructions"].startswith(body["system"][0]["text"][:40])
+    kinds = [item["type"] for item in sent["input"]]
+    assert kinds.count("function_call") == kinds.count("function_call_output") >= 2
+    calls = [i for i in sent["input"] if i["type"] == "function_call"]
+    outputs = [i for i in sent["input"] if i["type"] == "function_call_output"]
+    assert [c["call_id"] for c in calls] == [o["call_id"] for o in outputs]
+    assert sent["store"] is False and sent["stream"] is True
+    assert {t["name"] for t in sent["tools"]} == {t["name"] for t in body["tools"]}
+    row: dict = {}
+    done = {"type": "response.completed", "response": {"usage": {
+        "input_tokens": 90, "input_tokens_details": {"cached_tokens": 60}, "output_tokens": 4}}}  # fmt: skip
+    bench.usage_fields(done, row)
+    assert (row["prompt_tokens"], row["cached_tokens"], row["output_tokens"]) == (90, 60, 4)
+    assert bench.has_text({"type": "response.output_text.delta", "delta": "a"})
+    assert not bench.has_text({"type": "response.output_text.delta", "delta": ""})
+
+
+@pytest.mark.slow
+def test_the_harness_replays_three_steps_on_the_responses_route(
+    monkeypatch, tmp_path, tiny_bpe_model_dir
+):
+    bench = load_script("agent_session", monkeypatch)
+    out = tmp_path / "agent_session.jsonl"
+    args = ["--quick", "--model", str(tiny_bpe_model_dir), "--servers", "mlx-stream",
+            "--concurrent", "0", "--route", "responses", "--out", str(out)]  # fmt: skip
+    session = bench.main(args)[0]
+    rows = session["rows"]
+    assert session["ok"] == session["requests"] == 3 and session["route"] == "responses"
+    assert all(r["status"] == 200 and r["ttft_s"] > 0 for r in rows)
+    assert all(r["cached_tokens"] > 0 for r in rows[1:])  # Codex's session-id header kept it
