@@ -318,3 +318,29 @@ def test_caches_that_cannot_be_cut_back_keep_no_base_and_rebuild_exactly(loaded,
     finally:
         e.stop()
         fresh.stop()
+
+
+def test_a_base_whose_tokens_disagree_with_its_caches_is_not_used(loaded, tmp_path):
+    """The base's token list is checked against the tokens its loaded caches record
+    (a torn write could pair one file with the other's older self): a base said to
+    hold the request itself is dropped, and the request is served exactly."""
+    from mlx_stream.generate.repair import encode_like_rebuild
+    from mlx_stream.generate.transcript import new_messages
+    from mlx_stream.serve.matching import split_messages
+
+    e = make_engine(loaded, tmp_path, settings={"window": 512}, repair_tokens=128)
+    fresh = make_engine(loaded, tmp_path / "fresh", settings={"window": 512}, repair_tokens=128)
+    try:
+        edited = deep_edit(sent_steps(e, 14, "claude-session-10"))
+        (entry,) = [x for x in e.entries.values() if x.marks.base]
+        session = entry.session
+        _, history, user = split_messages(edited)
+        full = session.render(session.conversation(list(history) + new_messages(user)))
+        entry.marks.base = encode_like_rebuild(session, full)  # what it does not hold
+        r = turn(e, edited, agent="claude-session-10")
+        assert "base on disk" not in r["start"].get("note", ""), r["start"]
+        assert not list(tmp_path.glob("*.base.safetensors"))  # forgotten
+        assert r["text"] == turn(fresh, edited)["text"]
+    finally:
+        e.stop()
+        fresh.stop()

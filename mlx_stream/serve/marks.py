@@ -208,6 +208,9 @@ def resume(
         except UserError:
             forget(marks)
             return None
+        if (session.tokens or [])[: len(kept)] != kept:  # its caches say otherwise
+            forget(marks)
+            return None
         where = "the session's start (its base on disk)"
     else:
         back = len(marks) - marks.index(mark)
