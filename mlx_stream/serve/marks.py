@@ -167,9 +167,11 @@ def find(marks: list[Checkpoint], session: ChatSession, history: list, user: Any
     whole_ones = [(m, m.tokens) for m in reversed(marks) if m.tokens and whole(m.caches)]
     if isinstance(marks, Marks) and marks.base:
         whole_ones.append((None, marks.base))
+    if not whole_ones:
+        return best
     # worth it past what a rebuild starts from (the system prompt's snapshot) by a file's worth
     floor = len(best[1]) if best else MIN_TOKENS + max(session.sinks, len(head_tokens(session)))
-    for mark, old in whole_ones if whole_ones else ():
+    for mark, old in whole_ones:
         system = marks.system if mark is None else mark.system
         p = common_prefix(old, tokens[: len(tokens) - 1])
         if mark is not None and not cuttable(mark.caches, len(old) - p):
@@ -211,13 +213,13 @@ def resume(
         if (session.tokens or [])[: len(kept)] != kept:  # its caches say otherwise
             forget(marks)
             return None
+        if not cuttable(session.caches, cut):  # (a mark in memory: checked by find)
+            return None
         where = "the session's start (its base on disk)"
     else:
         back = len(marks) - marks.index(mark)
         session.restore(mark)
         where = "the last turn's prompt" if back == 1 else f"the prompt {back} turns back"
-    if not cuttable(session.caches, cut):  # checked before for a mark in memory
-        return None
     for cache in session.caches:  # whole caches: cut back exactly
         cache.trim(cut)
     session.messages = [dict(m) for m in history]

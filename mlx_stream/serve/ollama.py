@@ -108,10 +108,15 @@ class GenerateBody(Body):
     context: list[int] | None = None
 
 
+def think_of(think: bool | str | None) -> bool | None:
+    """ollama's ``think`` as the template's ``enable_thinking`` (``None``: left out)."""
+    return None if think is None else think not in (False, "false", "none")
+
+
 def _refuse(body: Body, fields: tuple[str, ...], engine: Any) -> None:
     """One line naming the first field this server cannot honor."""
     thinks = reasoning.markers(getattr(engine, "tokenizer", None)) is not None
-    if body.think not in (None, False, "false", "none") and not thinks:
+    if think_of(body.think) and not thinks:
         raise UserError("think: this model does not think (leave it out or set false)")
     for name in fields:
         if getattr(body, name, None) not in (None, "", []):
@@ -220,9 +225,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
             return not_found(body.model, engine)
         try:
             fields |= sampling(body.options, http, engine.settings.cache.window)
-            fields["thinking"] = (
-                None if body.think is None else body.think not in (False, "false", "none")
-            )
+            fields["thinking"] = think_of(body.think)
             fields["grammar"] = grammar(body.format)
         except UserError as exc:
             return error(400, str(exc))

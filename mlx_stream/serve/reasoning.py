@@ -17,10 +17,10 @@ a client that resends the reply without it is an edit like any other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from mlx_stream.serve.tools import marker_start
+from mlx_stream.serve.tools import hold_back
 
 
 def markers(tokenizer: Any) -> tuple[str, str] | None:
@@ -51,7 +51,6 @@ class ThinkStream:
     strip: bool = False  # drop the blank lines between a thought and the answer
     done: bool = False  # the thought has ended
     counted: bool = False
-    reasoning: list[str] = field(default_factory=list)
 
     def prompt(self, text: str) -> None:
         """The rendered prompt the reply follows: whether it opened a thought."""
@@ -59,7 +58,7 @@ class ThinkStream:
 
     def __call__(self, event: tuple) -> None:
         if event[0] == "text":
-            self._feed(event[1], event[2] if len(event) > 2 else None)
+            self._feed(event[1], event[2])
         elif event[0] == "end":
             self._flush()
             usage = dict(event[1])
@@ -86,11 +85,7 @@ class ThinkStream:
             marker = self.marks[1] if self.thinking else self.marks[0]
             at = self.held.find(marker)
             if at < 0:
-                keep = marker_start(self.held, marker)
-                out, self.held = (
-                    self.held[: len(self.held) - keep],
-                    self.held[len(self.held) - keep :],
-                )
+                out, self.held = hold_back(self.held, marker)
                 self._out(out, logprob)
                 return
             self._out(self.held[:at], logprob)
@@ -104,7 +99,6 @@ class ThinkStream:
             if text:
                 self.tokens += not self.counted
                 self.counted = True
-                self.reasoning.append(text)
                 self.emit(("reasoning", text))
             return
         if self.strip:

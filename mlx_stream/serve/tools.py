@@ -380,11 +380,7 @@ class CallStream:
             self.held += text
             at = self.held.find(self.plan.start)
             if at < 0:
-                keep = marker_start(self.held, self.plan.start)
-                out, self.held = (
-                    self.held[: len(self.held) - keep],
-                    self.held[len(self.held) - keep :],
-                )
+                out, self.held = hold_back(self.held, self.plan.start)
                 if out or logprob is not None:
                     self._text(out, logprob)
                 return
@@ -440,9 +436,10 @@ class CallStream:
         session.messages[-1] = reply
 
 
-def marker_start(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker``."""
+def hold_back(text: str, marker: str) -> tuple[str, str]:
+    """``text`` split into what may go out and its longest end that begins ``marker``
+    (held until the next text says whether the marker follows)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
-            return n
-    return 0
+            return text[:-n], text[-n:]
+    return text, ""
