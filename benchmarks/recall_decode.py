@@ -83,10 +83,10 @@ class Split:
             self.refreshes += 1
 
         def timed_build(cache, n):
-            before = tier.region.applied[cache.recall_index]
+            before = tier.region.applied[cache.hook_index]
             tic = time.perf_counter()
             build(cache, n)
-            if tier.region.applied[cache.recall_index] != before:
+            if tier.region.applied[cache.hook_index] != before:
                 mx.eval(tier.region.buffers(cache)[:2])
                 self.build_s += time.perf_counter() - tic
                 self.builds += 1
@@ -237,13 +237,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "recall" not in names or "window" not in names:
         parser.error("--contenders must name recall and window")
     from mlx_stream.cache.sink import make_sink_cache
-    from mlx_stream.recall import RecallSpec
+    from mlx_stream.recall import RecallSpec, tier_of
 
     model, tokenizer, weights = load_model(args.model, args.dtype)
     tokens = stream_tokens(tokenizer, args.stored + 1)
     spec = RecallSpec(blocks=args.blocks, selector=args.selector, bits=args.bits)
     caches = {"recall": make_sink_cache(model, args.sinks, args.window, recall=spec)}
-    tier = next(c.recall for c in caches["recall"] if getattr(c, "recall", None) is not None)
+    tier = tier_of(caches["recall"])
     slack = tier.layers[0].slack  # what recall raised it to
     caches["window"] = make_sink_cache(model, args.sinks, args.window)
     if "window-slack" in names:

@@ -105,8 +105,10 @@ class Sampler:
             self.within += scored is None or set(want) <= {int(j) for j in scored}
 
     def use(self, caches: list) -> None:
+        from mlx_stream.recall import tier_of
+
         self.caches = caches
-        self.tier = next(c.recall for c in caches if getattr(c, "recall", None) is not None)
+        self.tier = tier_of(caches)
         refresh = self.tier.refresh
 
         def timed(point):  # wrapped on the instance: the tier's code is unchanged

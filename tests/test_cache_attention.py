@@ -13,6 +13,8 @@ from mlx_lm.models.base import scaled_dot_product_attention
 
 import mlx_stream.recall.hook as hook
 from mlx_stream.cache import SinkCache, attention, qattend
+from mlx_stream.cache.hooks import Hooks
+from mlx_stream.cache.positions import Move
 from mlx_stream.errors import Unsupported
 
 D, SCALE = 32, 32**-0.5
@@ -50,7 +52,7 @@ class _Toy(nn.Module):
 
 
 def channel_caches(rope=None):
-    return [SinkCache(4, 40, kv_bits=8, kv_group_size=32, positions="absolute", rope=rope)]
+    return [SinkCache(4, 40, kv_bits=8, kv_group_size=32, positions="absolute", move=Move(0, rope))]
 
 
 @pytest.fixture(autouse=True)
@@ -105,8 +107,10 @@ def test_restore_puts_the_original_back_and_ends_the_route():
     assert not SinkCache(4, 40, kv_bits=8, kv_group_size=32, move=caches[0].move).fast_route
 
 
-class _Tier:
-    """A recall tier that records the calls it is handed."""
+class _Tier(Hooks):
+    """A client (like the recall tier) that records the attention calls it is handed."""
+
+    attends = True
 
     def __init__(self):
         self.calls = 0
@@ -125,7 +129,7 @@ def test_packed_keys_and_recall_share_the_wrapper():
     floats = channel_caches()  # the dequantize route, through the same wrapper
     assert mx.allclose(toy(tokens, routed), toy(tokens, floats), atol=1e-4).item()
     tier, plain = _Tier(), mlx_cache.make_prompt_cache(toy)
-    plain[0].recall = tier
+    plain[0].hooks = tier
     recalled = toy(tokens, plain)
     assert tier.calls == 1
     assert mx.array_equal(recalled, toy(tokens, mlx_cache.make_prompt_cache(toy)))

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, save_cache
+from mlx_stream.cache.positions import Move
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
@@ -105,7 +106,7 @@ def test_cache_semantics_do_not_depend_on_the_chunk(bits):
     rope = nn.RoPE(D)
 
     def run(chunk):
-        cache = SinkCache(S, W, 8, 16, rope=rope, kv_bits=bits, kv_group_size=G)
+        cache = SinkCache(S, W, 8, 16, move=Move(0, rope), kv_bits=bits, kv_group_size=G)
         out, n = [], 0
         while n < T:
             N = min(chunk, cache.max_call_tokens(), T - n)

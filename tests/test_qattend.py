@@ -12,6 +12,8 @@ import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, qattend, save_cache
+from mlx_stream.cache.hooks import Hooks
+from mlx_stream.cache.positions import Move
 from mlx_stream.generate.decode import DecodeState, generate_step
 from tests import tiny
 from tests.support.cache import feed
@@ -31,7 +33,7 @@ def run(bits, key_bits, chunk: int, packed: bool, H: int = 4, KVH: int = 2, addi
     """Every row's attention output over ``T`` random tokens fed ``chunk`` at a time
     (crossing group ends, sink moves and rebases), through the packed route or not."""
     keys, values, queries = tensors(H, KVH)
-    cache = SinkCache(S, W, 8, 16, rope=nn.RoPE(D), kv_bits=bits, kv_group_size=G,
+    cache = SinkCache(S, W, 8, 16, move=Move(0, nn.RoPE(D)), kv_bits=bits, kv_group_size=G,
                       key_bits=key_bits)  # fmt: skip
     cache.fast_route = packed
     out, n = [], 0
@@ -76,7 +78,7 @@ def test_chunks_equal_token_by_token_and_the_dequantize_route(bits, key_bits):
 
 
 def test_a_decode_step_splices_the_residual_into_its_slots():
-    cache = SinkCache(S, W, 8, 16, rope=nn.RoPE(D), kv_bits=8, kv_group_size=G)
+    cache = SinkCache(S, W, 8, 16, move=Move(0, nn.RoPE(D)), kv_bits=8, kv_group_size=G)
     cache.fast_route = True
     keys, values, _ = tensors(2, 2)
     cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])
@@ -94,7 +96,7 @@ def test_a_decode_steps_mask_is_the_general_spliced_mask():
     # A decode step's mask takes a short path: the ring's own visibility. Check it
     # against the general form (the per-channel mask with the residual columns folded
     # into their tokens' slots) through group fills, sink moves and rebases.
-    cache = SinkCache(S, W, 8, 16, rope=nn.RoPE(D), kv_bits=8, kv_group_size=G)
+    cache = SinkCache(S, W, 8, 16, move=Move(0, nn.RoPE(D)), kv_bits=8, kv_group_size=G)
     cache.fast_route = True
     keys, values, _ = tensors(2, 2)
     ring, L = cache.ring, cache.ring.slots_total
@@ -266,7 +268,7 @@ def test_a_cache_feeding_the_recall_tier_returns_floats():
     keys, values, _ = tensors(2, 2)
     cache = SinkCache(S, W, kv_bits=4, kv_group_size=G, positions="absolute")
     cache.fast_route = True
-    cache.recall = type("Tier", (), {"before_write": lambda *a: None})()  # attached
+    cache.attach(type("Tier", (Hooks,), {"attends": True})(), 0)  # a client taking attention
     cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])
     mask = cache.make_mask(1)
     k, v = cache.update_and_fetch(keys[..., 50:51, :], values[..., 50:51, :])

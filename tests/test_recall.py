@@ -19,7 +19,7 @@ from mlx_stream.cache.positions import Probe
 from mlx_stream.errors import Unsupported, UserError
 from mlx_stream.generate.decode import generate_step
 from mlx_stream.mlxlm import BaseCache
-from mlx_stream.recall import RecallSpec
+from mlx_stream.recall import RecallSpec, tier_of
 from mlx_stream.recall.select import top_k
 from mlx_stream.recall.store import BlockStore, bytes_per_token
 from tests import tiny
@@ -377,8 +377,7 @@ def test_other_architectures_chunked_equals_token_by_token(arch):
     one, chunked = recall_cache(model), recall_cache(model)
     a = feed(model, one, tokens, 1)
     b = feed(model, chunked, tokens, 64)
-    recall = next(c for c in one if getattr(c, "recall", None) is not None).recall
-    other = next(c for c in chunked if getattr(c, "recall", None) is not None).recall
+    recall, other = tier_of(one), tier_of(chunked)
     assert recall.history == other.history and recall.selection
     assert mx.array_equal(a.argmax(-1), b.argmax(-1))
 

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_stream.cache.hooks import NONE
 from mlx_stream.cache.sink import SinkCache, max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
@@ -133,20 +134,17 @@ class BatchSinkCache(BaseCache):
             values.astype(self.values.dtype),
             axis=2,
         )
-        for b, row in enumerate(self.rows):
+        for b, row in enumerate(self.rows):  # the rest of the write, as the row's own
             n = row.ring.tokens_seen
-            if n < row.sinks and row.sink_copy is not None:
-                slot = row.move.slot if row.move is not None and row.move.moves else 0
-                row.sink_copy[..., n : n + 1, :] = (keys, values)[slot][b : b + 1]
-            row.ring.write(1)
-            row.expire_undo()
+            row.relayout.record_sinks(row.ring.slot(n), 1, keys[b : b + 1], values[b : b + 1], 0)
+            row.advance(1)
         return self.keys, self.values
 
     def _relayout(self, b: int, row: SinkCache, n: int) -> None:
         """Row ``b``'s sink move or rebase, done by its own SinkCache on its slice."""
         T = row.ring.slots_total
         row.keys, row.values = self.keys[b : b + 1, :, :T], self.values[b : b + 1, :, :T]
-        row.apply_layout(n, 1)
+        row.relayout.apply(n, 1)
         self.keys[b : b + 1, :, :T] = row.keys
         self.values[b : b + 1, :, :T] = row.values
         row.keys = row.values = None
@@ -188,8 +186,8 @@ def batch_refusal(row, joining: bool = True) -> str | None:
         )
     if row.quantized:
         return "quantized KV caches (kv_bits) are not batched: each session decodes alone"
-    if row.recall is not None:  # the batched write never calls the tier's hooks
-        return "caches with a recall tier are not batched: each session decodes alone"
+    if row.hooks is not NONE:  # the batched write never calls the client's hooks
+        return f"caches with {row.hooks.what} are not batched: each session decodes alone"
     if joining and row.keys is None:
         return "a session joins a batch after its first token (prefill it first)"
     return None

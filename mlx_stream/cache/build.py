@@ -33,7 +33,7 @@ def _refuse_layer(model, i: int, c) -> None:
 def _sink_cache(s: Any, verdict, i: int) -> SinkCache:
     """Layer ``i``'s SinkCache under spec ``s`` (``verdict``: the model's check)."""
     return SinkCache(
-        s.sinks, s.window, s.slack, s.stride, None, s.positions, s.kv_bits, s.kv_group_size,
+        s.sinks, s.window, s.slack, s.stride, s.positions, s.kv_bits, s.kv_group_size,
         s.key_bits, verdict.moves.get(i), verdict.additive_mask,
         token_keys=s.recall is not None,  # the recall tier reads per-token keys
     )  # fmt: skip

@@ -16,31 +16,32 @@ from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache import qattend, variants
 from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.hooks import NONE, Hooks
 from mlx_stream.cache.positions import Move
-from mlx_stream.cache.relayout import Layout, Relayout, Undo  # noqa: F401
+from mlx_stream.cache.relayout import UNKNOWN_STRIDE, Layout, Relayout
 from mlx_stream.cache.ring import Ring
 from mlx_stream.cache.settings import FIELDS, read_json, validate_sizes
-from mlx_stream.cache.stored import Stored
+from mlx_stream.defaults import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_SINKS,
+    DEFAULT_SLACK,
+    DEFAULT_STRIDE,
+    DEFAULT_WINDOW,
+    POSITIONS,  # noqa: F401 - re-exported
+)
 from mlx_stream.errors import Unsupported
 from mlx_stream.mlxlm import BaseCache
 
-POSITIONS = ("cache", "absolute")
 
-
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 1024
-DEFAULT_STRIDE = 64
-DEFAULT_SLACK = 0
-UNKNOWN_STRIDE = 2**62  # a loaded layout's stride when the file does not say
-
-
-class SinkCache(Relayout, Stored, BaseCache):
+class SinkCache(BaseCache):
     """A fixed-size KV cache keeping ``sinks`` first tokens and a ``window`` of recent ones.
 
-    A thin glue of three parts: the slot layout (``mlx_stream.cache.ring.Ring``), the
+    A thin glue of four parts: the slot layout (``mlx_stream.cache.ring.Ring``), the
     storage of keys and values (``storage``: one class per variant, chosen from the
-    settings by ``mlx_stream.cache.variants``) and the position mover
-    (``mlx_stream.cache.positions.Move``: which cached part carries positions).
+    settings by ``mlx_stream.cache.variants``), the sink moves and rebases
+    (``relayout``: ``mlx_stream.cache.relayout.Relayout``, which moves positions with
+    ``mlx_stream.cache.positions.Move``) and the client told of its events (``hooks``:
+    ``mlx_stream.cache.hooks.Hooks``, none by default).
 
     Args:
         sinks (int): Number of first tokens kept forever. Default: ``4``.
@@ -53,8 +54,6 @@ class SinkCache(Relayout, Stored, BaseCache):
             no mask, as mlx-lm's rotating cache). Default: ``0``.
         stride (int): Sinks move and the buffer rebases only at multiples of this
             token index. Default: ``64``.
-        rope (nn.Module, optional): Shorthand for ``move=Move(0, rope)``: the layer's
-            rope rotated all of the keys.
         positions (str): ``"cache"`` (bounded StreamingLLM positions) or
             ``"absolute"`` (mlx-lm's behaviour: positions grow with the stream).
             Default: ``"cache"``.
@@ -80,6 +79,8 @@ class SinkCache(Relayout, Stored, BaseCache):
             combine masks themselves. Default: ``True``.
         token_keys (bool): Keep 8-bit keys per token (mlx-lm's quantized attention;
             the recall tier reads that storage). Default: ``False``.
+        hooks (Hooks, optional): The client told of this layer's writes, trims and
+            attention (``mlx_stream.cache.hooks``). Default: none.
     """
 
     def __init__(
@@ -88,15 +89,23 @@ class SinkCache(Relayout, Stored, BaseCache):
         window: int = DEFAULT_WINDOW,
         slack: int | None = DEFAULT_SLACK,
         stride: int = DEFAULT_STRIDE,
-        rope: nn.Module | None = None,
         positions: str = "cache",
         kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         key_bits: int | None = None,
         move: Move | None = None,
         additive_mask: bool = True,
         token_keys: bool = False,
+        hooks: Hooks | None = None,
     ):
+        self.move, self.additive_mask = move, additive_mask
+        self.hooks, self.hook_index = hooks if hooks is not None else NONE, 0
+        self._configure(sinks, window, slack, stride, positions, kv_bits, kv_group_size,
+                        key_bits, token_keys)  # fmt: skip
+
+    def _configure(self, sinks, window, slack, stride, positions, kv_bits, kv_group_size,
+                   key_bits, token_keys) -> None:  # fmt: skip
+        """An empty cache of these settings (the constructor's, or a loaded file's)."""
         key_bits = kv_bits if key_bits is None else key_bits
         slack = DEFAULT_SLACK if slack is None else slack
         validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
@@ -107,21 +116,17 @@ class SinkCache(Relayout, Stored, BaseCache):
         # picks float or quantized columns per row): the older in-place layout.
         self.ring = Ring(sinks, window, self.storage.ring_slack(window, slack), stride,
                          positions, in_place=self.storage.in_place)  # fmt: skip
-        self.move = move if move is not None else (Move(0, rope) if rope is not None else None)
+        self.relayout = Relayout(self.ring, self.storage, self.move)
         # Attention on the packed keys (mlx_stream.cache.qattend), once proven on the model
         self.fast_route = self.storage.packs and qattend.proven(self.move)
-        self.additive_mask = additive_mask
-        self.sink_copy = None  # the moved slot's sinks as first written (full precision)
-        self._layout_applied = Layout(0, 0)  # the layout the stored tensors are in
-        self._layout_stride = -1  # stride index (token // stride) the layout was set for
-        self._undo: Undo | None = None  # the layout before the last rebase, to trim back
-        # Keep that copy only once the cache has been rolled back (speculative decoding):
-        # plain decoding never trims and keeps its memory flat.
-        self.rolls_back = False  # keep what a rebase moved, for an exact trim back
         self._last_fetched = 0  # slots the last update_and_fetch returned
         self._shared = False  # another layer reads keys_and_values (kv-shared layers)
         self._returned = None  # what a concatenating call returned, kept when shared
         self._concatenated = False  # whether the last call concatenated
+
+    def attach(self, hooks: Hooks, index: int) -> None:
+        """Make ``hooks`` this layer's client, as layer ``index`` of those it serves."""
+        self.hooks, self.hook_index = hooks, index
 
     # ----- the storage's settings ---------------------------------------------------
 
@@ -161,8 +166,24 @@ class SinkCache(Relayout, Stored, BaseCache):
     def tokens_seen(self) -> int:
         return self.ring.tokens_seen
 
-    recall = None  # the recall tier (mlx_stream.recall) this layer feeds, if any
-    recall_index = 0  # this layer's index among the tier's layers
+    # ----- the sink moves and rebases (``relayout``) ------------------------------------
+
+    moving = property(lambda self: self.relayout.moving)
+    layout = property(lambda self: self.relayout.applied)  # the tensors' sink move and rebase
+    sink_copy = property(lambda self: self.relayout.sink_copy)
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a rebase keeps what it moved (for an exact trim back across it)."""
+        return self.relayout.rolls_back
+
+    @rolls_back.setter
+    def rolls_back(self, value: bool) -> None:
+        self.relayout.rolls_back = value
+
+    def needs_layout(self, n: int) -> bool:
+        """Whether a call starting at token ``n`` first moves the sinks or rebases."""
+        return self.relayout.needs_layout(n)
 
     @property
     def rope(self) -> nn.Module | None:
@@ -196,9 +217,9 @@ class SinkCache(Relayout, Stored, BaseCache):
 
     @property
     def _packed(self) -> bool:
-        """Whether attention runs on the packed keys (``qattend``; the recall tier
-        attends on floats)."""
-        return self.fast_route and self.recall is None and self.storage.packs
+        """Whether attention runs on the packed keys (``qattend``; a client that takes
+        the attention attends on floats)."""
+        return self.fast_route and not self.hooks.attends and self.storage.packs
 
     def forget_fetched(self) -> None:
         """What the last ``update_and_fetch`` returned is stale (its buffers changed)."""
@@ -231,10 +252,7 @@ class SinkCache(Relayout, Stored, BaseCache):
 
     def _allocate(self, keys: mx.array, values: mx.array) -> None:
         self.storage.allocate(keys, values, self.ring)
-        if self.sinks > 0 and self.moving:
-            slot = self.move.slot if self.move is not None else 0
-            x = (keys, values)[slot]
-            self.sink_copy = mx.zeros((x.shape[0], x.shape[1], self.sinks, x.shape[-1]), x.dtype)
+        self.relayout.allocate(keys, values)
 
     # ----- mlx-lm cache protocol ---------------------------------------------------
 
@@ -244,20 +262,18 @@ class SinkCache(Relayout, Stored, BaseCache):
         if N == 1 and self._steady(n):
             return self._decode_step(keys, values, n)
         self._check_call(N)
-        if self.recall is not None and keys.shape[0] != 1:  # at the first call, not later
-            raise Unsupported("recall serves one sequence per cache (batch 1)")
+        if self.hooks is not NONE and keys.shape[0] != 1:  # at the first call, not later
+            raise Unsupported(f"{self.hooks.what} serves one sequence per cache (batch 1)")
         if self.keys is None:
             self._allocate(keys, values)
-        self.apply_layout(n, N)
-        if self.recall is not None:  # store what leaves the window before it is overwritten
-            self.recall.before_write(self, n, N)
+        self.relayout.apply(n, N)
+        self.hooks.before_write(self, n, N)  # e.g. store what leaves the window
         L = self.storage.columns(ring, N)
         packed = self.storage.pack(keys, values)
         concat = self._concatenated_call(keys, values, packed, n, N)
         self._write(keys, values, packed, n, N)
         self.storage.commit(keys, n, N, ring, self._packed)
-        ring.write(N)
-        self.expire_undo()
+        self.advance(N)
         self._last_fetched = L
         self._concatenated = concat is not None
         if concat is not None:
@@ -278,7 +294,7 @@ class SinkCache(Relayout, Stored, BaseCache):
         # The buffer as it was (taken before the writes that follow), the later
         # layouts' sinks, then the call's own tokens: no row needs a slot this call
         # overwrites.
-        spares = self._spare_sinks(n, N)
+        spares = self.relayout.spare_sinks(n, N)
         ring_part = self.storage.ring_part
         pairs = ((ring_part(self.keys), packed[0]), (ring_part(self.values), packed[1]))
         return [
@@ -288,13 +304,17 @@ class SinkCache(Relayout, Stored, BaseCache):
 
     def _write(self, keys, values, packed, n: int, N: int, sinks_only: bool = False) -> None:
         """Write the call's tokens into their slots (per-channel keys: values only)."""
-        slot = self.move.slot if self.move is not None and self.move.moves else 0
         for s, i, length in self.ring.runs(n, N):
             if sinks_only and s >= self.sinks:
                 continue
             self.storage.put(s, s + length, packed, i)
-            if s < self.sinks and self.sink_copy is not None:
-                kvstore.put(self.sink_copy, s, s + length, (keys, values)[slot], i)
+            self.relayout.record_sinks(s, length, keys, values, i)
+
+    def advance(self, N: int) -> None:
+        """Count ``N`` written tokens (after their slots were written, here or by a
+        batch holding this row's buffers)."""
+        self.ring.write(N)
+        self.relayout.expire_undo()
 
     def _steady(self, n: int) -> bool:
         """Whether a one-token call at ``n`` is a plain decode step on the packed route:
@@ -305,14 +325,13 @@ class SinkCache(Relayout, Stored, BaseCache):
             self._packed
             and self.keys is not None
             and not self.ring.in_order(1)
-            and (not self.moving or n // self.ring.stride == self._layout_stride)
+            and not self.relayout.needs_layout(n)
         )
 
     def _decode_step(self, keys: mx.array, values: mx.array, n: int):
         ring = self.ring
         self.storage.step(keys, values, n, ring)
-        ring.write(1)
-        self.expire_undo()
+        self.advance(1)
         self._last_fetched, self._concatenated, self._returned = ring.slots_total, False, None
         return self.storage.fetch(ring.slots_total, ring, True, packed=True)
 
@@ -390,10 +409,9 @@ class SinkCache(Relayout, Stored, BaseCache):
         keep = ring.tokens_seen - n
         self.rolls_back = self.rolls_back or n > 0
         if n and self.moving and self.keys is not None:
-            self._trim_layout(keep, n)
+            self.relayout.trim(keep, n)
         ring.forget(n)
-        if self.recall is not None:
-            self.recall.trimmed(self, ring.tokens_seen)
+        self.hooks.trimmed(self, ring.tokens_seen)
         return n
 
     def size(self) -> int:
@@ -419,8 +437,8 @@ class SinkCache(Relayout, Stored, BaseCache):
             "token_keys": self.token_keys,
             "tokens_seen": self.tokens_seen,
             "filled": self.ring.filled,
-            "layout_applied": list(self._layout_applied),
-            "layout_stride": self._layout_stride,
+            "layout_applied": list(self.relayout.applied),
+            "layout_stride": self.relayout.stride_index,
             "slots": self.ring.slots.tolist(),
         }
 
@@ -430,15 +448,14 @@ class SinkCache(Relayout, Stored, BaseCache):
         # Files from before 8-bit keys went per channel kept them per token.
         key_bits = s.get("kv_bits") if s.get("key_bits") is None else s["key_bits"]
         token_keys = meta.get("token_keys", key_bits == 8)
-        self.__init__(**s, move=self.move, additive_mask=self.additive_mask,
-                      token_keys=token_keys)  # fmt: skip
+        self._configure(**s, token_keys=token_keys)
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
-        self._layout_applied = Layout(*meta["layout_applied"])
+        self.relayout.applied = Layout(*meta["layout_applied"])
         # The stride the layout was set for: a trim back across a rebase is refused
         # after a load as it is live. A file without it: unknown, above every stride,
         # so the next call re-derives the layout and any trim that changes it is refused.
-        self._layout_stride = int(meta.get("layout_stride", UNKNOWN_STRIDE))
+        self.relayout.stride_index = int(meta.get("layout_stride", UNKNOWN_STRIDE))
         self.ring.slots = np.array(meta["slots"], dtype=np.int64)
 
     def __deepcopy__(self, memo):
@@ -447,7 +464,34 @@ class SinkCache(Relayout, Stored, BaseCache):
         clone = copy.copy(self)
         clone.ring = copy.deepcopy(self.ring)
         clone.storage = self.storage.copy()
-        clone.sink_copy = kvstore.copy(self.sink_copy)
-        if self._undo is not None:  # a trim adopts this buffer and writes it in place
-            clone._undo = self._undo._replace(moved=kvstore.copy(self._undo.moved))  # noqa: SLF001
+        clone.relayout = self.relayout.copy(clone.ring, clone.storage)
         return clone
+
+    # ----- mlx-lm's state: what save_cache writes ---------------------------------------
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return self.storage.state() + self._sink_state()
+
+    @state.setter
+    def state(self, v):
+        v = list(v)
+        self.storage.load(v[:2], self.ring.slots_total)
+        self.relayout.sink_copy = v[2] if len(v) > 2 else None
+
+    @property
+    def used_state(self):
+        """``state`` with only the slots ever written (``ring.filled``): what
+        ``save_cache`` writes, so a chat of 400 tokens in a 2k window saves 400 slots.
+        The setter pads the rest with zeros, as they were before any write (spare sink
+        slots after the ring are rewritten by every call that reads them); per-channel
+        keys are kept whole."""
+        if self.keys is None:
+            return []
+        return self.storage.used_state(self.ring.filled) + self._sink_state()
+
+    def _sink_state(self) -> list:
+        sink_copy = self.relayout.sink_copy
+        return [sink_copy] if sink_copy is not None else []

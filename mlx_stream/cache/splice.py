@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.hooks import NONE
 from mlx_stream.cache.sink import SinkCache
 
 
@@ -36,8 +37,8 @@ def refusal(caches: list, end: int) -> str | None:
     for c in caches:
         if not isinstance(c, SinkCache):
             return f"a {type(c).__name__} layer (only SinkCache layers are spliced)"
-        if c.recall is not None:
-            return "a recall tier (its store follows the stream in order)"
+        if c.hooks is not NONE:  # e.g. a recall tier's store follows the stream in order
+            return f"{c.hooks.what} (its state follows the stream in order)"
         if c.channel_keys:
             return "per-channel quantized keys"
         if c.positions != "cache":

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_stream.cache.hooks import hooks_of as tier_of
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.defaults import DEFAULT_STRIDE
 from mlx_stream.eval.passkey import FILLER, SYSTEM, answer
@@ -191,7 +192,7 @@ def needle_eval(
                 rows.append(row)
                 if callback is not None:
                     callback(row)
-            tier = getattr(cache[0], "recall", None)
+            tier = tier_of(cache)
             if tier is not None:
                 tier.close()
     return rows
@@ -207,7 +208,7 @@ def _ask(model, tokenizer, name: str, cache: list, asks: list, answer_tokens, in
     ``cache``, yielding rows: what the prompts share, three blocks or more before the
     first question, is fed once and each is asked of a copy (the recall tier rewound
     after each)."""
-    tier = getattr(cache[0], "recall", None)
+    tier = tier_of(cache)
     shared, spec = 0, None if tier is None else tier.spec
     if len(asks) > 1:
         asked = min(p.asked_at for p, _, _ in asks)
@@ -233,7 +234,7 @@ def _answer_one(model, tokenizer, p: NeedlePrompt, name: str, cache: list, start
     the row (the needle's blocks and whether the prompt's end selected them all, for
     a recall cache)."""
     extra: dict = {}
-    tier = getattr(cache[0], "recall", None)
+    tier = tier_of(cache)
     original = None if tier is None else tier.on_prompt_end
     if inspect is not None and tier is not None:
         inspect(tier, p, extra)

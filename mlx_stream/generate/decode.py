@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_stream.cache.hooks import prompt_end
 from mlx_stream.cache.reclaim import ReclaimSchedule, set_wired_limit
 from mlx_stream.cache.sink import SinkCache
 from mlx_stream.cache.spec import CacheSpec
@@ -44,7 +45,6 @@ from mlx_stream.generate.steps import (
     sample,
 )
 from mlx_stream.mlxlm import TextStateMachine, generation_stream
-from mlx_stream.recall.tier import prompt_end as recall_prompt_end
 
 
 def generate_step(
@@ -125,8 +125,8 @@ def generate_step(
     if state.on_prompt_fed is not None:
         state.on_prompt_fed()
     with mx.stream(stream):
-        for m, c in models:  # recall: the prompt's own queries choose what its end recalls
-            recall_prompt_end(m, c, prompt[:-1])
+        for m, c in models:  # a client of the cache (recall) may act on the whole prompt
+            prompt_end(m, c, prompt[:-1])
 
     run = speculative if draft_model is not None else _plain
     yield from run(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_stream.cache import splice
+from mlx_stream.cache.hooks import hooks_of
 from mlx_stream.defaults import DEFAULT_REPAIR_TOKENS  # noqa: F401 - re-exported
 from mlx_stream.generate.prefill import feed_prompt
 
@@ -114,8 +115,8 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
     same_end = common_suffix(full, tokens, min(len(full), e) - prefix)
     shift = e - len(full)
     if len(full) - same_end <= evicted_before(session.caches):
-        if any(getattr(c, "recall", None) is not None for c in session.caches):
-            return "a recall tier (its store holds the edited text)"
+        if hooks_of(session.caches) is not None:  # a recall tier's store holds the old text
+            return f"{hooks_of(session.caches).what} (its store holds the edited text)"
         kept = keep_evicted(tokens, len(full), prefix, same_end)
         return Plan(kept, fed_text, n, n, n, 0, evicted=True)
     stop = min(e - same_end + max(0, window), e)

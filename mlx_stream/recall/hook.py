@@ -1,17 +1,13 @@
-"""The way to the queries: the recall tier's handler of mlx-lm's attention function.
+"""The way to the queries: proof that a model's layers reach the cache's attention seam.
 
-mlx-lm attention layers do ``keys, values = cache.update_and_fetch(k, v)`` and then
-``scaled_dot_product_attention(queries, keys, values, cache=cache, scale=..., mask=...)``.
-``mlx_stream.cache.attention`` wraps that name once in the modules a model's layers
-come from; the tier registers here for the calls of caches that have it
-(``cache.recall`` set), which gives it the queries of every layer and lets it attend
-over the retrieved region and the window together, without copying any model file.
-Every other call passes through unchanged.
-
-Whether a model's forward pass reaches the wrapper for every cached layer is not
+The tier takes each layer's attention calls through ``mlx_stream.cache.hooks`` (the
+client of a SinkCache is handed the calls of mlx-lm's ``scaled_dot_product_attention``,
+wrapped once by ``mlx_stream.cache.attention``): it attends over the retrieved region and
+the window together, without copying any model file. That needs mlx-lm's function
+patched, because a model calls it by name after ``update_and_fetch`` (nothing the cache
+returns can change that call). Whether every cached layer reaches the wrapper is not
 assumed: :func:`install` runs the lazy probe pass (shapes only, nothing computed) and
-refuses, with one line, a model where some layer never calls it (the model's attention
-then stays as it was).
+refuses, with one line, a model where some layer never does.
 """
 
 from __future__ import annotations
@@ -19,25 +15,14 @@ from __future__ import annotations
 from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache import attention
+from mlx_stream.cache.hooks import ATTENTION, Hooks
 from mlx_stream.errors import Unsupported
 
 
-def _claims(cache, keys) -> bool:
-    return getattr(cache, "recall", None) is not None
-
-
-def _attend(queries, keys, values, cache, scale, mask, sinks, original):
-    return cache.recall.attend(cache, queries, keys, values, scale, mask, sinks, original)
-
-
-attention.register("recall", attention.Handler(_claims, _attend))
-
-
-class _Probe:
+class _Probe(Hooks):
     """Stands in for a recall tier during the probe pass: plain attention."""
 
-    def attend(self, cache, queries, keys, values, scale, mask, sinks, original):
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    attends = True
 
 
 def install(model, layers: list[int], name: str) -> None:
@@ -49,9 +34,9 @@ def install(model, layers: list[int], name: str) -> None:
     """
     caches = mlx_cache.make_prompt_cache(model)
     for i in layers:
-        caches[i].recall = _Probe()
+        caches[i].hooks = _Probe()  # mlx-lm's own caches: the seam reads the attribute
     try:
-        missing = attention.prove(model, caches, "recall", layers)
+        missing = attention.prove(model, caches, ATTENTION, layers)
     except Exception as e:  # noqa: BLE001 - a foreign model failing is a refusal
         raise Unsupported(f"{name}: recall's probe pass failed ({type(e).__name__}: {e})") from e
     if missing:

@@ -72,7 +72,7 @@ class Regions:
         st = cache.storage
         if st.tail:
             return st.keys, st.values, kvstore.length(st.keys) - st.tail
-        i = cache.recall_index
+        i = cache.hook_index
         if self.own[i] is None:
             (H, kd, dtype), (_, vd, _) = self.tier.store.shapes
             bits, g = _format(cache)
@@ -100,7 +100,7 @@ class Regions:
         sel = tier.selection
         if not sel:
             return
-        i = cache.recall_index
+        i = cache.hook_index
         anchor, placement = tier.region_anchor(cache, n), tier.placement
         if self.applied[i] == (sel, anchor, placement):
             return

@@ -18,8 +18,8 @@ import mlx_stream.recall.reuse as reuse
 import mlx_stream.recall.score as score
 import mlx_stream.recall.select as select
 from mlx_stream.cache import storage as kvstore
+from mlx_stream.cache.hooks import Hooks
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
-from mlx_stream.recall.names import tier_of
 from mlx_stream.recall.region import Regions
 from mlx_stream.recall.spec import RecallSpec
 from mlx_stream.recall.store import BlockStore, load_queries, save_queries
@@ -40,13 +40,17 @@ class Mark:
     shortlist: reuse.State | None = None
 
 
-class Recall:
-    """The recall tier of one model cache (see the module docstring).
+class Recall(Hooks):
+    """The recall tier of one model cache (see the module docstring): the client
+    (``mlx_stream.cache.hooks``) of its SinkCache layers.
 
     Args:
         spec (RecallSpec): The policy.
         caches (list): The model's prompt cache; its SinkCache layers get this tier.
     """
+
+    what = "a recall tier"
+    attends = True  # it attends over the retrieved region and the window together
 
     def __init__(self, spec: RecallSpec, caches: list):
         from mlx_stream.cache.sink import SinkCache
@@ -59,7 +63,7 @@ class Recall:
                 "(--kv-key-bits 8) or a float cache"
             )
         for i, c in enumerate(self.layers):
-            c.recall, c.recall_index = self, i
+            c.attach(self, i)
             c.rolls_back = True  # a prompt's end rolls back: keep what a rebase moved
         L = len(self.layers)
         # One RAM budget: the index (block summaries, read at every refresh) takes up to
@@ -156,9 +160,9 @@ class Recall:
     def before_write(self, cache, n: int, N: int) -> None:
         """At the start of a call of ``N`` tokens at ``n``, after the cache's layout
         is applied and before anything is written."""
-        if cache.recall_index == 0:  # before anything changes: a full disk stops here
+        if cache.hook_index == 0:  # before anything changes: a full disk stops here
             self.reserve(cache, n)
-        if (cache.recall_index == 0 and n % self.block == 0 and n != self.refreshed_at
+        if (cache.hook_index == 0 and n % self.block == 0 and n != self.refreshed_at
                 and n > self.history[-1][2]):  # fmt: skip
             self.refresh(n)  # from blocks every layer stored at earlier boundaries
         self._capture(cache, n)
@@ -166,7 +170,7 @@ class Recall:
 
     def trimmed(self, cache, keep: int) -> None:
         """The cache forgot every token from ``keep`` on."""
-        i = cache.recall_index
+        i = cache.hook_index
         kept = []
         for t0, q, a in self.queries[i]:
             if t0 < keep:
@@ -245,7 +249,7 @@ class Recall:
         block boundary ``<= n``. Only at boundaries, each layer in its own layout of
         that call: what is stored never depends on how calls split the stream (a
         quantized ring re-quantizes what a rebase moves)."""
-        i, bs, S = cache.recall_index, self.block, cache.sinks
+        i, bs, S = cache.hook_index, self.block, cache.sinks
         count = self.evicted_blocks(n // bs * bs)
         for j in range(self.store.count[i], count):
             lo, hi = max(j * bs, S), (j + 1) * bs
@@ -436,7 +440,7 @@ class Recall:
 
     def attend(self, cache, queries, keys, values, scale, mask, sinks, original):
         """Attention of one layer over the ring and the region (the hook calls it)."""
-        i, N = cache.recall_index, queries.shape[2]
+        i, N = cache.hook_index, queries.shape[2]
         n0 = cache.tokens_seen - N
         anchor = self.anchor(cache, n0) if cache.moving else 0
         entries, cut = self.queries[i], 0  # in stream order: the stale ones lead
@@ -515,12 +519,3 @@ def _pad_front(x: mx.array, first: int, block: int) -> mx.array:
 def attach(spec: RecallSpec, caches: list) -> Recall:
     """Give the SinkCache layers of ``caches`` one recall tier."""
     return Recall(spec, caches)
-
-
-def prompt_end(model, caches: list, fed) -> None:
-    """The end of a prompt for ``model``'s ``caches`` (``fed``: the prompt's tokens
-    fed so far): its recall tier, if any, refreshes and feeds the prompt's tail again
-    (:meth:`Recall.prompt_end`)."""
-    tier = tier_of(caches)
-    if tier is not None:
-        tier.prompt_end(model, caches, fed)
