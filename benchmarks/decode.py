@@ -70,11 +70,12 @@ def make_cache(name: str, model, sinks: int, window: int) -> list:
     if name == "sink":
         return make_sink_cache(model, sinks, window)
     if name == "sink-8-token":
-        from mlx_stream.cache.sink import SinkCache
+        from mlx_stream.cache.sink import CacheSpec, SinkCache
 
+        spec = CacheSpec(sinks, window, kv_bits=8)
         return [
-            SinkCache(sinks, window, kv_bits=8, move=c.move, additive_mask=c.additive_mask,
-                      token_keys=True) if isinstance(c, SinkCache) else c
+            SinkCache(spec, c.move, additive_mask=c.additive_mask, token_keys=True)
+            if isinstance(c, SinkCache) else c
             for c in make_sink_cache(model, sinks, window, kv_bits=8)
         ]  # fmt: skip
     if name.startswith("sink-"):

@@ -61,9 +61,9 @@ def cache_route(window: int, sinks: int, bits: int, H: int, KVH: int, D: int):
     import mlx.core as mx
 
     from mlx_stream.cache import qattend
-    from mlx_stream.cache.sink import SinkCache
+    from mlx_stream.cache.sink import CacheSpec, SinkCache
 
-    cache = SinkCache(sinks, window, kv_bits=bits, positions="absolute")
+    cache = SinkCache(CacheSpec(sinks, window, kv_bits=bits, positions="absolute"))
     cache.fast_route = True
     total = sinks + window + 48  # mid-group: the open group holds 16 residual tokens
     key = mx.random.key(7)

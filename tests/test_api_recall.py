@@ -28,6 +28,6 @@ def test_make_sink_cache_with_recall_streams_past_the_window():
     prompt = tiny.random_tokens(400, seed=7)
     out = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=8,
                                             prompt_cache=cache)]  # fmt: skip
-    tier = cache[0].recall
+    tier = cache[0].hooks
     assert len(out) == 8 and tier is not None and tier.stored >= 4
     assert tier.selection and tier.device_nbytes > 0

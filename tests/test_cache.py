@@ -13,6 +13,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from mlx_stream.cache.positions import Move
 from mlx_stream.cache.sink import (
+    CacheSpec,
     SinkCache,
     load_cache,
     make_sink_cache,
@@ -138,7 +139,7 @@ def test_absolute_positions_grow_like_mlx_lm(tiny_llama):
     ids=["standard", "traditional", "llama3", "yarn"],
 )
 def test_shift_is_a_pure_rotation(rope):
-    cache = SinkCache(sinks=S, window=W, move=Move(0, rope))
+    cache = SinkCache(CacheSpec(sinks=S, window=W), Move(0, rope))
     x = mx.random.normal((1, 2, 5, 16), key=mx.random.key(1))
     cache.keys = x
     at_100 = rope(x, offset=100)

@@ -12,7 +12,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import scaled_dot_product_attention
 
 import mlx_stream.recall.hook as hook
-from mlx_stream.cache import SinkCache, attention, qattend
+from mlx_stream.cache import CacheSpec, SinkCache, attention, qattend
 from mlx_stream.cache.hooks import Hooks
 from mlx_stream.cache.positions import Move
 from mlx_stream.errors import Unsupported
@@ -52,7 +52,7 @@ class _Toy(nn.Module):
 
 
 def channel_caches(rope=None):
-    return [SinkCache(4, 40, kv_bits=8, kv_group_size=32, positions="absolute", move=Move(0, rope))]
+    return [SinkCache(CacheSpec(4, 40, kv_bits=8, kv_group_size=32, positions="absolute"), Move(0, rope))]
 
 
 @pytest.fixture(autouse=True)
@@ -100,11 +100,11 @@ def test_restore_puts_the_original_back_and_ends_the_route():
     toy, rope = _Toy(), nn.RoPE(D)
     caches = channel_caches(rope)
     assert qattend.install(toy, caches)
-    assert SinkCache(4, 40, kv_bits=8, kv_group_size=32, move=caches[0].move).fast_route
+    assert SinkCache(CacheSpec(4, 40, kv_bits=8, kv_group_size=32), caches[0].move).fast_route
     attention.restore()
     assert original()
     # a cache made later for the same layer no longer takes the route
-    assert not SinkCache(4, 40, kv_bits=8, kv_group_size=32, move=caches[0].move).fast_route
+    assert not SinkCache(CacheSpec(4, 40, kv_bits=8, kv_group_size=32), caches[0].move).fast_route
 
 
 class _Tier(Hooks):

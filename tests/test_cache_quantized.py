@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.generate import speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import SinkCache, kvquant
+from mlx_stream.cache import CacheSpec, SinkCache, kvquant
 from mlx_stream.cache.sink import load_cache, make_sink_cache, save_cache
 from tests import tiny
 from tests.support.cache import feed
@@ -42,7 +42,7 @@ def test_logits_close_to_float_cache_before_eviction(model, bits):
     assert not hasattr(quantized(model, bits)[0], "bits")
     assert quantized(model, bits)[0].fast_route
     assert not hasattr(make_sink_cache(model)[0], "bits")
-    assert SinkCache(S, W, kv_bits=8, token_keys=True).bits == 8
+    assert SinkCache(CacheSpec(S, W, kv_bits=8), token_keys=True).bits == 8
 
 
 @pytest.mark.parametrize(("bits", "window", "share"), [(8, 480, 0.4), (4, 480, 0.35)])

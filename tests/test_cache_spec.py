@@ -75,7 +75,7 @@ def test_json_round_trip_and_cache_file_meta():
                     "kv_bits": 4, "kv_group_size": 32, "key_bits": 8}  # fmt: skip
     assert CacheSpec.from_json(data) == spec
     # A SinkCache's meta_state is the same form (plus its position in the stream).
-    cache = SinkCache(2, 48, 8, 4, positions="absolute", kv_bits=4, kv_group_size=32, key_bits=8)
+    cache = SinkCache(CacheSpec(2, 48, 8, 4, positions="absolute", kv_bits=4, kv_group_size=32, key_bits=8))
     assert CacheSpec.of(cache) == spec and CacheSpec.from_json(cache.meta_state) == spec
     # Files from before quantization lack its three settings.
     old = {k: v for k, v in data.items() if k not in ("kv_bits", "kv_group_size", "key_bits")}

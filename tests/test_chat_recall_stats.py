@@ -19,7 +19,7 @@ def test_stats_show_the_recall_region_and_store_apart(tmp_path):
     words = " ".join(tiny.VOCAB_WORDS[4:] * 3)
     for _ in range(2):
         list(session.stream(words))
-    tier = session.caches[0].recall
+    tier = session.caches[0].hooks
     u = tier.usage()
     lines = {line[:14].strip(): line[15:] for line in stats_text(session).splitlines()}
     assert lines["recall region"] == f"{tier.device_nbytes / 1e6:.1f} MB reserved (device)"

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, save_cache
+from mlx_stream.cache import CacheSpec, SinkCache, kvquant, load_cache, make_sink_cache, save_cache
 from mlx_stream.cache.positions import Move
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import DecodeState, generate_step
@@ -71,7 +71,7 @@ def test_slack_rounds_up_to_whole_groups(model):
     assert cache.slack == 56  # at least 32 (calls are written in place), 40 + 32 -> 96
     # 8-bit keys are per channel too; kept per token (for the recall tier) they need none.
     assert make_sink_cache(model, S, W, 16, kv_bits=4, key_bits=8)[0].slack == 56
-    assert SinkCache(S, W, 16, kv_bits=8, token_keys=True).slack == 16
+    assert SinkCache(CacheSpec(S, W, 16, kv_bits=8), token_keys=True).slack == 16
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 33])
@@ -106,7 +106,7 @@ def test_cache_semantics_do_not_depend_on_the_chunk(bits):
     rope = nn.RoPE(D)
 
     def run(chunk):
-        cache = SinkCache(S, W, 8, 16, move=Move(0, rope), kv_bits=bits, kv_group_size=G)
+        cache = SinkCache(CacheSpec(S, W, 8, 16, kv_bits=bits, kv_group_size=G), Move(0, rope))
         out, n = [], 0
         while n < T:
             N = min(chunk, cache.max_call_tokens(), T - n)

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from mlx_stream.cache import SinkCache, kvquant, load_cache, make_sink_cache, qattend, save_cache
+from mlx_stream.cache import (
+    CacheSpec,
+    SinkCache,
+    kvquant,
+    load_cache,
+    make_sink_cache,
+    qattend,
+    save_cache,
+)
 from mlx_stream.cache.hooks import Hooks
 from mlx_stream.cache.positions import Move
 from mlx_stream.generate.decode import DecodeState, generate_step
@@ -33,7 +41,7 @@ def run(bits, key_bits, chunk: int, packed: bool, H: int = 4, KVH: int = 2, addi
     """Every row's attention output over ``T`` random tokens fed ``chunk`` at a time
     (crossing group ends, sink moves and rebases), through the packed route or not."""
     keys, values, queries = tensors(H, KVH)
-    cache = SinkCache(S, W, 8, 16, move=Move(0, nn.RoPE(D)), kv_bits=bits, kv_group_size=G,
+    cache = SinkCache(CacheSpec(S, W, 8, 16, kv_bits=bits, kv_group_size=G), Move(0, nn.RoPE(D)),
                       key_bits=key_bits)  # fmt: skip
     cache.fast_route = packed
     out, n = [], 0
@@ -78,7 +86,7 @@ def test_chunks_equal_token_by_token_and_the_dequantize_route(bits, key_bits):
 
 
 def test_a_decode_step_splices_the_residual_into_its_slots():
-    cache = SinkCache(S, W, 8, 16, move=Move(0, nn.RoPE(D)), kv_bits=8, kv_group_size=G)
+    cache = SinkCache(CacheSpec(S, W, 8, 16, kv_bits=8, kv_group_size=G), Move(0, nn.RoPE(D)))
     cache.fast_route = True
     keys, values, _ = tensors(2, 2)
     cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])
@@ -96,7 +104,7 @@ def test_a_decode_steps_mask_is_the_general_spliced_mask():
     # A decode step's mask takes a short path: the ring's own visibility. Check it
     # against the general form (the per-channel mask with the residual columns folded
     # into their tokens' slots) through group fills, sink moves and rebases.
-    cache = SinkCache(S, W, 8, 16, move=Move(0, nn.RoPE(D)), kv_bits=8, kv_group_size=G)
+    cache = SinkCache(CacheSpec(S, W, 8, 16, kv_bits=8, kv_group_size=G), Move(0, nn.RoPE(D)))
     cache.fast_route = True
     keys, values, _ = tensors(2, 2)
     ring, L = cache.ring, cache.ring.slots_total
@@ -222,7 +230,7 @@ class _Toy(nn.Module):
 @pytest.mark.parametrize("direct", [False, True])
 def test_the_route_is_taken_only_where_the_probe_reaches_it(direct):
     toy = _Toy(direct)
-    caches = [SinkCache(S, W, kv_bits=8, kv_group_size=G, positions="absolute")]
+    caches = [SinkCache(CacheSpec(S, W, kv_bits=8, kv_group_size=G, positions="absolute"))]
     assert qattend.install(toy, caches) is not direct
     assert caches[0].fast_route is not direct
     assert caches[0].tokens_seen == 0  # the probe ran on a copy
@@ -232,7 +240,7 @@ def test_the_route_is_taken_only_where_the_probe_reaches_it(direct):
 
 def test_attention_sinks_take_the_float_route():
     keys, values, queries = tensors(4, 2)
-    cache = SinkCache(S, W, kv_bits=8, kv_group_size=G, positions="absolute")
+    cache = SinkCache(CacheSpec(S, W, kv_bits=8, kv_group_size=G, positions="absolute"))
     cache.fast_route = True
     cache.update_and_fetch(keys[..., :60, :], values[..., :60, :])
     mask = cache.make_mask(1)
@@ -246,7 +254,9 @@ def test_attention_sinks_take_the_float_route():
 
 
 def test_eight_bit_keys_stay_per_token_for_recall_and_old_files():
-    cache = SinkCache(S, W, kv_bits=8, kv_group_size=G, positions="absolute", token_keys=True)
+    cache = SinkCache(
+        CacheSpec(S, W, kv_bits=8, kv_group_size=G, positions="absolute"), token_keys=True
+    )
     assert not cache.channel_keys and cache.bits == 8  # mlx-lm's quantized kernel
     keys, values, _ = tensors(2, 2)
     cache.update_and_fetch(keys[..., :70, :], values[..., :70, :])
@@ -266,7 +276,7 @@ def test_a_cache_feeding_the_recall_tier_returns_floats():
     # The recall tier attends on floats: a proven per-channel cache it is attached to
     # does not hand over packed keys, and its mask has the unspliced columns.
     keys, values, _ = tensors(2, 2)
-    cache = SinkCache(S, W, kv_bits=4, kv_group_size=G, positions="absolute")
+    cache = SinkCache(CacheSpec(S, W, kv_bits=4, kv_group_size=G, positions="absolute"))
     cache.fast_route = True
     cache.attach(type("Tier", (Hooks,), {"attends": True})(), 0)  # a client taking attention
     cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])

@@ -92,7 +92,7 @@ def test_recall_of_every_block_equals_the_layout_oracle(one_layer, placement):
     cache = make_sink_cache(one_layer, SINKS, WINDOW, stride=BLOCK,
                             recall=spec(blocks=k_blocks, placement=placement))  # fmt: skip
     got = feed(one_layer, cache, tokens, 1)
-    recall = cache[0].recall
+    recall = cache[0].hooks
     assert recall.stored == (88 - WINDOW + 1) // BLOCK  # past the window at boundary 88
     checked = 0
     for q in range(WINDOW + 2 * BLOCK, 96, 5):
@@ -112,9 +112,9 @@ def test_chunked_equals_token_by_token(tiny_llama):
     chunked = recall_cache(tiny_llama)
     a = feed(tiny_llama, one, tokens, 1)
     b = feed(tiny_llama, chunked, tokens, 64)
-    assert one[0].recall.history == chunked[0].recall.history
-    assert len(one[0].recall.history) > 5  # selections were made and changed over time
-    assert len({entry[1] for entry in one[0].recall.history}) > 2
+    assert one[0].hooks.history == chunked[0].hooks.history
+    assert len(one[0].hooks.history) > 5  # selections were made and changed over time
+    assert len({entry[1] for entry in one[0].hooks.history}) > 2
     assert mx.array_equal(a.argmax(-1), b.argmax(-1))
     assert mx.abs(a - b).max().item() < 1e-3 * mx.abs(a).max().item()
 
@@ -138,7 +138,7 @@ def test_the_region_in_the_rings_tail_equals_a_region_of_its_own(monkeypatch, kv
         m.setattr(type(tail[0].storage), "tails", False)
         own = make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(), **kv)
     b = feed(model, own, tokens, 1)
-    ta, tb = tail[0].recall, own[0].recall
+    ta, tb = tail[0].hooks, own[0].hooks
     assert tail[0].storage.tail == ta.region.slots(tail[0]) > 0 and own[0].storage.tail == 0
     assert used > 10 and not any(x is not None for x in seen)  # one buffer, or joined
     assert ta.history == tb.history and ta.selection
@@ -154,7 +154,7 @@ def test_selection_is_deterministic(tiny_llama):
     for _ in range(2):
         cache = recall_cache(tiny_llama, selector="exact")
         feed(tiny_llama, cache, tokens, 8)
-        runs.append(cache[0].recall.history)
+        runs.append(cache[0].hooks.history)
     assert runs[0] == runs[1]
     # ties go to the earlier block, in stream order
     assert top_k(np.array([1.0, 3.0, 3.0, 0.5, 3.0]), 2) == (1, 2)
@@ -175,7 +175,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny_llama, tiny_draft, num_draf
     spec_tokens = greedy(tiny_llama, cache, prompt, draft_model=tiny_draft,
                          num_draft_tokens=num_draft_tokens)  # fmt: skip
     assert spec_tokens == plain
-    assert cache[0].recall.selection  # recall was in use
+    assert cache[0].hooks.selection  # recall was in use
 
 
 def test_prefill_chunking_does_not_change_generation(tiny_llama):
@@ -198,7 +198,7 @@ def test_rollback_restores_store_and_selection(tiny_llama):
     tokens = tiny.random_tokens(120, seed=17)
     cache = recall_cache(tiny_llama)
     feed(tiny_llama, cache, tokens[:100], 1)
-    recall = cache[0].recall
+    recall = cache[0].hooks
     state = (recall.history[:], recall.selection)
     feed(tiny_llama, cache, tokens[100:105], 1)  # crosses the boundary at 104
     assert recall.history != state[0]
@@ -340,7 +340,7 @@ def test_recall_cache_uses_the_disk_store_past_its_budget(tiny_llama, tmp_path):
     disk = recall_cache(tiny_llama, ram_bytes=0, folder=str(tmp_path / "spill"))
     a = feed(tiny_llama, ram, tokens, 8)
     b = feed(tiny_llama, disk, tokens, 8)
-    assert disk[0].recall.store.disk_bytes > 0
+    assert disk[0].hooks.store.disk_bytes > 0
     assert mx.array_equal(a, b)
 
 
@@ -353,7 +353,7 @@ def test_estimated_bytes_match_built_recall():
     for bits in (None, 8):
         cache = recall_cache(model, bits=bits, group_size=32)
         feed(model, cache, tokens, 8)
-        recall = cache[0].recall
+        recall = cache[0].hooks
         est = recall_bytes(model_layout(model), SINKS, 4, BLOCK, bits, 32)
         assert recall.device_nbytes == est["region_bytes"]
         layers, (H, kd, _), (_, vd, _) = len(recall.layers), *recall.store.shapes
@@ -391,8 +391,8 @@ def test_quantized_window_with_recall(kv):
               for _ in range(2)]  # fmt: skip
     a = feed(model, caches[0], tokens, 1)
     b = feed(model, caches[1], tokens, 64)
-    assert caches[0][0].recall.selection
-    assert caches[0][0].recall.history == caches[1][0].recall.history
+    assert caches[0][0].hooks.selection
+    assert caches[0][0].hooks.history == caches[1][0].hooks.history
     assert mx.array_equal(a.argmax(-1), b.argmax(-1))
     plain = feed(model, make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, **kv), tokens, 8)
     assert not mx.array_equal(plain, b)  # the region is attended
@@ -402,15 +402,15 @@ def test_prompt_end_refreshes_and_feeds_the_prompt_tail_again(tiny_llama):
     prompt = tiny.random_tokens(131, seed=29)
     cache = recall_cache(tiny_llama)
     seen = []
-    cache[0].recall.on_prompt_end = lambda tier, n: seen.append((n, tier.selection))
+    cache[0].hooks.on_prompt_end = lambda tier, n: seen.append((n, tier.selection))
     list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
     (n, chosen), = seen  # fmt: skip
     assert n == 130 and chosen  # all but the prompt's last token, then a selection
     # rolled back to the start of the last 2 blocks, held until the prompt's end
-    assert (120, chosen, 130) in cache[0].recall.history
+    assert (120, chosen, 130) in cache[0].hooks.history
     once = recall_cache(tiny_llama, refeed=0)
     list(generate_step(prompt, tiny_llama, once, max_tokens=1))
-    assert all(hold == point for point, _, hold in once[0].recall.history)
+    assert all(hold == point for point, _, hold in once[0].hooks.history)
 
 
 def test_a_prompts_selection_sits_near_until_the_next_boundary(tiny_llama):
@@ -421,7 +421,7 @@ def test_a_prompts_selection_sits_near_until_the_next_boundary(tiny_llama):
     answers = {}
     for prompt_placement in ("near", None):
         cache = recall_cache(tiny_llama, prompt_placement=prompt_placement)
-        tier, placed = cache[0].recall, []
+        tier, placed = cache[0].hooks, []
         out = generate_step(prompt, tiny_llama, cache, max_tokens=12)
         answers[prompt_placement] = [t for t, _, _ in out if not placed.append(
             (tier.layers[0].tokens_seen, tier.placement, tier.region.applied[0]))]  # fmt: skip
@@ -459,7 +459,7 @@ def test_a_chat_with_recall_answers_turn_after_turn(tiny_model_dir, window):
     tier, selected = None, 0
     for turn in range(12):
         session.reply(f"turn {turn}: " + "tell me more " * (turn % 4), lambda _: None)
-        tier = session.caches[0].recall
+        tier = session.caches[0].hooks
         start, sel, _ = tier.history[-1]
         last_unseen = (start - window + 1) // BLOCK  # wholly before every re-fed row's window
         assert all(j < last_unseen for j in sel), (turn, start, sel)

@@ -162,7 +162,7 @@ def test_the_blocks_a_prompts_end_chose_stay_candidates(tiny_llama):
     def check(tier, n):
         seen.append((tier.selection, tier.shortlist.state, tier.stored))
 
-    cache[0].recall.on_prompt_end = check
+    cache[0].hooks.on_prompt_end = check
     list(generate_step(tiny.random_tokens(8 * 40 + 3, seed=16), tiny_llama, cache, max_tokens=1))
     ((chosen, state, stored),) = seen
     assert len(chosen) == 4 and min(chosen) < state.at  # chosen from before the last scan

@@ -117,7 +117,7 @@ def test_the_tier_scans_with_its_specs_stride_and_keep(tiny_llama):
         chosen = select.with_neighbours(scores, tier.spec.blocks)
         seen.append((int(np.isfinite(scores).sum()), tier.selection == chosen))
 
-    cache[0].recall.on_prompt_end = check
+    cache[0].hooks.on_prompt_end = check
     list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
     assert seen and seen[0] == (3, True)  # 3 blocks kept, the selection among them
 
@@ -148,10 +148,10 @@ def test_a_prompts_end_chooses_with_the_prompt_selector(tiny_llama):
             seen.append(tier.selection == pick(scores, tier.spec.blocks))
             seen.append(tier.scored_blocks == int(np.isfinite(scores).sum()))
 
-        cache[0].recall.on_prompt_end = check
+        cache[0].hooks.on_prompt_end = check
         list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
         assert seen == [True, True]
-        assert cache[0].recall.usage()["refresh_seconds"] > 0
+        assert cache[0].hooks.usage()["refresh_seconds"] > 0
 
 
 def test_a_manifest_without_a_prompt_selector_is_read_with_todays():
@@ -192,6 +192,6 @@ def test_a_question_asked_of_the_shared_prefix_answers_as_a_fresh_cache(tiny_lla
         fresh = replace(recall, prompt_selector=r["prompt_selector"])
         cache = make_sink_cache(tiny_llama, SINKS, WINDOW, recall=fresh)
         seen = []
-        cache[0].recall.on_prompt_end = lambda t, n, seen=seen: seen.append(t.selection)
+        cache[0].hooks.on_prompt_end = lambda t, n, seen=seen: seen.append(t.selection)
         assert answer(tiny_llama, tokenizer, cache, p.tokens, 4) == r["answer"]
         assert list(seen[0]) == r["selection"]

@@ -135,7 +135,7 @@ def test_a_regenerated_turn_rewinds_the_recall_tier(loaded, tmp_path):  # noqa: 
         assert err is None
         _, replies = chat(e, "b", first, other)
         assert again == replies[1]
-        tiers = {k: e.entries[("", k)].session.caches[0].recall for k in ("a", "b")}
+        tiers = {k: e.entries[("", k)].session.caches[0].hooks for k in ("a", "b")}
         assert tiers["a"] is not tiers["b"]
         assert tiers["a"].stored == tiers["b"].stored > 0
         assert tiers["a"].selection == tiers["b"].selection
@@ -190,14 +190,14 @@ def test_an_evicted_recall_session_continues_from_the_state_folder(loaded, tmp_p
         messages.append({"role": "user", "content": second})
         resumed, _, err = ask(e, messages, session_id="a")
         assert err is None and e.restores == 1
-        tier = e.entries[("", "a")].session.caches[0].recall
+        tier = e.entries[("", "a")].session.caches[0].hooks
         blocks, selection = tier.stored, tier.selection
     finally:
         e.stop()
     plain = make_engine(loaded, tmp_path / "state2")
     try:
         _, replies = chat(plain, "a", first, second)
-        tier = plain.entries[("", "a")].session.caches[0].recall
+        tier = plain.entries[("", "a")].session.caches[0].hooks
         assert resumed == replies[1]
         assert (blocks, selection) == (tier.stored, tier.selection)
     finally:
@@ -311,8 +311,8 @@ def test_sessions_with_one_system_prompt_share_no_snapshot_and_answer_alike(
         assert replies[0] == replies[1] and len(e.snapshots) == 0
         a, b = (e.entries[("", k)].session for k in ("a", "b"))
         assert a.sinks == b.sinks > 2  # the system prompt is the sinks
-        assert a.caches[0].recall is not b.caches[0].recall
-        assert a.caches[0].recall.stored == b.caches[0].recall.stored > 0
+        assert a.caches[0].hooks is not b.caches[0].hooks
+        assert a.caches[0].hooks.stored == b.caches[0].hooks.stored > 0
     finally:
         e.stop()
 
@@ -331,7 +331,7 @@ def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, 
     first, other = text(300, 1), text(200, 5)
     try:
         messages, _ = chat(e, "a", first)
-        tier = e.entries[("", "a")].session.caches[0].recall
+        tier = e.entries[("", "a")].session.caches[0].hooks
         before = (tier.stored, tier.selection)
         call, calls = type(model).__call__, []
         events: queue.Queue = queue.Queue()
@@ -356,7 +356,7 @@ def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, 
         assert err is None and long.cancelled.is_set() and sum(calls[:12]) > 500
         _, replies = chat(e, "b", first, other)
         assert reply == replies[1]
-        a, b = (e.entries[("", k)].session.caches[0].recall for k in ("a", "b"))
+        a, b = (e.entries[("", k)].session.caches[0].hooks for k in ("a", "b"))
         assert (a.stored, a.selection) == (b.stored, b.selection)
         assert before[0] > 0
     finally:

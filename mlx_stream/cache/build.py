@@ -1,6 +1,6 @@
 """Build a model's prompt cache: every unbounded ``KVCache`` layer made a SinkCache,
-after the model's positions are verified; extensions (``cache.extension``) check and
-attach their state."""
+after the model's positions are verified; the extensions the spec asks for
+(``cache.extension``) check and attach their state."""
 
 from __future__ import annotations
 
@@ -30,13 +30,10 @@ def _refuse_layer(model, i: int, c) -> None:
     )
 
 
-def _sink_cache(s: Any, verdict, i: int) -> SinkCache:
+def _sink_cache(s: Any, verdict, i: int, token_keys: bool) -> SinkCache:
     """Layer ``i``'s SinkCache under spec ``s`` (``verdict``: the model's check)."""
-    return SinkCache(
-        s.sinks, s.window, s.slack, s.stride, s.positions, s.kv_bits, s.kv_group_size,
-        s.key_bits, verdict.moves.get(i), verdict.additive_mask,
-        token_keys=s.recall is not None,  # the recall tier reads per-token keys
-    )  # fmt: skip
+    return SinkCache(s, verdict.moves.get(i), additive_mask=verdict.additive_mask,
+                     token_keys=token_keys)  # fmt: skip
 
 
 def _check_positions(model, ring) -> None:
@@ -60,9 +57,11 @@ def build_sink_cache(model: nn.Module, spec: Any) -> list:
         if type(c) is not mlx_cache.KVCache and not isinstance(c, KEPT):
             _refuse_layer(model, i, c)
     verdict = check_model(model, caches)
-    if s.recall is not None:  # refuses what it cannot serve; installs the attention hook
-        s = extension.get("recall").check(model, caches, verdict, s)
-    out = [_sink_cache(s, verdict, i) if type(c) is mlx_cache.KVCache else c
+    extensions = extension.requested(s)
+    for ext in extensions:  # refuses what it cannot serve; proves the attention seam
+        s = ext.check(model, caches, verdict, s)
+    # An extension (the recall tier) reads keys kept per token
+    out = [_sink_cache(s, verdict, i, bool(extensions)) if type(c) is mlx_cache.KVCache else c
            for i, c in enumerate(caches)]  # fmt: skip
     first = next((c for c in out if isinstance(c, SinkCache)), None)
     if s.positions == "cache" and first is not None:
@@ -72,8 +71,8 @@ def build_sink_cache(model: nn.Module, spec: Any) -> list:
                 " (chat and serve need cache positions)"
             )
         _check_positions(model, first.ring)
-    if s.recall is not None:
-        extension.get("recall").attach(s, out)
-    elif any(isinstance(c, SinkCache) and c.channel_keys for c in out):
+    for ext in extensions:
+        ext.attach(s, out)
+    if not extensions and any(isinstance(c, SinkCache) and c.channel_keys for c in out):
         qattend.install(model, out)  # attention on the packed keys, where proven
     return out

@@ -1,7 +1,8 @@
-"""The cache's extension seam: a package that adds state to a prompt cache (the recall
-tier) registers an :class:`Extension` here when it is imported; the cache calls it to
-build, save and load without importing it. A spec asking for an extension that is not
-registered is refused with one line."""
+"""How a prompt cache is built, saved and loaded with a client's state (the recall tier):
+the client's package registers an :class:`Extension` here when it is imported, and the
+cache calls it without importing it. A registry, not an argument, because a cache file
+must find the extension of the state it holds from its key alone (``load_cache``'s
+``"saved"``). The layers reach their client through ``cache.hooks`` alone."""
 
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ def register(extension: Extension) -> None:
 
 def registered() -> list[Extension]:
     return list(_REGISTRY.values())
+
+
+def requested(spec) -> list[Extension]:
+    """The extensions a ``CacheSpec`` asks for (its field of each one's name is set)."""
+    return [get(name) for name in SHIPPED_KEYS if getattr(spec, name, None) is not None]
 
 
 def get(name: str) -> Extension:

@@ -20,15 +20,8 @@ from mlx_stream.cache.hooks import NONE, Hooks
 from mlx_stream.cache.positions import Move
 from mlx_stream.cache.relayout import UNKNOWN_STRIDE, Layout, Relayout
 from mlx_stream.cache.ring import Ring
-from mlx_stream.cache.settings import FIELDS, read_json, validate_sizes
-from mlx_stream.defaults import (
-    DEFAULT_KV_GROUP_SIZE,
-    DEFAULT_SINKS,
-    DEFAULT_SLACK,
-    DEFAULT_STRIDE,
-    DEFAULT_WINDOW,
-    POSITIONS,  # noqa: F401 - re-exported
-)
+from mlx_stream.cache.settings import FIELDS, read_json
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import Unsupported
 from mlx_stream.mlxlm import BaseCache
 
@@ -44,33 +37,15 @@ class SinkCache(BaseCache):
     ``mlx_stream.cache.hooks.Hooks``, none by default).
 
     Args:
-        sinks (int): Number of first tokens kept forever. Default: ``4``.
-        window (int): Number of most recent tokens each query sees. Default: ``1024``.
-        slack (int): Extra ring slots for rollback: ``trim(n)`` is exact for ``n <=
-            slack + 1`` (a speculative verify block needs ``num_draft_tokens + 1``).
-            A multi-token call attends over the buffer as it was before it plus its
-            own tokens, so it needs no slack; a single-token step attends over
-            ``sinks + window + slack`` slots (with ``slack=0`` all of them visible:
-            no mask, as mlx-lm's rotating cache). Default: ``0``.
-        stride (int): Sinks move and the buffer rebases only at multiples of this
-            token index. Default: ``64``.
-        positions (str): ``"cache"`` (bounded StreamingLLM positions) or
-            ``"absolute"`` (mlx-lm's behaviour: positions grow with the stream).
-            Default: ``"cache"``.
-        kv_bits (int, optional): Store keys and values quantized to 4 or 8 bits with
-            ``mx.quantize``, values grouped per token. Keys are grouped per channel
-            along the tokens with a float residual of the newest tokens
-            (``mlx_stream.cache.kvquant``: ``slack`` is rounded up to fit its groups);
-            attention runs on the packed keys where ``mlx_stream.cache.qattend`` is
-            proven on the model, else on dequantized floats. 8-bit keys kept per token
-            (``token_keys``) take mlx-lm's quantized attention. Sinks are re-derived
-            from a full-precision copy whenever they move. Default: ``None``.
-        kv_group_size (int): Quantization group size (32, 64 or 128; divides the
-            head dimension). Default: ``64``.
-        key_bits (int, optional): Bits for the keys when they differ from ``kv_bits``
-            (keys carry most of the quantization error: 8-bit keys with 4-bit values
-            cost little perplexity). Per-token keys of other bits than the values
-            attend as dequantized floats. Default: ``kv_bits``.
+        spec (CacheSpec, optional): The eight settings (``mlx_stream.cache.spec``):
+            sinks, window, slack (extra ring slots: ``trim(n)`` is exact for ``n <=
+            slack + 1``), stride (sinks move and the buffer rebases only at its
+            multiples), positions (``"cache"``: bounded StreamingLLM positions;
+            ``"absolute"``: mlx-lm's), kv_bits / key_bits / kv_group_size (keys and
+            values quantized with ``mx.quantize``: keys per channel with a float
+            residual, ``mlx_stream.cache.kvquant``, or per token with ``token_keys``;
+            attention on the packed keys where ``mlx_stream.cache.qattend`` is proven).
+            Default: ``CacheSpec()``.
         move (Move, optional): Where the layer's cached tensors carry positions
             (``make_sink_cache`` finds and verifies it). Required for
             ``positions="cache"`` once the window starts sliding.
@@ -85,37 +60,28 @@ class SinkCache(BaseCache):
 
     def __init__(
         self,
-        sinks: int = DEFAULT_SINKS,
-        window: int = DEFAULT_WINDOW,
-        slack: int | None = DEFAULT_SLACK,
-        stride: int = DEFAULT_STRIDE,
-        positions: str = "cache",
-        kv_bits: int | None = None,
-        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
-        key_bits: int | None = None,
+        spec: CacheSpec | None = None,
         move: Move | None = None,
+        *,
         additive_mask: bool = True,
         token_keys: bool = False,
         hooks: Hooks | None = None,
     ):
         self.move, self.additive_mask = move, additive_mask
         self.hooks, self.hook_index = hooks if hooks is not None else NONE, 0
-        self._configure(sinks, window, slack, stride, positions, kv_bits, kv_group_size,
-                        key_bits, token_keys)  # fmt: skip
+        self._configure(spec if spec is not None else CacheSpec(), token_keys)
 
-    def _configure(self, sinks, window, slack, stride, positions, kv_bits, kv_group_size,
-                   key_bits, token_keys) -> None:  # fmt: skip
-        """An empty cache of these settings (the constructor's, or a loaded file's)."""
-        key_bits = kv_bits if key_bits is None else key_bits
-        slack = DEFAULT_SLACK if slack is None else slack
-        validate_sizes(sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits)
-        self.storage = variants.storage_for(key_bits, kv_bits, kv_group_size, sinks, token_keys)
-        self.token_keys = token_keys and key_bits == 8
-        self._asked_slack = slack  # the spec's: per-channel keys round the ring's up
+    def _configure(self, spec: CacheSpec, token_keys: bool) -> None:
+        """An empty cache of ``spec`` (the constructor's, or a loaded file's)."""
+        s = spec  # checked when it was made
+        self.storage = variants.storage_for(s.key_bits, s.kv_bits, s.kv_group_size, s.sinks,
+                                            token_keys)  # fmt: skip
+        self.token_keys = token_keys and s.key_bits == 8
+        self._asked_slack = s.slack  # the spec's: per-channel keys round the ring's up
         # Per-channel keys write a call into the ring before attending (their mask
         # picks float or quantized columns per row): the older in-place layout.
-        self.ring = Ring(sinks, window, self.storage.ring_slack(window, slack), stride,
-                         positions, in_place=self.storage.in_place)  # fmt: skip
+        self.ring = Ring(s.sinks, s.window, self.storage.ring_slack(s.window, s.slack), s.stride,
+                         s.positions, in_place=self.storage.in_place)  # fmt: skip
         self.relayout = Relayout(self.ring, self.storage, self.move)
         # Attention on the packed keys (mlx_stream.cache.qattend), once proven on the model
         self.fast_route = self.storage.packs and qattend.proven(self.move)
@@ -448,7 +414,7 @@ class SinkCache(BaseCache):
         # Files from before 8-bit keys went per channel kept them per token.
         key_bits = s.get("kv_bits") if s.get("key_bits") is None else s["key_bits"]
         token_keys = meta.get("token_keys", key_bits == 8)
-        self._configure(**s, token_keys=token_keys)
+        self._configure(CacheSpec(**s), token_keys)
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
         self.relayout.applied = Layout(*meta["layout_applied"])

@@ -9,18 +9,18 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from mlx_stream.cache.build import KEPT, build_sink_cache  # noqa: F401
-from mlx_stream.cache.layer import (  # noqa: F401
+from mlx_stream.cache.layer import SinkCache  # noqa: F401
+from mlx_stream.cache.relayout import UNKNOWN_STRIDE  # noqa: F401
+from mlx_stream.cache.saving import load_cache, save_cache  # noqa: F401
+from mlx_stream.cache.settings import validate_sizes  # noqa: F401
+from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.defaults import (  # noqa: F401
     DEFAULT_SINKS,
     DEFAULT_SLACK,
     DEFAULT_STRIDE,
     DEFAULT_WINDOW,
     POSITIONS,
-    UNKNOWN_STRIDE,
-    SinkCache,
 )
-from mlx_stream.cache.saving import load_cache, save_cache  # noqa: F401
-from mlx_stream.cache.settings import validate_sizes  # noqa: F401
-from mlx_stream.cache.spec import CacheSpec
 
 
 def make_sink_cache(
