@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_stream.cache.positions import Move
-from mlx_stream.cache.ring import Ring
+from mlx_stream.cache.ring import InPlaceRing, Ring
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import Unsupported, UserError
 from tests import tiny
@@ -17,7 +17,9 @@ from tests.support.cli import assert_one_line_error
 
 @pytest.mark.parametrize("in_place", [False, True])
 def test_ring_rows_see_sinks_and_their_window_without_a_model(in_place):
-    ring = Ring(sinks=2, window=4, slack=2, stride=1, positions="cache", in_place=in_place)
+    ring = (InPlaceRing if in_place else Ring)(
+        sinks=2, window=4, slack=2, stride=1, positions="cache"
+    )
     ring.write(20)
     seen = ring.visible(3)
     # In place: the slots (spare sink copies after the ring). Otherwise the buffer as it
@@ -37,7 +39,9 @@ def test_a_decode_steps_mask_is_the_definition_after_writes_and_rollbacks(in_pla
     # visible(1) takes a short path past the first eviction: check it against the
     # definition (a slot is seen if its token is a sink or in the row's window) while
     # the ring fills, wraps and rolls back.
-    ring = Ring(sinks=3, window=8, slack=4, stride=2, positions="cache", in_place=in_place)
+    ring = (InPlaceRing if in_place else Ring)(
+        sinks=3, window=8, slack=4, stride=2, positions="cache"
+    )
     rng = np.random.default_rng(0)
     for _ in range(120):
         if ring.tokens_seen > 20 and rng.random() < 0.2:

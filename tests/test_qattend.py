@@ -41,8 +41,8 @@ def run(bits, key_bits, chunk: int, packed: bool, H: int = 4, KVH: int = 2, addi
     """Every row's attention output over ``T`` random tokens fed ``chunk`` at a time
     (crossing group ends, sink moves and rebases), through the packed route or not."""
     keys, values, queries = tensors(H, KVH)
-    cache = SinkCache(CacheSpec(S, W, 8, 16, kv_bits=bits, kv_group_size=G), Move(0, nn.RoPE(D)),
-                      key_bits=key_bits)  # fmt: skip
+    spec = CacheSpec(S, W, 8, 16, kv_bits=bits, kv_group_size=G, key_bits=key_bits)
+    cache = SinkCache(spec, Move(0, nn.RoPE(D)))
     cache.fast_route = packed
     out, n = [], 0
     while n < T:

@@ -1,20 +1,15 @@
 """The KV cache: everything that decides what a model keeps of its context.
 
-Lives here: the cache policy as one value (``spec``: :class:`CacheSpec`), the sink +
-window cache (``sink``: :class:`SinkCache`, its save and load),
-its parts (``ring``: slot layout and masks; ``storage``, ``channel``, ``variants``: the
-storage classes of keys and values, float, per-token or per-channel quantized;
-``kvquant``: per-channel keys with their float residual; ``positions``: RoPE moves and
-the model self-check), the one patch of mlx-lm's attention function (``attention``),
-the batched cache (``batched``), the reclaim schedule for MLX's buffer pool
-(``reclaim``) and the bytes-before-allocating estimate (``estimate``).
+Lives here: the policy (``spec``: :class:`CacheSpec`), the sink + window cache
+(``sink``: :class:`SinkCache`, its save and load; ``layer``, ``ring``, ``relayout``,
+``storage``/``channel``/``variants``/``kvquant``, ``positions``: its parts), the seam a
+client of a layer plugs into (``hooks``), the one patch of mlx-lm's attention
+(``attention``), the batched cache (``batched``), the reclaim schedule (``reclaim``) and
+the bytes-before-allocating estimate (``estimate``). The parts: docs/cache.md.
 
-May import: mlx, mlx-lm's cache classes, numpy and the package's base modules
-(``errors``, ``files``, ``defaults``); never ``models``, ``generate``, ``serve`` or
-``eval``, nor typer or rich (``tests/test_layering.py`` checks).
-
-The names below are re-exported from ``sink`` and ``spec`` lazily (PEP 562), so importing
-``mlx_stream.cache.estimate`` or ``ring`` does not load mlx-lm.
+May import mlx, mlx-lm's cache classes, numpy and the package's base modules; nothing
+above it, nor typer or rich (``tests/test_layering.py`` checks). The names below are
+re-exported lazily (PEP 562): importing ``estimate`` or ``ring`` does not load mlx-lm.
 """
 
 from __future__ import annotations

@@ -2,20 +2,13 @@
 name each mlx-lm model module imports from ``mlx_lm.models.base`` and calls with
 ``cache=`` after ``cache.update_and_fetch``.
 
-Contract:
-
-- Handlers register here (:func:`register`: a name, ``claims(cache, keys)`` and
-  ``attend(queries, keys, values, cache, scale, mask, sinks, original)``): the packed
-  keys of ``cache.qattend`` and the recall tier (``mlx_stream.recall.hook``).
-- :func:`prove` wraps the attention function of the modules a model's layers come
-  from, once per module however many handlers use it, and runs one lazy probe pass
-  (shapes only, nothing computed) that records which caches' calls each handler took.
-  If the pass fails or a layer it needs never reaches the wrapper, the modules it
-  wrapped go back to their function as they were (unless a handler was proven on them
-  before).
-- The wrapper hands a call to the first handler that claims it, every other call to
-  the function it replaced, unchanged. :func:`restore` puts the original back; a cache
-  built on a handler's route must not be used after its module is restored.
+Contract: handlers register (:func:`register`: ``claims(cache, keys)`` and ``attend``):
+the packed keys of ``cache.qattend`` and a layer's client (``cache.hooks``).
+:func:`prove` wraps the attention function of the modules a model's layers come from,
+once per module, and runs one lazy probe pass (shapes only) recording which caches'
+calls each handler took; a failed pass or a layer never reached puts the modules it
+wrapped back. The wrapper hands a call to the first handler that claims it, every
+other call to the function it replaced, unchanged; :func:`restore` puts it back.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""Many streams decoded in one pass over the weights: a sink + window cache with one row
-per session.
+"""Many streams decoded in one pass over the weights: one layer's cache for ``B``
+sessions, one row each.
 
-Contract: a :class:`BatchSinkCache` is one layer's cache for ``B`` sessions. Each row
-is a session's own :class:`~mlx_stream.cache.SinkCache` for that layer (its ring layout,
-its position mover, its sink copy, its rollback copy), whose keys and values live in
-one ``(B, H, slots, D)`` buffer per layer, written in place (one scatter per call), while
-the row is in the batch. So each row keeps its own stream: its own tokens seen, slot
-layout, sink moves and rebases, at its own times. Per-row RoPE positions are an array
-``offset`` of shape ``(B,)`` (``mx.fast.rope`` takes it) and the mask is per row, so a
-row sees exactly what the same session sees alone on its SinkCache.
-
-Rows join (:meth:`BatchSinkCache.add`: the session's cache copied in) and leave
-(:meth:`BatchSinkCache.remove`: copied back out to the session's SinkCache) between
-calls without changing what other rows hold. A batched call feeds one token per row
-(decode); prefill runs on the session's own cache before it joins.
-
-Refused with a reason, before the first token: quantized rows (``kv_bits``: mlx's
-quantized attention takes one packed buffer; batching them is not implemented), rows
-with a recall tier (it serves one sequence per cache), and
-models whose caches are not all SinkCaches or whose batched step does not reproduce
-the single-session step (:func:`check_batchable`, run once per model).
+Contract: a :class:`BatchSinkCache` row is a session's own
+:class:`~mlx_stream.cache.SinkCache` (its ring, sink moves, rebases and rollback copy),
+whose keys and values live in one ``(B, H, slots, D)`` buffer while it is in the batch:
+one scatter per call writes every row's slot, the rest of a row's write goes through the
+row's own calls. Per-row positions are an ``offset`` array and the mask is per row, so a
+row sees exactly what its session sees alone. Rows join (:meth:`~BatchSinkCache.add`)
+and leave (:meth:`~BatchSinkCache.remove`) between calls; a batched call feeds one token
+per row. Refused with a reason (:func:`batch_refusal`, :func:`check_batchable`, once per
+model): quantized rows, rows with a client (recall), models whose batched step does not
+reproduce the single-session step.
 """
 
 from __future__ import annotations

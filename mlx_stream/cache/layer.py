@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,9 +20,8 @@ from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.hooks import NONE, Hooks
 from mlx_stream.cache.positions import Move
 from mlx_stream.cache.relayout import UNKNOWN_STRIDE, Layout, Relayout
-from mlx_stream.cache.ring import Ring
-from mlx_stream.cache.settings import FIELDS, read_json
-from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.cache.ring import InPlaceRing, Ring
+from mlx_stream.cache.settings import FIELDS, checked, read_json
 from mlx_stream.errors import Unsupported
 from mlx_stream.mlxlm import BaseCache
 
@@ -60,7 +60,7 @@ class SinkCache(BaseCache):
 
     def __init__(
         self,
-        spec: CacheSpec | None = None,
+        spec: Any = None,
         move: Move | None = None,
         *,
         additive_mask: bool = True,
@@ -69,9 +69,9 @@ class SinkCache(BaseCache):
     ):
         self.move, self.additive_mask = move, additive_mask
         self.hooks, self.hook_index = hooks if hooks is not None else NONE, 0
-        self._configure(spec if spec is not None else CacheSpec(), token_keys)
+        self._configure(spec if spec is not None else checked(), token_keys)
 
-    def _configure(self, spec: CacheSpec, token_keys: bool) -> None:
+    def _configure(self, spec: Any, token_keys: bool) -> None:
         """An empty cache of ``spec`` (the constructor's, or a loaded file's)."""
         s = spec  # checked when it was made
         self.storage = variants.storage_for(s.key_bits, s.kv_bits, s.kv_group_size, s.sinks,
@@ -80,8 +80,9 @@ class SinkCache(BaseCache):
         self._asked_slack = s.slack  # the spec's: per-channel keys round the ring's up
         # Per-channel keys write a call into the ring before attending (their mask
         # picks float or quantized columns per row): the older in-place layout.
-        self.ring = Ring(s.sinks, s.window, self.storage.ring_slack(s.window, s.slack), s.stride,
-                         s.positions, in_place=self.storage.in_place)  # fmt: skip
+        ring = InPlaceRing if self.storage.in_place else Ring
+        self.ring = ring(s.sinks, s.window, self.storage.ring_slack(s.window, s.slack), s.stride,
+                         s.positions)  # fmt: skip
         self.relayout = Relayout(self.ring, self.storage, self.move)
         # Attention on the packed keys (mlx_stream.cache.qattend), once proven on the model
         self.fast_route = self.storage.packs and qattend.proven(self.move)
@@ -414,7 +415,7 @@ class SinkCache(BaseCache):
         # Files from before 8-bit keys went per channel kept them per token.
         key_bits = s.get("kv_bits") if s.get("key_bits") is None else s["key_bits"]
         token_keys = meta.get("token_keys", key_bits == 8)
-        self._configure(CacheSpec(**s), token_keys)
+        self._configure(checked(**s), token_keys)
         self.ring.tokens_seen = meta["tokens_seen"]
         self.ring.filled = meta["filled"]
         self.relayout.applied = Layout(*meta["layout_applied"])

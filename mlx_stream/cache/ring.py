@@ -26,8 +26,8 @@ and a single-token step attends over the ``sinks + window + slack`` slots it fil
 ``slack=0`` all of them are visible and the step needs no mask. A call of at most
 ``slack + 1`` tokens within one sink layout (a speculative verify block: the decode
 loop's slack is sized for it) is written in place first instead, so its rows attend
-over exactly a decode step's slots (``concatenates``). ``in_place=True`` (the
-per-channel 4-bit keys of ``mlx_stream.cache.kvquant``) writes every call into the ring first,
+over exactly a decode step's slots (``concatenates``). :class:`InPlaceRing` (the
+per-channel keys of ``mlx_stream.cache.kvquant``) writes every call into the ring first,
 keeps spare sink slots after it and needs ``slack + 1`` slots for the largest call.
 """
 
@@ -64,18 +64,17 @@ class Ring:
         positions (str): ``"cache"`` (bounded positions) or ``"absolute"``.
     """
 
-    def __init__(
-        self, sinks: int, window: int, slack: int, stride: int, positions: str,
-        in_place: bool = False,
-    ):  # fmt: skip
+    in_place = False  # calls attend over the buffer as it was, then write (see above)
+
+    def __init__(self, sinks: int, window: int, slack: int, stride: int, positions: str):
         self.sinks, self.window, self.slack, self.stride = sinks, window, slack, stride
-        self.positions, self.in_place = positions, in_place
+        self.positions = positions
         self.capacity = sinks + window + slack
         # Rebase often enough to bound positions, rarely enough to cost < 1 token/token.
         self.rebase_every = stride * math.ceil(self.capacity / stride)
-        self.spare_sets = spare_sets(sinks, slack, stride, positions, in_place)
+        self.spare_sets = spare_sets(sinks, slack, stride, positions, self.in_place)
         # Spare sink copies live in slots after the ring only when calls write in place.
-        self.slots_total = self.capacity + (self.spare_sets * sinks if in_place else 0)
+        self.slots_total = self.capacity + (self.spare_sets * sinks if self.in_place else 0)
         self.slots = np.full(self.capacity, -1, dtype=np.int64)
         self.filled = 0  # ring slots ever written (high-water mark)
         self.tokens_seen = 0
@@ -138,16 +137,11 @@ class Ring:
     def room(self, n: int) -> int:
         """Most tokens a call at ``n`` may write without overwriting one a row needs
         (calls not in place see the buffer as it was: only the sink layouts bound them)."""
-        if not self.in_place:
-            return self.largest_call()
-        ring = self.capacity - self.sinks
-        return ring + max(self.sinks, n - self.window + 1) - n
+        return self.largest_call()
 
     def largest_call(self) -> int:
         """An upper bound of any call this buffer serves (the spare sink sets bound the
         layouts a call spans; each layout lasts ``stride`` tokens)."""
-        if self.in_place:
-            return self.slack + 1
         return (self.spare_sets + 1) * self.stride
 
     def concatenates(self, N: int) -> bool:
@@ -158,10 +152,7 @@ class Ring:
         every row, and each row then attends over the slots a decode step at its token
         attends over, in the same order, for the same bits."""
         return (
-            not self.in_place
-            and N > 1
-            and not self.in_order(N)
-            and (N > self.slack + 1 or len(self.sink_layouts(N)) > 1)
+            N > 1 and not self.in_order(N) and (N > self.slack + 1 or len(self.sink_layouts(N)) > 1)
         )
 
     def max_call_tokens(self) -> int:
@@ -180,12 +171,6 @@ class Ring:
     def check_call(self, N: int) -> None:
         """Refuse, before anything is written, a call this buffer cannot serve exactly."""
         n = self.tokens_seen
-        if self.in_place and N > self.room(n):
-            raise Unsupported(
-                f"a call of {N} tokens at token {n} would overwrite tokens still in the "
-                f"window (at most {self.room(n)} here); raise slack (now {self.slack}) "
-                "or feed smaller chunks"
-            )
         if (N > 1 and not self.in_order(N) and not self.concatenates(N)
                 and len(self.sink_layouts(N)) - 1 > self.spare_sets):  # fmt: skip
             # (a concatenating call appends a copy of the sinks per layout as columns:
@@ -301,3 +286,32 @@ class Ring:
         for t in range(keep, self.tokens_seen):
             self.slots[self.slot(t)] = -1
         self.tokens_seen = keep
+
+
+class InPlaceRing(Ring):
+    """A ring whose every call is written into its slots before attention (per-channel
+    keys: their mask picks float or quantized columns per row): the largest call is
+    ``slack + 1`` tokens, and the spare sink copies live in slots after the ring."""
+
+    in_place = True
+
+    def room(self, n: int) -> int:
+        """Most tokens a call at ``n`` may write without overwriting one a row needs."""
+        ring = self.capacity - self.sinks
+        return ring + max(self.sinks, n - self.window + 1) - n
+
+    def largest_call(self) -> int:
+        return self.slack + 1
+
+    def concatenates(self, N: int) -> bool:
+        return False
+
+    def check_call(self, N: int) -> None:
+        n = self.tokens_seen
+        if N > self.room(n):
+            raise Unsupported(
+                f"a call of {N} tokens at token {n} would overwrite tokens still in the "
+                f"window (at most {self.room(n)} here); raise slack (now {self.slack}) "
+                "or feed smaller chunks"
+            )
+        super().check_call(N)

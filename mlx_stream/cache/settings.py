@@ -6,7 +6,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from mlx_stream.defaults import DEFAULT_SLACK, DEFAULT_STRIDE, KV_BITS, KV_GROUP_SIZES, POSITIONS
+from mlx_stream.defaults import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_SINKS,
+    DEFAULT_SLACK,
+    DEFAULT_STRIDE,
+    DEFAULT_WINDOW,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    POSITIONS,
+)
 from mlx_stream.errors import Unsupported
 
 #: The CLI flag of each setting a user chooses (slack and stride have none).
@@ -84,6 +93,30 @@ def read_json(data: dict) -> dict:
             what = "a string" if kind is str else "an integer"
             raise Unsupported(f"cache setting {k!r} must be {what} (got {v!r})")
     return values
+
+
+def checked(
+    sinks: int = DEFAULT_SINKS,
+    window: int = DEFAULT_WINDOW,
+    slack: int | None = None,
+    stride: int = DEFAULT_STRIDE,
+    positions: str = "cache",
+    kv_bits: int | None = None,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    key_bits: int | None = None,
+) -> SimpleNamespace:
+    """The eight settings as ``CacheSpec`` holds them (``slack`` 0 and ``key_bits``
+    ``kv_bits`` when not given), checked: what a SinkCache is configured from when it is
+    given no ``CacheSpec`` (this module is below the spec's, which builds caches)."""
+    slack = DEFAULT_SLACK if slack is None else slack
+    key_bits = kv_bits if key_bits is None else key_bits
+    s = SimpleNamespace(sinks=sinks, window=window, slack=slack, stride=stride,
+                        positions=positions, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                        key_bits=key_bits)  # fmt: skip
+    found = refusal(s)
+    if found is not None:
+        raise CacheSettingError(*found)
+    return s
 
 
 def validate_sizes(

@@ -110,7 +110,7 @@ class SlotStorage:
 
     channel = False  # keys kept per channel (``kvquant.ChannelKeys``)
     tails = False  # may keep slots after the ring for an extension (``reserve_tail``)
-    in_place = False  # calls written into the ring before attention (``Ring(in_place=)``)
+    in_place = False  # calls written into the ring before attention (``ring.InPlaceRing``)
     packs = False  # attention may run on the packed keys (``mlx_stream.cache.qattend``)
 
     def __init__(self, key_bits: int | None, value_bits: int | None, kv_group_size: int,

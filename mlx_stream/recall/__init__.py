@@ -3,14 +3,13 @@ need it, in fixed device memory.
 
 ``spec`` (the policy value, :class:`RecallSpec`), ``store`` (evicted blocks in host
 memory or memory-mapped files), ``select`` (block summaries and scoring), ``hook`` (the
-queries, through mlx-lm's attention function), ``tier`` (the runtime glue, one per
-model cache). Turn it on with ``make_sink_cache(model, ..., recall=RecallSpec())`` or
-``CacheSpec(..., recall=RecallSpec())``.
+proof that a model's attention reaches the cache's seam), ``tier`` (the client of the
+cache's layers, ``cache.hooks``: one per model cache). Turn it on with
+``make_sink_cache(model, ..., recall=RecallSpec())`` or ``CacheSpec(..., recall=...)``.
 
-May import: ``cache`` and the package's base modules; never ``models``, ``generate``,
-``eval`` or ``serve`` (``tests/test_layering.py`` checks). The cache never imports it:
-importing this package registers the tier as the cache's extension (``seam``), so a
-``RecallSpec`` always finds it; ``generate.decode`` calls it at a prompt's end.
+May import ``cache`` and the package's base modules, nothing above them
+(``tests/test_layering.py`` checks). The cache never imports it: importing this package
+registers how a cache builds, saves and loads a tier (``seam``, ``cache.extension``).
 """
 
 from mlx_stream.cache import extension
