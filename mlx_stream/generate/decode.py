@@ -336,8 +336,8 @@ def stream_responses(
         sampler, processors = make_sampling(sample, seed)
     else:
         processors = make_logits_processors(repetition_penalty=sample.repetition_penalty)
-    if not isinstance(prompt_cache, list):
-        spec = prompt_cache if prompt_cache is not None else CacheSpec()
+    if prompt_cache is None or isinstance(prompt_cache, CacheSpec):
+        spec = prompt_cache or CacheSpec()
         spec = spec.for_draft(num_draft_tokens) if draft_model else spec
         prompt_cache = spec.build(model)  # refused with the bytes when it cannot fit
         if draft_model is not None:
