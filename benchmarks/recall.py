@@ -27,7 +27,7 @@ from common import (  # first: it preloads OpenBLAS before mlx.core
 
 from mlx_stream.eval.needle import filler_tokens, filler_unit, needle_eval
 from mlx_stream.recall import RecallSpec
-from mlx_stream.recall.spec import SELECTORS
+from mlx_stream.recall.spec import PLACEMENT, SELECTOR
 
 
 def ints(text: str) -> list[int]:
@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
-    parser.add_argument("--selector", default="quest")
-    parser.add_argument("--placement", default=RecallSpec.placement)
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--haystack", default="filler", help="filler, or a book in the data")
     parser.add_argument("--seed", type=int, default=0)
@@ -66,13 +64,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="primed (ends with the needle's words) or plain phrasings q0,q1,q2",
     )
     parser.add_argument("--answer-tokens", type=int, default=8)
-    parser.add_argument(
-        "--prompt-selectors",
-        type=words,
-        default=[],
-        help="answer each question once per prompt-end selector named, "
-        "from the same stream (default: the spec's)",
-    )
     parser.add_argument(
         "--dump",
         type=Path,
@@ -94,23 +85,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         hay, align = filler_tokens(tokenizer, need), filler_unit(tokenizer)
     else:
         hay = book_tokens(tokenizer, need, args.haystack)
-    spec = RecallSpec(blocks=args.blocks, selector=args.selector, placement=args.placement,
-                      bits=args.bits)  # fmt: skip
+    spec = RecallSpec(blocks=args.blocks, bits=args.bits)
     context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     records = []
 
     def row(r: dict) -> None:
         records.append(emit(base_record(
             "recall-needle", args.model, weights, window=args.window, sinks=args.sinks,
-            blocks=args.blocks, selector=args.selector, placement=args.placement,
-            store_bits=args.bits, index=spec.index, haystack=args.haystack, **r),
+            blocks=args.blocks, selector=SELECTOR, placement=PLACEMENT,
+            store_bits=args.bits, index="reuse", haystack=args.haystack, **r),
             args.out))  # fmt: skip
 
     tic = time.perf_counter()
     needle_eval(model, tokenizer, hay, args.length, args.depths, args.kinds, args.caches,
                 args.sinks, args.window, spec, context, args.answer_tokens, args.seed, row,
-                inspect=inspector(args), align=align, questions=args.questions,
-                prompt_selectors=args.prompt_selectors or [None])  # fmt: skip
+                inspect=inspector(args), align=align, questions=args.questions)  # fmt: skip
     print(f"# {time.perf_counter() - tic:.0f} s", flush=True)
     return records
 
@@ -168,7 +157,7 @@ def ranks(tier, prompt, row: dict) -> None:
 
     def measure(t, point):
         out = {}
-        for selector in SELECTORS:
+        for selector in ("exact", "quest", "mean", "token"):  # score.block_scores's
             if not set(kinds_for(selector)) <= set(t.summaries.kinds):
                 continue  # the tier keeps only the summaries its own selectors read
             scores = t.scores(point, selector)

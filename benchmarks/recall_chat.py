@@ -28,6 +28,7 @@ from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.eval.needle import WORDS
 from mlx_stream.generate.session import ChatSession, Settings
 from mlx_stream.recall import RecallSpec, tier_of
+from mlx_stream.recall.spec import PLACEMENT
 
 TELL = "Hi! Please remember this: my secret word is {w}. I will ask you for it later."
 ASK = "What is my secret word? Answer with the word only."
@@ -79,7 +80,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
-    parser.add_argument("--placement", default=RecallSpec.placement)
     parser.add_argument("--book", default="moby_dick")
     parser.add_argument("--words", type=int, default=200, help="words per pasted passage")
     parser.add_argument("--reply-tokens", type=int, default=8)
@@ -94,15 +94,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for trial in range(args.trials):
         word = rng.choice(WORDS)
         for name in args.caches.split(","):
-            recall = RecallSpec(blocks=args.blocks, placement=args.placement) if (
-                name == "recall") else None  # fmt: skip
+            recall = RecallSpec(blocks=args.blocks) if name == "recall" else None
             cache = CacheSpec(sinks=args.sinks, window=args.window, recall=recall)
             tic = time.perf_counter()
             row = converse(model, tokenizer, cache, word, chunks, args.tokens, args.reply_tokens)
             records.append(emit(base_record(
                 "recall-chat", args.model, weights, cache=name, trial=trial, word=word,
                 window=args.window, sinks=args.sinks, blocks=args.blocks,
-                placement=args.placement, seconds=round(time.perf_counter() - tic, 1),
+                placement=PLACEMENT, seconds=round(time.perf_counter() - tic, 1),
                 **row), args.out))  # fmt: skip
     return records
 

@@ -218,7 +218,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
-    parser.add_argument("--selector", default="quest")
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill step")
     parser.add_argument("--rounds", type=int, default=5)
@@ -238,10 +237,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--contenders must name recall and window")
     from mlx_stream.cache.sink import make_sink_cache
     from mlx_stream.recall import RecallSpec, tier_of
+    from mlx_stream.recall.spec import SELECTOR
 
     model, tokenizer, weights = load_model(args.model, args.dtype)
     tokens = stream_tokens(tokenizer, args.stored + 1)
-    spec = RecallSpec(blocks=args.blocks, selector=args.selector, bits=args.bits)
+    spec = RecallSpec(blocks=args.blocks, bits=args.bits)
     caches = {"recall": make_sink_cache(model, args.sinks, args.window, recall=spec)}
     tier = tier_of(caches["recall"])
     slack = tier.layers[0].slack  # what recall raised it to
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         caches["window-slack"] = make_sink_cache(model, args.sinks, args.window, slack=slack)
     split = Split(tier)
     fields = dict(stored=args.stored, window=args.window, sinks=args.sinks,
-                  blocks=args.blocks, block=spec.block, selector=args.selector,
+                  blocks=args.blocks, block=spec.block, selector=SELECTOR,
                   store_bits=args.bits, slack=slack)  # fmt: skip
     records: list[dict] = []
 

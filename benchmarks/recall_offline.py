@@ -8,19 +8,18 @@ and selector: the rank of the needle's best block (0: the best block) and whethe
 the top ``k`` holds one of its blocks. Selectors: ``quest`` (each block's per-channel
 bound, the boundary refreshes' selector), ``token`` and ``exact`` (every stored key:
 a block's largest single-token probability, its softmax mass;
-``mlx_stream.recall.score``), and ``token-S-M``: a first pass of ``token`` over every
-``S``-th layer keeps ``M`` blocks, which every layer then ranks (a softmax over those
-blocks' tokens only; ``RecallSpec(scan_stride=S, scan_keep=M)``): a cheaper scan. And per selector, whether
-every block of the needle is chosen: with the ``k`` best, and in pairs (each block with
-its better neighbour: a prompt's end, ``RecallSpec.prompt_neighbours``). ``--tree``:
-how many blocks the ``tree`` index's branch and bound scores to find the ``k`` best
-by Quest's bound, per superblock size. ``--balls``: a first pass that reads a fixed
+``mlx_stream.recall.score``). And per selector, whether every block of the needle is
+chosen: with the ``k`` best, and in pairs (each block with its better neighbour: a
+prompt's end, ``select.with_neighbours``). ``--balls``: a first pass that reads a fixed
 number of keys, chosen by k-means balls' bounds (:func:`balls`), and what it costs.
 ``seconds``: each selector's wall time on the dump (its keys read from memory).
 
     python benchmarks/recall.py --haystack alice_in_wonderland --length 16384 \\
         --kinds passkey --questions q0,q1,q2 --caches recall --dump dumps/
-    python benchmarks/recall_offline.py dumps/ --stages 8:64,15:32 --balls 4:64:64:1024:24
+    python benchmarks/recall_offline.py dumps/ --balls 4:64:64:1024:24
+
+The two-pass ``token`` scans (``--stages``) and the ``tree`` index's searches (``--tree``)
+were removed with those options after their comparisons (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -48,12 +47,11 @@ def load(path: Path) -> dict:
             "scale": float(d["scale"]), "needle": sorted({at // block, (at + n - 1) // block})}  # fmt: skip
 
 
-def scores(dump: dict, selector: str, scan: tuple[int, int] = (1, 0)):
+def scores(dump: dict, selector: str):
     """Every candidate block's score under ``selector`` (``-inf``: not a candidate), by
     the tier's own ``score.block_scores`` (``quest``: the summaries a store keeps, built
-    from the dumped keys; ``scan``: ``(stride, keep)`` of the ``token`` scan, as
-    ``RecallSpec(scan_stride, scan_keep)``: ``score.shortlisted_peaks``), and the
-    seconds ``block_scores`` took (the summaries' building left out)."""
+    from the dumped keys), and the seconds ``block_scores`` took (the summaries'
+    building left out)."""
     import mlx.core as mx
 
     from mlx_stream.recall import score, select
@@ -73,7 +71,7 @@ def scores(dump: dict, selector: str, scan: tuple[int, int] = (1, 0)):
 
     tic = time.perf_counter()
     total = score.block_scores(selector, dump["queries"], Dumped(), summaries, first, bs,
-                               dump["scale"], scan)  # fmt: skip
+                               dump["scale"])  # fmt: skip
     return total, round(time.perf_counter() - tic, 3)
 
 
@@ -168,34 +166,6 @@ def balls(dump: dict, stride: int, segment: int, clusters: int, budget: int, kee
                  "work": dots / (flat * heads), "reranked": len(chosen)}  # fmt: skip
 
 
-def tree_search(dump: dict, fanout: int, shortlist: int) -> dict:
-    """The ``tree`` index's search (``mlx_stream.recall.index``) over a dump's blocks with
-    superblocks of ``fanout`` blocks: the blocks it scored to find the ``shortlist``
-    best by its bound (``scored``, of ``candidates``) and how loose a superblock's
-    bound is: the median of its bound over its best child's (``looseness``; a search
-    prunes a superblock only when its bound falls below the ``shortlist``-th child)."""
-    import numpy as np
-
-    from mlx_stream.recall import index, select
-
-    first, bs, keys = dump["first"], dump["block"], dump["keys"]
-    nb, empty = len(first), np.array([f >= bs for f in first])
-    tree = index.Indexed(len(keys), select.kinds_for("quest"), shortlist=shortlist,
-                         fanout=fanout)  # fmt: skip
-    for layer, k in enumerate(keys):
-        for j in range(nb):  # a block with no token of its own: summarised, never scored
-            tree.add(layer, j, k[j][:, min(first[j], bs - 1) :])
-    tree.search(dump["queries"], nb, empty, dump["scale"])
-    supers = -(-nb // fanout)
-    H = tree.shape[0]  # each KV head's query heads side by side (mlx-lm's grouping)
-    grouped = [q.reshape(H, -1, q.shape[-1]) for q in dump["queries"]]
-    U, offsets = tree.upper(grouped, dump["scale"], supers)
-    S = tree.raw(grouped, dump["scale"], 0, nb, offsets)[0]
-    best = np.array([S[a : a + fanout].max() for a in range(0, nb, fanout)])
-    return {"scored": tree.scored - supers, "candidates": int((~empty).sum()),
-            "looseness": round(float(np.median(U / best)), 2)}  # fmt: skip
-
-
 def whole_needle(total, needle: list[int], k: int) -> dict:
     """Whether every block of the needle is chosen: with the ``k`` best (``top_k``) and
     in pairs (``pairs``: ``mlx_stream.recall.select.with_neighbours``, a prompt's end)."""
@@ -209,8 +179,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("dumps", type=Path, help="a folder of recall.py --dump files")
     parser.add_argument("--blocks", type=int, default=8, help="k: the blocks recalled")
-    parser.add_argument("--stages", default="8:64", help="two-stage scans, STRIDE:KEEP,...")
-    parser.add_argument("--tree", default="", help="tree searches: superblock sizes, F,...")
     parser.add_argument("--balls", default="",
                         help="ball first passes, STRIDE:SEGMENT:CLUSTERS:BUDGET:KEEP,...")  # fmt: skip
     args = parser.parse_args(argv)
@@ -228,8 +196,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             out.append(tuple(int(p) for p in parts))
         return out
 
-    stages = specs("--stages", args.stages, (1, 0))  # keep 0: the flat scan
-    fanouts = [f for (f,) in specs("--tree", args.tree, (1,))]
     probes = specs("--balls", args.balls, (1, 1, 1, 1, 1))
     files = sorted(args.dumps.glob("*.npz"))
     if not files:
@@ -238,8 +204,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for path in files:
         dump = load(path)
         timed = {name: scores(dump, name) for name in SELECTORS}
-        for stride, keep in stages:
-            timed[f"token-{stride}-{keep}"] = scores(dump, "token", (stride, keep))
         totals = {name: total for name, (total, _) in timed.items()}
         seconds = {name: s for name, (_, s) in timed.items()}
         costs = {}
@@ -253,10 +217,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name in totals:
             ranks.setdefault(name, []).append(row[name])
             wholes.setdefault(name, []).append(whole[name])
-        tree = {str(f): tree_search(dump, f, args.blocks) for f in fanouts}
         records.append(emit(base_record("recall-offline", "dump", "-", dump=path.name,
                                         candidates=len(dump["first"]), ranks=row,
-                                        whole=whole, tree=tree, cost=costs,
+                                        whole=whole, cost=costs,
                                         seconds=seconds),
                                args.out))  # fmt: skip
     summary = {name: {"in_top_k": sum(r is not None and r < args.blocks for r in rs),

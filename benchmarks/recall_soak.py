@@ -75,28 +75,22 @@ class Sampler:
         self.tic = self.last_time = time.perf_counter()
         self.refresh_s = self.last_refresh_s = 0.0
         self.pool_max = 0
-        self.compare = False  # --compare: each tree or reuse refresh against the flat scan
+        self.compare = False  # --compare: each reuse refresh against the flat scan
+        self.shortlist = None  # (size, rescan) the tier's shortlist is made with; 0 0: flat
         self.compared = self.agreed = self.compared_last = self.agreed_last = 0
         self.within = self.within_last = 0  # refreshes that scored the flat scan's k
         self.common = self.common_last = 0  # blocks chosen by both, over the refreshes
 
     def agreement(self, point: int, scored) -> None:
         """Score every block as the flat scan does and count whether the ``k`` it
-        chooses are the tree search's or the shortlist's, and whether they were among
+        chooses are the shortlist's, and whether they were among
         the blocks the refresh scored (``scored``: the reuse index's candidates,
         ``None``: every block), outside the refresh's timing; ``scores`` alone never
         reads the reuse index's shortlist."""
         from mlx_stream.recall import select
 
         tier = self.tier
-        tree = hasattr(tier.summaries, "searching")  # the tree index: off for this scan
-        if tree:
-            tier.summaries.searching = False
-        try:
-            flat = tier.scores(point)
-        finally:
-            if tree:
-                tier.summaries.searching = True
+        flat = tier.scores(point)
         if flat is not None:
             want = select.top_k(flat, tier.spec.blocks)
             self.compared += 1
@@ -109,6 +103,11 @@ class Sampler:
 
         self.caches = caches
         self.tier = tier_of(caches)
+        if self.shortlist is not None:  # --index flat, --shortlist, --rescan: not the tier's own
+            from mlx_stream.recall import reuse
+
+            size, rescan = self.shortlist
+            self.tier.shortlist = reuse.Shortlist(size, rescan) if rescan else None
         refresh = self.tier.refresh
 
         def timed(point):  # wrapped on the instance: the tier's code is unchanged
@@ -173,18 +172,14 @@ class Sampler:
         self.within_last, self.common_last = self.within, self.common
 
     def index_record(self) -> dict:
-        """The tree search's counters (``--index tree``: searches, those the cap
-        stopped) or the shortlist's (``--index reuse``: refreshes that scanned every
+        """The shortlist's counters (``--index reuse``: refreshes that scanned every
         block, those that read the shortlist), and with ``--compare`` the segment's
         refreshes compared, those that chose the flat scan's blocks (``agreed``), those
         that scored all of them (``within``) and the blocks both chose (``common``)."""
-        index, short = self.tier.summaries, self.tier.shortlist
-        if hasattr(index, "searches"):
-            out = {"searches": index.searches, "capped": index.capped}
-        elif short is not None:
-            out = {"scans": short.scans, "reuses": short.reuses}
-        else:
+        short = self.tier.shortlist
+        if short is None:
             return {}
+        out = {"scans": short.scans, "reuses": short.reuses}
         if self.compare:
             n = self.compared - self.compared_last
             out.update(
@@ -278,14 +273,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=8, help="recall blocks (k)")
     parser.add_argument("--block", type=int, default=64, help="tokens per block (= stride)")
-    parser.add_argument("--selector", default="quest")
     parser.add_argument(
-        "--index", default="reuse", help="reuse (the default), flat or tree (RecallSpec.index)"
+        "--index",
+        choices=("reuse", "flat"),
+        default="reuse",
+        help="reuse (the tier's) or flat (every block scored at every refresh)",
     )
     parser.add_argument(
-        "--shortlist", type=int, default=0, help="tree: blocks reranked; reuse: blocks a scan keeps"
+        "--shortlist", type=int, default=0, help="reuse: blocks a scan keeps (0: the tier's)"
     )
-    parser.add_argument("--expand", type=int, default=0, help="tree: superblocks at most")
     parser.add_argument(
         "--rescan",
         type=int,
@@ -293,7 +289,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="reuse: every block scanned once per this many refreshes",
     )
     parser.add_argument("--compare", action="store_true",
-                        help="tree, reuse: check every refresh against the flat scan")  # fmt: skip
+                        help="reuse: check every refresh against the flat scan")  # fmt: skip
     parser.add_argument("--bits", type=int, default=None, help="store bits (4, 8)")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--sample", type=int, default=4096, help="tokens per JSON line")
@@ -315,7 +311,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from mlx_stream.cache.spec import CacheSpec
     from mlx_stream.eval.perplexity import stream_perplexity
     from mlx_stream.generate.decode import StopOnInterrupt
-    from mlx_stream.recall import RecallSpec
+    from mlx_stream.recall import RecallSpec, reuse
 
     tmp = None
     if args.folder is None:
@@ -326,20 +322,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if folder.exists() and any(folder.iterdir()):
             parser.error(f"{folder}: not empty (the soak measures the files it writes)")
     model, tokenizer, weights = common.load_model(args.model, args.dtype)
-    recall = RecallSpec(blocks=args.blocks, block=args.block, selector=args.selector, bits=args.bits,
-                        ram_bytes=int(args.ram_mb * 1e6), folder=str(folder), index=args.index,
-                        shortlist=args.shortlist, expand=args.expand,
-                        rescan=args.rescan)  # fmt: skip
+    recall = RecallSpec(blocks=args.blocks, block=args.block, bits=args.bits,
+                        ram_bytes=int(args.ram_mb * 1e6), folder=str(folder))  # fmt: skip
     spec = CacheSpec(args.sinks, args.window, stride=args.block, recall=recall)
     layers = getattr(getattr(model, "args", None), "num_hidden_layers", None)
     settings = dict(sinks=args.sinks, window=args.window, blocks=args.blocks, block=args.block,
-                    selector=args.selector, store_bits=args.bits, chunk=args.chunk,
+                    selector="quest", store_bits=args.bits, chunk=args.chunk,
                     sample=args.sample, ram_mb=args.ram_mb, layers=layers,
                     target_tokens=args.tokens, index=args.index, shortlist=args.shortlist,
-                    expand=args.expand, rescan=args.rescan)  # fmt: skip
+                    expand=0, rescan=args.rescan)  # fmt: skip
     base = common.base_record("recall-soak", args.model, weights, **settings)
     sampler = Sampler(args.sample, args.out, base, folder)
-    sampler.compare = args.compare and args.index in ("tree", "reuse")
+    sampler.compare = args.compare and args.index == "reuse"
+    size = args.shortlist or reuse.shortlist_size(args.blocks)
+    sampler.shortlist = (size, args.rescan if args.index == "reuse" else 0)
     try:
         with StopOnInterrupt((signal.SIGINT, signal.SIGTERM)) as stop:
             result = stream_perplexity(

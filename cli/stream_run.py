@@ -219,7 +219,7 @@ def answer(
         ``(text, finish_reason)``: ``"stop"`` at an end-of-turn token, ``"length"`` at
         ``max_tokens``.
     """
-    from mlx_stream.generate.decode import stream_generate
+    from mlx_stream.generate.decode import stream_responses
     from mlx_stream.generate.model_config import Sampling, end_of_turn_tokens
     from mlx_stream.generate.sampler import make_sampling
 
@@ -239,7 +239,7 @@ def answer(
     )
     parts, finish = [], None
     sampler, penalty = make_sampling(sample, seed)
-    for r in stream_generate(
+    for r in stream_responses(
         model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches, sampler=sampler,
         logits_processors=penalty + list(processors or []),
         stop_tokens=end_of_turn_tokens(tokenizer),

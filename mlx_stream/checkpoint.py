@@ -161,7 +161,8 @@ def recall_identity(spec: Any) -> dict:
     checkpoint with a store is refused when the cache loads."""
     if spec is None:
         return {}
-    return {"recall": True, **{name: getattr(spec, f) for name, f in RECALL_FIELDS.items()}}
+    settings = spec.settings()
+    return {"recall": True, **{name: settings[f] for name, f in RECALL_FIELDS.items()}}
 
 
 def check_identity(path: str | os.PathLike, saved: dict, current: dict) -> None:

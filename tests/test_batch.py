@@ -14,7 +14,7 @@ from mlx_stream.cache.positions import rope_modules
 from mlx_stream.cache.sink import make_sink_cache
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.batch import Batch
-from mlx_stream.generate.decode import generate_step, stream_generate
+from mlx_stream.generate.decode import generate_step, stream_responses
 from tests.tiny import make_model, random_tokens
 
 # Small sizes so a few dozen tokens cross wraps, sink moves (stride 4) and rebases.
@@ -106,7 +106,7 @@ def test_memory_per_row_is_the_sessions_own_fixed_size():
 
 
 def test_a_session_stream_through_the_batch_equals_it_alone_with_stop_strings_and_seeds():
-    """stream_generate on a batch row: same text, same finish; a seeded sampled row
+    """stream_responses on a batch row: same text, same finish; a seeded sampled row
     draws the same tokens whichever rows share its batch."""
     from tests.tiny import make_tokenizer
 
@@ -115,7 +115,7 @@ def test_a_session_stream_through_the_batch_equals_it_alone_with_stop_strings_an
 
     def run(prompt, **kw):
         caches = make_sink_cache(model, **SIZES)
-        out = list(stream_generate(model, tok, prompt, prompt_cache=caches, **kw))
+        out = list(stream_responses(model, tok, prompt, prompt_cache=caches, **kw))
         return "".join(r.text for r in out), out[-1].finish_reason, caches[0].tokens_seen
 
     ref = [run(p, max_tokens=40) for p in prompts]
@@ -126,7 +126,7 @@ def test_a_session_stream_through_the_batch_equals_it_alone_with_stop_strings_an
     def on_batch(prompt, temp=0.0, seed=None, **kw):
         caches = make_sink_cache(model, **SIZES)
         steps = batch.tokens(temp=temp, seed=seed)
-        return caches, stream_generate(model, tok, prompt, prompt_cache=caches, steps=steps, **kw)
+        return caches, stream_responses(model, tok, prompt, prompt_cache=caches, steps=steps, **kw)
 
     c0, g0 = on_batch(prompts[0], max_tokens=40)
     _, g1 = on_batch(prompts[1], max_tokens=40, stop=[stop])
@@ -221,7 +221,7 @@ def test_a_repetition_penalty_reads_the_same_history_batched_as_alone():
 
     def tokens(prompt, steps=None, **kw):
         caches = make_sink_cache(model, **SIZES)
-        return stream_generate(model, tok, prompt, prompt_cache=caches, steps=steps, **kw)
+        return stream_responses(model, tok, prompt, prompt_cache=caches, steps=steps, **kw)
 
     kw = dict(max_tokens=30, repetition_penalty=2.0)
     ref = [[r.token for r in tokens(p, **kw)] for p in prompts]

@@ -15,8 +15,15 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_stream.cache.reclaim import ReclaimSchedule
 from mlx_stream.cache.sink import make_sink_cache
+from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.errors import UserError
-from mlx_stream.generate.decode import DecodeState, StopOnInterrupt, generate_step, stream_generate
+from mlx_stream.generate.decode import (
+    DecodeState,
+    StopOnInterrupt,
+    generate_step,
+    stream_generate,
+    stream_responses,
+)
 from tests import tiny
 from tests.support.paths import REPO
 
@@ -227,7 +234,7 @@ def test_close_mid_generation_leaves_the_cache_of_a_normal_stop(tiny_llama, tiny
 
 
 def test_keyboard_interrupt_in_the_consumer_leaves_a_usable_cache(tiny_llama, tokenizer):
-    kwargs = dict(sinks=SINKS, window=WINDOW, draft_model=tiny_llama, num_draft_tokens=3)
+    kwargs = dict(draft_model=tiny_llama, num_draft_tokens=3)
     next_turn = tiny.random_tokens(12, seed=8)
     cache = sink_cache(tiny_llama, tiny_llama)
     seen = []
@@ -270,7 +277,7 @@ def _no_eos(tokenizer):
 
 def test_stream_generate_ends_with_length_after_max_tokens(tiny_llama, tokenizer):
     rs = list(stream_generate(tiny_llama, _no_eos(tokenizer), PROMPT, max_tokens=12,
-                              sinks=SINKS, window=WINDOW))  # fmt: skip
+                              prompt_cache=CacheSpec(SINKS, WINDOW)))  # fmt: skip
     assert len(rs) == 12
     assert [r.finish_reason for r in rs] == [None] * 11 + ["length"]
     assert [r.generation_tokens for r in rs] == list(range(1, 13))
@@ -278,7 +285,7 @@ def test_stream_generate_ends_with_length_after_max_tokens(tiny_llama, tokenizer
 
 def test_stream_generate_text_is_the_decoded_tokens(tiny_llama, tokenizer):
     rs = list(stream_generate(tiny_llama, _no_eos(tokenizer), PROMPT, max_tokens=20,
-                              sinks=SINKS, window=WINDOW))  # fmt: skip
+                              prompt_cache=CacheSpec(SINKS, WINDOW)))  # fmt: skip
     assert "".join(r.text for r in rs) == tokenizer.decode([r.token for r in rs])
 
 
@@ -293,19 +300,19 @@ def test_stream_generate_stops_on_eos(tiny_llama, tokenizer):
 
 def test_stream_generate_cuts_at_a_stop_string(tiny_llama, tokenizer):
     tok = _no_eos(tokenizer)
-    full = list(stream_generate(tiny_llama, tok, PROMPT, max_tokens=30, sinks=SINKS,
-                                window=WINDOW))  # fmt: skip
+    full = list(stream_generate(tiny_llama, tok, PROMPT, max_tokens=30,
+                                prompt_cache=CacheSpec(SINKS, WINDOW)))  # fmt: skip
     text = "".join(r.text for r in full)
     stop = tokenizer.decode([full[8].token, full[9].token])
-    rs = list(stream_generate(tiny_llama, tok, PROMPT, max_tokens=30, sinks=SINKS,
-                              window=WINDOW, stop=[stop]))  # fmt: skip
+    rs = list(stream_generate(tiny_llama, tok, PROMPT, max_tokens=30,
+                              prompt_cache=CacheSpec(SINKS, WINDOW), stop=[stop]))  # fmt: skip
     assert rs[-1].finish_reason == "stop"
     assert "".join(r.text for r in rs) == text[: text.index(stop)]
 
 
 def test_stream_generate_reports_cache_fill_and_memory(tiny_llama, tokenizer):
     rs = list(stream_generate(tiny_llama, _no_eos(tokenizer), PROMPT[:4], max_tokens=60,
-                              sinks=SINKS, window=WINDOW))  # fmt: skip
+                              prompt_cache=CacheSpec(SINKS, WINDOW)))  # fmt: skip
     assert rs[0].cache_fill == pytest.approx(5 / (SINKS + WINDOW))
     assert rs[-1].cache_fill == 1.0
     assert all(r.active_memory > 0 and r.peak_memory >= r.active_memory for r in rs)
@@ -313,9 +320,9 @@ def test_stream_generate_reports_cache_fill_and_memory(tiny_llama, tokenizer):
 
 def test_seed_makes_sampling_reproducible(tiny_llama, tokenizer):
     def sample(seed):
-        return [r.token for r in stream_generate(
-            tiny_llama, _no_eos(tokenizer), PROMPT, max_tokens=20, sinks=SINKS,
-            window=WINDOW, temp=1.0, seed=seed)]  # fmt: skip
+        return [r.token for r in stream_responses(
+            tiny_llama, _no_eos(tokenizer), PROMPT, max_tokens=20,
+            prompt_cache=CacheSpec(SINKS, WINDOW), temp=1.0, seed=seed)]  # fmt: skip
 
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
@@ -323,9 +330,9 @@ def test_seed_makes_sampling_reproducible(tiny_llama, tokenizer):
 
 def test_repetition_penalty_changes_greedy_tokens(tiny_llama, tokenizer):
     def run(**kw):
-        return [r.token for r in stream_generate(
-            tiny_llama, _no_eos(tokenizer), PROMPT, max_tokens=40, sinks=SINKS,
-            window=WINDOW, **kw)]  # fmt: skip
+        return [r.token for r in stream_responses(
+            tiny_llama, _no_eos(tokenizer), PROMPT, max_tokens=40,
+            prompt_cache=CacheSpec(SINKS, WINDOW), **kw)]  # fmt: skip
 
     plain, penalised = run(), run(repetition_penalty=3.0)
     assert plain != penalised

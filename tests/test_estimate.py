@@ -80,11 +80,14 @@ def test_real_model_estimate_is_exact(real_model_path):
 
 
 def test_engine_entry_points_check_before_allocating(tiny_llama, tokenizer):
+    from mlx_stream.cache.spec import CacheSpec
     from mlx_stream.eval.perplexity import stream_perplexity
     from mlx_stream.generate.decode import stream_generate
 
     with pytest.raises(UserError, match="needs"):
-        next(stream_generate(tiny_llama, tokenizer, [1, 2, 3], window=10**12))
+        next(
+            stream_generate(tiny_llama, tokenizer, [1, 2, 3], prompt_cache=CacheSpec(window=10**12))
+        )
     with pytest.raises(UserError, match="needs"):
         stream_perplexity(tiny_llama, [1, 2, 3], window=10**12)
 

@@ -69,14 +69,14 @@ def test_a_span_shorter_than_the_repeats_is_refused():
 
 
 def test_stream_generate_ends_a_loop_and_keeps_the_cache_in_step(tiny_llama, tokenizer):
-    from mlx_stream.generate.decode import stream_generate
+    from mlx_stream.generate.decode import stream_responses
 
     def run(stop_loops):
         from mlx_stream.cache import CacheSpec
 
         out = []
         caches = CacheSpec(sinks=2, window=256).build(tiny_llama)
-        for r in stream_generate(tiny_llama, tokenizer, PROMPT, max_tokens=300, prompt_cache=caches,
+        for r in stream_responses(tiny_llama, tokenizer, PROMPT, max_tokens=300, prompt_cache=caches,
                                  logits_processors=[forcing([20, 21, 22, 23, 24])],
                                  stop_loops=stop_loops):  # fmt: skip
             out.append(r)

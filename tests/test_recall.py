@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+import mlx_stream.recall.tier as tier_module
 from mlx_stream.cache import make_sink_cache
 from mlx_stream.cache.positions import Probe
 from mlx_stream.errors import Unsupported, UserError
@@ -50,9 +51,8 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     """Logits of row ``q`` attending to what the documented layout holds: every block
     stored before the last stride boundary (wholly past the window at the one before),
     then the window; the sinks
-    first and the blocks after them (``stream``), the blocks right before the sinks
-    (``before``), every block token at the position before the sinks (``fixed``), or
-    the blocks right before the token the selection was refreshed at (``near``)."""
+    first and the blocks after them (``stream``), or the blocks right before the token
+    the selection was refreshed at (``near``)."""
     from mlx_stream.cache.ring import Ring
 
     ring = Ring(SINKS, WINDOW, slack, BLOCK, "cache")
@@ -65,9 +65,7 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     context = []  # (token, position)
     for r, j in enumerate(range(blocks), k_blocks - blocks):
         for i in range(max(0, SINKS - j * BLOCK), BLOCK):
-            if placement == "fixed":
-                at = anchor - 1
-            elif placement == "near":  # the blocks end right before the refresh point
+            if placement == "near":  # the blocks end right before the refresh point
                 at = b - base - R + r * BLOCK + i
             else:
                 at = anchor - R + lead + r * BLOCK + i
@@ -85,12 +83,15 @@ def oracle(model, tokens, q, placement, k_blocks, slack):
     return model(mx.array([[tokens[q]]]), cache=[cache])[0, -1]
 
 
-@pytest.mark.parametrize("placement", ["stream", "before", "fixed", "near"])
-def test_recall_of_every_block_equals_the_layout_oracle(one_layer, placement):
+@pytest.mark.parametrize("placement", ["stream", "near"])
+def test_recall_of_every_block_equals_the_layout_oracle(one_layer, placement, monkeypatch):
     tokens = tiny.random_tokens(96, seed=5)
     k_blocks = 16  # more than the stream ever stores: every block comes back
+    monkeypatch.setattr(
+        tier_module, "PLACEMENT", placement
+    )  # near: a prompt end's, here at every boundary
     cache = make_sink_cache(one_layer, SINKS, WINDOW, stride=BLOCK,
-                            recall=spec(blocks=k_blocks, placement=placement))  # fmt: skip
+                            recall=spec(blocks=k_blocks))  # fmt: skip
     got = feed(one_layer, cache, tokens, 1)
     recall = cache[0].hooks
     assert recall.stored == (88 - WINDOW + 1) // BLOCK  # past the window at boundary 88
@@ -152,7 +153,7 @@ def test_selection_is_deterministic(tiny_llama):
     tokens = tiny.random_tokens(120, seed=9)
     runs = []
     for _ in range(2):
-        cache = recall_cache(tiny_llama, selector="exact")
+        cache = recall_cache(tiny_llama)
         feed(tiny_llama, cache, tokens, 8)
         runs.append(cache[0].hooks.history)
     assert runs[0] == runs[1]
@@ -244,7 +245,7 @@ def test_impossible_settings_are_refused(tiny_llama):
                         recall=spec())  # fmt: skip
     with pytest.raises(Unsupported, match="must equal the cache stride"):
         make_sink_cache(tiny_llama, SINKS, WINDOW, stride=16, recall=spec())
-    for bad in ({"blocks": 0}, {"selector": "best"}, {"bits": 3}, {"placement": "x"}):
+    for bad in ({"blocks": 0}, {"bits": 3}):
         with pytest.raises(Unsupported):
             RecallSpec(**bad)
 
@@ -408,32 +409,23 @@ def test_prompt_end_refreshes_and_feeds_the_prompt_tail_again(tiny_llama):
     assert n == 130 and chosen  # all but the prompt's last token, then a selection
     # rolled back to the start of the last 2 blocks, held until the prompt's end
     assert (120, chosen, 130) in cache[0].hooks.history
-    once = recall_cache(tiny_llama, refeed=0)
-    list(generate_step(prompt, tiny_llama, once, max_tokens=1))
-    assert all(hold == point for point, _, hold in once[0].hooks.history)
 
 
 def test_a_prompts_selection_sits_near_until_the_next_boundary(tiny_llama):
-    """The blocks a prompt's end chooses go where ``prompt_placement`` says (right
-    before the re-fed tail), the next boundary's back where ``placement`` says; the
-    answer differs from one where the prompt's blocks stay in stream order."""
+    """The blocks a prompt's end chooses go ``near`` (right before the re-fed tail),
+    the next boundary's back in stream order."""
     prompt = tiny.random_tokens(131, seed=29)
-    answers = {}
-    for prompt_placement in ("near", None):
-        cache = recall_cache(tiny_llama, prompt_placement=prompt_placement)
-        tier, placed = cache[0].hooks, []
-        out = generate_step(prompt, tiny_llama, cache, max_tokens=12)
-        answers[prompt_placement] = [t for t, _, _ in out if not placed.append(
-            (tier.layers[0].tokens_seen, tier.placement, tier.region.applied[0]))]  # fmt: skip
-        assert tier.history[-1][0] == 136 and tier.placement == "stream"
-        if prompt_placement == "near":  # held from the prompt's end to the boundary at 136
-            near = [p for n, pl, p in placed if pl == "near"]
-            assert near and all(p[2] == "near" for p in near)
-            base, _ = tier.layers[0].ring.layout(120)
-            assert near[0][1] == 120 - base  # the region ends right before the re-fed tail
-            later = [pl for n, pl, _ in placed if n > 137]
-            assert later and set(later) == {"stream"}
-    assert answers["near"] != answers[None]
+    cache = recall_cache(tiny_llama)
+    tier, placed = cache[0].hooks, []
+    for _ in generate_step(prompt, tiny_llama, cache, max_tokens=12):
+        placed.append((tier.layers[0].tokens_seen, tier.placement, tier.region.applied[0]))
+    assert tier.history[-1][0] == 136 and tier.placement == "stream"
+    near = [p for n, pl, p in placed if pl == "near"]  # held from the prompt's end to 136
+    assert near and all(p[2] == "near" for p in near)
+    base, _ = tier.layers[0].ring.layout(120)
+    assert near[0][1] == 120 - base  # the region ends right before the re-fed tail
+    later = [pl for n, pl, _ in placed if n > 137]
+    assert later and set(later) == {"stream"}
 
 
 def test_a_batch_of_several_sequences_is_refused_at_its_first_call(tiny_llama):

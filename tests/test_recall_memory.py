@@ -95,13 +95,7 @@ def test_the_index_counts_inside_the_ram_budget_and_spills_past_its_share(
     assert not any(tmp_path.iterdir())  # the index's files go with the store's
 
 
-def test_selectors_that_read_no_summary_keep_no_index_and_give_the_blocks_all_ram(tiny_llama):
-    mean = tier_of(recall_cache(tiny_llama, selector="mean")).summaries
-    assert mean.kinds == ("mean",) and mean.ram_bytes == int(spec().ram_bytes * 0.25)
-    exact = tier_of(recall_cache(tiny_llama, selector="exact", prompt_selector="token"))
-    assert exact.summaries.kinds == () and exact.store.ram_bytes == exact.spec.ram_bytes
-    both = tier_of(recall_cache(tiny_llama, prompt_selector="mean")).summaries
-    assert both.kinds == ("mean", "lo", "hi")
+def test_the_index_keeps_only_the_summaries_its_selectors_read(tiny_llama):
     with pytest.raises(ValueError, match="keeps no 'mean'"):
         tier_of(recall_cache(tiny_llama)).summaries.table("mean", 0, 1)
 

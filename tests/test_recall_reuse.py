@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from mlx_stream.cache.sink import load_cache, save_cache
-from mlx_stream.errors import Unsupported
 from mlx_stream.generate.decode import generate_step
-from mlx_stream.recall import RecallSpec, select, tier_of
+from mlx_stream.recall import select, tier_of
 from mlx_stream.recall.reuse import Shortlist
 from mlx_stream.recall.score import block_scores
 from tests import tiny
-from tests.support.recall import feed, recall_cache, spec
+from tests.support.recall import feed, recall_cache, reindex, spec
 
 H, D, T = 2, 8, 4  # KV heads, channels, tokens per block
 
@@ -133,8 +132,8 @@ def test_a_restored_shortlist_selects_as_an_uninterrupted_run(tiny_llama, tmp_pa
     feed(tiny_llama, part, tokens[:cut])
     assert tier_of(part).shortlist.state.since > 0
     save_cache(tmp_path / "c.safetensors", part)
-    fresh, _ = load_cache(tmp_path / "c.safetensors", tiny_llama, spec(**kw))
-    restored = tier_of(fresh)
+    fresh, _ = load_cache(tmp_path / "c.safetensors", tiny_llama, spec())
+    restored = tier_of(reindex(fresh, **kw))
     assert restored.shortlist.state == tier_of(part).shortlist.state
     got = feed(tiny_llama, fresh, tokens[cut:])
     assert mx.array_equal(got, want[cut:])
@@ -168,8 +167,3 @@ def test_the_blocks_a_prompts_end_chose_stay_candidates(tiny_llama):
     assert len(chosen) == 4 and min(chosen) < state.at  # chosen from before the last scan
     assert set(chosen) <= set(Shortlist(1, 3, state).candidates(stored).tolist())
     assert len(state.ids) > 1  # its own best and the question's
-
-
-def test_rescan_below_one_is_refused():
-    with pytest.raises(Unsupported):
-        RecallSpec(index="reuse", rescan=0)

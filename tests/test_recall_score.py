@@ -1,11 +1,8 @@
 """The ``token`` selector (``mlx_stream.recall.score``): a block holding one key the
 query picks out is chosen where its summary hides it; a prompt's end chooses with
-``prompt_selector``; the needle benchmark's shared prefix answers as a fresh cache."""
+it; the needle benchmark's shared prefix answers as a fresh cache."""
 
 from __future__ import annotations
-
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
@@ -13,10 +10,11 @@ from mlx_stream.cache import make_sink_cache
 from mlx_stream.eval.needle import build, needle_eval
 from mlx_stream.eval.passkey import answer
 from mlx_stream.generate.decode import generate_step
-from mlx_stream.recall import RecallSpec, persist, select
+from mlx_stream.recall import RecallSpec, select
 from mlx_stream.recall.score import block_scores, layer_mass, layer_peaks
+from mlx_stream.recall.spec import PROMPT_SELECTOR, REFEED
 from tests import tiny
-from tests.support.recall import BLOCK, SINKS, WINDOW, recall_cache, spec
+from tests.support.recall import BLOCK, SINKS, WINDOW, recall_cache
 
 
 def one_key_against_many():
@@ -82,46 +80,6 @@ def test_the_scan_a_chunk_at_a_time_gives_the_softmax_over_every_stored_token(mo
             assert np.allclose(got, direct(selector), rtol=1e-5, atol=1e-7)
 
 
-def test_a_shortlisted_scan_ranks_the_blocks_its_first_pass_keeps_with_every_layer():
-    from mlx_stream.recall.score import peak_scores, shortlisted_peaks
-
-    rng = np.random.default_rng(5)
-    nb, H, bs, D = 12, 2, 8, 8
-    keys = [rng.standard_normal((nb, H, bs, D)).astype(np.float32) for _ in range(4)]
-    queries = [rng.standard_normal((4, 3, D)).astype(np.float32) for _ in range(4)]
-    first, blocks = [0] * nb, list(range(nb))
-
-    def keys_of(layer, js):
-        return keys[layer][js]
-
-    flat = peak_scores(queries, keys_of, blocks, first, bs, 1.0)
-    assert np.array_equal(shortlisted_peaks(queries, keys_of, blocks, first, bs, 1.0, 3, 0), flat)
-    assert np.array_equal(shortlisted_peaks(queries, keys_of, blocks, first, bs, 1.0, 3, nb), flat)
-    got = shortlisted_peaks(queries, keys_of, blocks, first, bs, 1.0, 3, 4)
-    pre = peak_scores([queries[0], queries[3]], lambda i, js: keys_of(3 * i, js), blocks, first,
-                      bs, 1.0)  # fmt: skip
-    kept = sorted(np.argsort(-pre, kind="stable")[:4].tolist())
-    assert np.flatnonzero(np.isfinite(got)).tolist() == kept  # layers 0 and 3 chose
-    want = peak_scores(queries, keys_of, kept, first, bs, 1.0)  # every layer ranks them
-    assert np.array_equal(got[kept], want)
-
-
-def test_the_tier_scans_with_its_specs_stride_and_keep(tiny_llama):
-    prompt = tiny.random_tokens(40 * BLOCK // 4, seed=31)
-    seen = []
-    cache = recall_cache(tiny_llama, scan_stride=2, scan_keep=3)
-
-    def check(tier, n):
-        start = (n - 1) // BLOCK * BLOCK - (tier.spec.refeed - 1) * BLOCK
-        scores = tier.scores(n, "token", candidates_at=start)
-        chosen = select.with_neighbours(scores, tier.spec.blocks)
-        seen.append((int(np.isfinite(scores).sum()), tier.selection == chosen))
-
-    cache[0].hooks.on_prompt_end = check
-    list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
-    assert seen and seen[0] == (3, True)  # 3 blocks kept, the selection among them
-
-
 def test_block_scores_leave_out_blocks_with_no_token_of_their_own():
     q, keys = one_key_against_many()
 
@@ -137,31 +95,19 @@ def test_block_scores_leave_out_blocks_with_no_token_of_their_own():
 
 def test_a_prompts_end_chooses_with_the_prompt_selector(tiny_llama):
     prompt = tiny.random_tokens(131, seed=29)
-    for chooser, pairs in (("token", True), ("mean", False)):
-        cache = recall_cache(tiny_llama, prompt_selector=chooser, prompt_neighbours=pairs)
-        seen = []
+    cache = recall_cache(tiny_llama)
+    seen = []
 
-        def check(tier, n, chooser=chooser, seen=seen, pairs=pairs):
-            start = (n - 1) // BLOCK * BLOCK - (tier.spec.refeed - 1) * BLOCK
-            scores = tier.scores(n, chooser, candidates_at=start)
-            pick = select.with_neighbours if pairs else select.top_k
-            seen.append(tier.selection == pick(scores, tier.spec.blocks))
-            seen.append(tier.scored_blocks == int(np.isfinite(scores).sum()))
+    def check(tier, n):
+        start = (n - 1) // BLOCK * BLOCK - (REFEED - 1) * BLOCK
+        scores = tier.scores(n, PROMPT_SELECTOR, candidates_at=start)
+        seen.append(tier.selection == select.with_neighbours(scores, tier.spec.blocks))
+        seen.append(tier.scored_blocks == int(np.isfinite(scores).sum()))
 
-        cache[0].hooks.on_prompt_end = check
-        list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
-        assert seen == [True, True]
-        assert cache[0].hooks.usage()["refresh_seconds"] > 0
-
-
-def test_a_manifest_without_a_prompt_selector_is_read_with_todays():
-    saved = {**spec().__dict__, "folder": None}
-    del saved["prompt_selector"], saved["prompt_neighbours"]
-    assert spec().prompt_selector == "token" and spec().prompt_neighbours  # the defaults now
-    persist.check_spec(Path("x.safetensors"), saved, spec())  # no refusal: nothing stored
-    persist.check_spec(Path("x.safetensors"), {**saved, "prompt_selector": "quest"}, spec())
-    made = persist.saved_spec(saved, Path("x"))  # as it was made
-    assert made.prompt_selector is None and made.prompt_neighbours is False
+    cache[0].hooks.on_prompt_end = check
+    list(generate_step(prompt, tiny_llama, cache, max_tokens=1))
+    assert seen == [True, True]
+    assert cache[0].hooks.usage()["refresh_seconds"] > 0
 
 
 def test_blocks_chosen_in_pairs_keep_both_halves_of_a_split_fact():
@@ -183,14 +129,14 @@ def test_a_question_asked_of_the_shared_prefix_answers_as_a_fresh_cache(tiny_lla
     hay = tiny.random_tokens(900, seed=4)
     recall = RecallSpec(blocks=2)  # blocks of 64, the cache's default stride
     rows = needle_eval(tiny_llama, tokenizer, hay, [700], [0.3], ["fact"], ["recall"], SINKS,
-                       WINDOW, recall, answer_tokens=4, questions=["q0", "q1"],
-                       prompt_selectors=["quest", "token"])  # fmt: skip
+                       WINDOW, recall, answer_tokens=4, questions=["q0", "q1"])  # fmt: skip
     assert [(r["question"], r["prompt_selector"]) for r in rows] == [
-        ("q0", "quest"), ("q0", "token"), ("q1", "quest"), ("q1", "token")]  # fmt: skip
+        ("q0", "token"),
+        ("q1", "token"),
+    ]
     for r in rows[1:]:  # each as a fresh cache fed the whole prompt answers
         p = build(tokenizer, hay, "fact", 700, 0.3, r["value"], 1, r["question"], ["q0", "q1"])
-        fresh = replace(recall, prompt_selector=r["prompt_selector"])
-        cache = make_sink_cache(tiny_llama, SINKS, WINDOW, recall=fresh)
+        cache = make_sink_cache(tiny_llama, SINKS, WINDOW, recall=recall)
         seen = []
         cache[0].hooks.on_prompt_end = lambda t, n, seen=seen: seen.append(t.selection)
         assert answer(tiny_llama, tokenizer, cache, p.tokens, 4) == r["answer"]

@@ -14,7 +14,7 @@ import copy
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
@@ -147,7 +147,6 @@ def needle_eval(
     inspect: Callable[[Any, NeedlePrompt, dict], None] | None = None,
     align: int = 1,
     questions: Sequence[str] = ("primed",),
-    prompt_selectors: Sequence[str | None] = (None,),
 ) -> list[dict]:
     """One row per length, kind, depth and cache: the answer and whether it holds the
     needle's value. ``full`` runs only where the prompt fits ``context``.
@@ -159,12 +158,11 @@ def needle_eval(
             each recall prompt is answered (a benchmark's measurements go in ``row``).
         align (int): Needle and question at multiples of this many haystack tokens
             (:func:`filler_unit` for the filler: whole sentences). Default: ``1``.
-        questions (Sequence[str]): How each needle is asked for (``QUESTIONS``).
-        prompt_selectors (Sequence): Each question is answered once per recall prompt
-            selector named (``None``: the spec's), all from the same stream up to the
-            question (the selector at a prompt's end changes nothing before it).
+        questions (Sequence[str]): How each needle is asked for (``QUESTIONS``), all
+            from the same stream up to the first question.
     """
     from mlx_stream.recall import RecallSpec
+    from mlx_stream.recall.spec import PROMPT_SELECTOR
 
     recall = recall or RecallSpec()
     rows = []
@@ -182,13 +180,12 @@ def needle_eval(
             else:
                 cache = make_sink_cache(model, sinks, window,
                                         recall=recall if name == "recall" else None)  # fmt: skip
-            asks = [(p, q, sel) for p, q in zip(prompts, questions, strict=True)
-                    for sel in (prompt_selectors if name == "recall" else (None,))]  # fmt: skip
-            for (_, question, sel), row in zip(asks, _ask(model, tokenizer, name, cache, asks,
-                                                          answer_tokens, inspect)):  # fmt: skip
+            asks = list(zip(prompts, questions, strict=True))
+            for (_, question), row in zip(asks, _ask(model, tokenizer, name, cache, asks,
+                                                     answer_tokens, inspect)):  # fmt: skip
                 row.update(length_asked=length, kind=kind, depth=depth, question=question)
                 if name == "recall":
-                    row["prompt_selector"] = sel or recall.prompt_selector or recall.selector
+                    row["prompt_selector"] = PROMPT_SELECTOR
                 rows.append(row)
                 if callback is not None:
                     callback(row)
@@ -204,28 +201,26 @@ def _prefill(model, cache: list, tokens: list[int]) -> None:
 
 
 def _ask(model, tokenizer, name: str, cache: list, asks: list, answer_tokens, inspect):
-    """Answer each ``(prompt, question, prompt selector)`` of ``asks`` through
+    """Answer each ``(prompt, question)`` of ``asks`` through
     ``cache``, yielding rows: what the prompts share, three blocks or more before the
     first question, is fed once and each is asked of a copy (the recall tier rewound
     after each)."""
     tier = tier_of(cache)
-    shared, spec = 0, None if tier is None else tier.spec
+    shared = 0
     if len(asks) > 1:
-        asked = min(p.asked_at for p, _, _ in asks)
+        asked = min(p.asked_at for p, _ in asks)
         bs = tier.block if tier is not None else DEFAULT_STRIDE
         shared = max(0, (asked - 3 * bs) // bs * bs)
         _prefill(model, cache, asks[0][0].tokens[:shared])
-    for n, (p, _, selector) in enumerate(asks):
+    for n, (p, _) in enumerate(asks):
         mark = tier.mark() if tier is not None else None
         fork = copy.deepcopy(cache) if len(asks) > 1 else cache
         if tier is not None:
             tier.rewind(fork)  # the tier serves the copy
-            tier.spec = spec if selector is None else replace(spec, prompt_selector=selector)
         look = inspect if n == 0 or asks[n - 1][0] is not p else None
         yield _answer_one(model, tokenizer, p, name, fork, shared, answer_tokens, look)
         if tier is not None:
             tier.rewind(cache, mark)
-            tier.spec = spec
 
 
 def _answer_one(model, tokenizer, p: NeedlePrompt, name: str, cache: list, start: int,

@@ -228,7 +228,7 @@ class Batch:
                 row.budget -= 1
         return tokens, logprobs
 
-    # ----- a token source for stream_generate ---------------------------------------------
+    # ----- a token source for stream_responses --------------------------------------------
 
     def tokens(
         self,
@@ -238,11 +238,11 @@ class Batch:
         seed: int | None = None,
         on_row: Callable[[Row], None] | None = None,
     ) -> Callable[..., Generator[tuple[int, mx.array, bool], None, None]]:
-        """A token source for ``stream_generate(..., steps=...)`` decoding on this batch
+        """A token source for ``stream_responses(..., steps=...)`` decoding on this batch
         with these sampling parameters. ``drive(row)`` runs rounds until ``row`` has a
         token (default: :meth:`step`; the server's also hands other sessions theirs);
         ``on_row(row)`` is told the row once it is made. Called with ``poll=True`` (by
-        ``stream_generate(..., poll=True)``), the source drives nothing: it yields
+        ``stream_responses(..., poll=True)``), the source drives nothing: it yields
         ``None`` while its row has no token, and its consumer runs the rounds."""
         drive = drive or (lambda row: self.step())
 

@@ -24,12 +24,7 @@ from mlx_stream.cache.hooks import prompt_end
 from mlx_stream.cache.reclaim import ReclaimSchedule, set_wired_limit
 from mlx_stream.cache.sink import SinkCache
 from mlx_stream.cache.spec import CacheSpec
-from mlx_stream.defaults import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_NUM_DRAFT_TOKENS,
-    DEFAULT_SINKS,
-    DEFAULT_WINDOW,
-)
+from mlx_stream.defaults import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from mlx_stream.errors import UserError
 from mlx_stream.generate.interrupt import StopOnInterrupt  # noqa: F401 - re-exported
 from mlx_stream.generate.loops import LoopGuard
@@ -230,31 +225,17 @@ def stream_generate(
     tokenizer: TokenizerWrapper | Any,
     prompt: str | mx.array | list[int],
     max_tokens: int = DEFAULT_MAX_TOKENS,
-    sinks: int = DEFAULT_SINKS,
-    window: int = DEFAULT_WINDOW,
     draft_model: nn.Module | None = None,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
-    prompt_cache: list | None = None,
-    prefill_step_size: int = 512,
-    reclaim: ReclaimSchedule | None = None,
-    prompt_progress_callback: Callable[[int, int], None] | None = None,
-    stop: Iterable[str] | None = None,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float | None = None,
-    seed: int | None = None,
-    top_k: int = 0,
-    stop_tokens: Iterable[int] | None = None,
-    slack: int | None = None,
-    state: DecodeState | None = None,
-    steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
-    cache_spec: CacheSpec | None = None,
+    prompt_cache: list | CacheSpec | None = None,
+    *,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable] | None = None,
-    poll: bool = False,
-    stop_loops: int = 0,
-) -> Generator[GenerationResponse | None, None, None]:
+    stop: Iterable[str] | None = None,
+    prefill_step_size: int = 512,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    reclaim: ReclaimSchedule | None = None,
+) -> Generator[GenerationResponse, None, None]:
     """Generate text from ``prompt`` on a sink+window cache, like mlx-lm's
     ``stream_generate``.
 
@@ -264,48 +245,83 @@ def stream_generate(
         prompt (str | mx.array | list[int]): Text or token ids: the whole prompt, or
             only the new turn when ``prompt_cache`` already holds the conversation.
         max_tokens (int): Tokens to generate; ``-1`` for no limit. Default: ``256``.
-        sinks (int): Attention sinks of a new cache. Default: ``4``.
-        window (int): Window of a new cache. Default: ``1024``.
         draft_model (nn.Module, optional): Draft model for speculative decoding.
-        num_draft_tokens (int): Draft tokens per round. Default: ``3``.
-        prompt_cache (list, optional): Updated in place: SinkCaches (or mlx-lm
-            KVCache / RotatingKVCache lists to compare against), the draft's appended
-            after the target's. Default: new SinkCaches (``CacheSpec.build``).
+        prompt_cache (list | CacheSpec, optional): A list of caches, updated in place:
+            SinkCaches (or mlx-lm KVCache / RotatingKVCache lists to compare against),
+            the draft's appended after the target's; or the ``CacheSpec`` of new ones
+            (with a draft model, given room for a verify block: ``CacheSpec.for_draft``).
+            Default: ``CacheSpec()`` (4 sinks, a 1024-token window).
+        sampler (Callable, optional): Logprobs -> token, e.g. mlx-lm's
+            ``make_sampler(temp=0.7)``. Default: greedy.
+        logits_processors (list[Callable], optional): ``(history, logits) -> logits``,
+            e.g. mlx-lm's ``make_logits_processors(repetition_penalty=1.1)``, called
+            once per sampled token, in order.
+        stop (list[str], optional): Stop strings, cut from the text.
         prefill_step_size (int): Largest prefill chunk. Default: ``512``.
-        reclaim (ReclaimSchedule, optional): Pool reclaim cadence. Default: crossing 256.
         prompt_progress_callback (Callable[[int, int], None], optional): Called with
             (prompt tokens processed, prompt tokens).
-        stop (list[str], optional): Stop strings, cut from the text.
-        temp, top_p, min_p (float), top_k (int): Sampling (mlx-lm's
-            ``make_sampler``). Default: greedy.
-        repetition_penalty (float, optional): mlx-lm's repetition penalty.
-        seed (int, optional): Seed for ``mx.random``.
-        stop_tokens (list[int], optional): More token ids that end the text like eos
-            (e.g. ``model_config.end_of_turn_tokens``).
-        slack (int, optional): Slack of new SinkCaches (rollback only). Default: 0,
-            and at least ``num_draft_tokens + 1`` with a draft model.
-        state (DecodeState, optional): Filled in by the token generator.
-        steps (Callable, optional): The token generator, called like
-            :func:`generate_step` (e.g. a row of ``mlx_stream.generate.batch.Batch``).
-            Default: :func:`generate_step`.
-        cache_spec (CacheSpec, optional): The policy of new SinkCaches, in place of
-            ``sinks``, ``window`` and ``slack`` (with a draft model, given room for a
-            verify block: ``CacheSpec.for_draft``).
-        sampler (Callable, optional): Replaces the sampler made from ``temp`` and
-            ``top_p`` (e.g. one with its own random key); ``seed`` is then not applied.
-        logits_processors (list[Callable], optional): More processors, after the
-            repetition penalty's (each called once per sampled token, in order).
-        poll (bool): Passed to the token generator: ``None`` is yielded (and passed
-            on) while the prompt goes in, a chunk at a time, instead of blocking.
-        stop_loops (int): End the reply (``finish_reason="loop"``) once its last
-            ``stop_loops`` tokens repeat one span exactly
-            (:class:`~mlx_stream.generate.loops.LoopGuard`); 0 never does. Default: 0.
+        num_draft_tokens (int): Draft tokens per round. Default: ``3``.
+        reclaim (ReclaimSchedule, optional): Pool reclaim cadence. Default: crossing 256.
 
     Yields:
         GenerationResponse: One per token; the last has ``finish_reason`` set. On eos
         the last response carries the eos token and no new text. Whichever way the
         loop ends, the cache then holds the prompt and every token yielded (see the
         module docstring).
+    """
+    yield from stream_responses(
+        model, tokenizer, prompt, max_tokens, draft_model, prompt_cache, sampler=sampler,
+        logits_processors=logits_processors, stop=stop, prefill_step_size=prefill_step_size,
+        prompt_progress_callback=prompt_progress_callback, num_draft_tokens=num_draft_tokens,
+        reclaim=reclaim,
+    )  # fmt: skip
+
+
+def stream_responses(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper | Any,
+    prompt: str | mx.array | list[int],
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    draft_model: nn.Module | None = None,
+    prompt_cache: list | CacheSpec | None = None,
+    *,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable] | None = None,
+    stop: Iterable[str] | None = None,
+    prefill_step_size: int = 512,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    reclaim: ReclaimSchedule | None = None,
+    seed: int | None = None,
+    stop_tokens: Iterable[int] | None = None,
+    state: DecodeState | None = None,
+    steps: Callable[..., Iterable[tuple[int, mx.array, bool]]] | None = None,
+    poll: bool = False,
+    stop_loops: int = 0,
+    **sampling: Any,
+) -> Generator[GenerationResponse | None, None, None]:
+    """:func:`stream_generate` with what the session, the server and batched decode
+    also pass (not part of the public API).
+
+    Args:
+        seed (int, optional): Seed for ``mx.random``, when ``sampler`` is not given.
+        stop_tokens (list[int], optional): More token ids that end the text like eos
+            (e.g. ``model_config.end_of_turn_tokens``).
+        state (DecodeState, optional): Filled in by the token generator.
+        steps (Callable, optional): The token generator, called like
+            :func:`generate_step` (e.g. a row of ``mlx_stream.generate.batch.Batch``).
+            Default: :func:`generate_step`.
+        poll (bool): Passed to the token generator: ``None`` is yielded (and passed
+            on) while the prompt goes in, a chunk at a time, instead of blocking.
+        stop_loops (int): End the reply (``finish_reason="loop"``) once its last
+            ``stop_loops`` tokens repeat one span exactly
+            (:class:`~mlx_stream.generate.loops.LoopGuard`); 0 never does. Default: 0.
+        **sampling: :class:`~mlx_stream.generate.model_config.Sampling`'s fields
+            (``temp``, ``top_p``, ``min_p``, ``top_k``, ``repetition_penalty``): the
+            sampler when ``sampler`` is not given (default greedy); the repetition
+            penalty's processor comes before ``logits_processors`` either way.
+
+    The rest: :func:`stream_generate`.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -315,16 +331,14 @@ def stream_generate(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
     prompt = as_tokens(prompt)
+    sample = Sampling(**sampling)
     if sampler is None:
-        sample = Sampling(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                          repetition_penalty=repetition_penalty)  # fmt: skip
         sampler, processors = make_sampling(sample, seed)
     else:
-        processors = make_logits_processors(repetition_penalty=repetition_penalty)
-    if prompt_cache is None:
-        if cache_spec is None:  # slack: rollback only, a verify block's under drafts
-            cache_spec = CacheSpec(sinks, window, slack)
-        spec = cache_spec.for_draft(num_draft_tokens) if draft_model else cache_spec
+        processors = make_logits_processors(repetition_penalty=sample.repetition_penalty)
+    if prompt_cache is None or isinstance(prompt_cache, CacheSpec):
+        spec = prompt_cache or CacheSpec()
+        spec = spec.for_draft(num_draft_tokens) if draft_model else spec
         prompt_cache = spec.build(model)  # refused with the bytes when it cannot fit
         if draft_model is not None:
             prompt_cache += spec.build(draft_model)

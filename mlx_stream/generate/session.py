@@ -237,8 +237,8 @@ class ChatSession:
     def generate(self, tokens: list[int], **overrides: Any) -> Iterator[Any]:
         """The engine's streaming generator over ``tokens`` with the session's caches;
         ``overrides`` replace settings for this call (``max_tokens``, ``temp``,
-        ``top_p``, ...) or add ``stream_generate`` arguments (``stop``, ``seed``)."""
-        from mlx_stream.generate.decode import stream_generate
+        ``top_p``, ...) or add ``stream_responses`` arguments (``stop``, ``seed``)."""
+        from mlx_stream.generate.decode import stream_responses
 
         s = self.settings
         kwargs = {"max_tokens": s.max_tokens, "temp": s.temp, "top_p": s.top_p}
@@ -248,12 +248,10 @@ class ChatSession:
         if s.stop_loops:
             kwargs["stop_loops"] = s.stop_loops
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        return stream_generate(
+        return stream_responses(
             self.model,
             self.tokenizer,
             tokens,
-            sinks=self.sinks,
-            window=s.cache.window,
             draft_model=self.draft_model,
             num_draft_tokens=s.num_draft_tokens,
             prompt_cache=self.caches,
@@ -385,7 +383,7 @@ class ChatSession:
         However the generator ends (finished, or ``close()``-d by its consumer), the
         reply so far joins the transcript and the cache, and :attr:`last` describes it.
         With a polled token source (see
-        :func:`~mlx_stream.generate.decode.stream_generate`) it yields ``None`` between
+        :func:`~mlx_stream.generate.decode.stream_responses`) it yields ``None`` between
         prefill chunks; closed there, the caches hold part of the prompt: restore a
         checkpoint.
 

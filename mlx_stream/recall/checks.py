@@ -8,7 +8,7 @@ from mlx_lm.models import cache as mlx_cache
 import mlx_stream.recall.hook as hook
 from mlx_stream.cache.positions import model_type
 from mlx_stream.errors import Unsupported
-from mlx_stream.recall.spec import RecallSpec
+from mlx_stream.recall.spec import REFEED, RecallSpec
 
 
 def min_slack(window: int, block: int) -> int:
@@ -52,4 +52,4 @@ def check(model, caches: list, verdict, spec: RecallSpec, window: int, stride: i
                     f"head dimension {dim}; use one that does"
                 )
     hook.install(model, layers, name)
-    return max(slack, min_slack(window, spec.block), spec.refeed * spec.block)
+    return max(slack, min_slack(window, spec.block), REFEED * spec.block)

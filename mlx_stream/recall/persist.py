@@ -62,9 +62,6 @@ CHECKED = {
     "group_size": "recall group size",
     "refeed": "recall refeed",
 }
-#: Settings a manifest written before they existed is read with (upgraded: nothing
-#: stored depends on them; a prompt's end chose with the selector before).
-LEGACY = {"prompt_selector": None, "prompt_neighbours": False}
 
 
 def sidecar(path: str | os.PathLike) -> Path:
@@ -233,7 +230,7 @@ def stage(path: str | os.PathLike, tier: Any, mode: int | None = None) -> Staged
     try:
         writer = Writer(tmp)
         state = tier.export(writer)
-        manifest = {"version": VERSION, "spec": dataclasses.asdict(tier.spec), "tier": state,
+        manifest = {"version": VERSION, "spec": tier.spec.settings(), "tier": state,
                     "files": writer.files}  # fmt: skip
         text = json.dumps(manifest, sort_keys=True).encode()
         with open(tmp / MANIFEST, "wb") as f:
@@ -289,10 +286,10 @@ def check_spec(path: Path, saved: Any, current: Any) -> None:
     run differ."""
     if not isinstance(saved, dict):
         raise UserError(f"{path}: its recall store has no readable settings")
-    saved = {**LEGACY, **saved}
+    now = current.settings()
     for field, name in CHECKED.items():
-        if saved.get(field) != getattr(current, field):
-            show = ["none" if v is None else str(v) for v in (saved.get(field), getattr(current, field))]  # fmt: skip
+        if saved.get(field) != now[field]:
+            show = ["none" if v is None else str(v) for v in (saved.get(field), now[field])]
             raise UserError(f"{path}: made with {name} {show[0]}, this run has {name} {show[1]}")
 
 
@@ -303,9 +300,8 @@ def saved_spec(data: dict, path: Path) -> Any:
 
     try:
         fields = {f.name for f in dataclasses.fields(RecallSpec)}
-        data = {**LEGACY, **data}
         return RecallSpec(**{k: v for k, v in data.items() if k in fields and k != "folder"})
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         raise UserError(f"{path}: its recall store has no readable settings") from None
 
 
@@ -340,10 +336,8 @@ def restore(path: str | os.PathLike, binding: str, model: Any, raw: list, verdic
         raise UserError(f"{folder}: a recall store of version {version}; this version reads "
                         f"{' and '.join(map(str, READS))}")  # fmt: skip
     spec = saved_spec(manifest.get("spec"), path)
-    if recall == "saved":
-        recall = spec
-    else:
-        check_spec(path, manifest.get("spec"), recall)
+    recall = spec if recall == "saved" else recall
+    check_spec(path, manifest.get("spec"), recall)  # saved: made with what this version has
     layers = [c for c in caches if isinstance(c, SinkCache)]
     if not layers:
         raise UserError(f"{path}: has a recall store but no SinkCache layer")

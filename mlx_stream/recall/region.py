@@ -35,7 +35,7 @@ def _shift_tokens(move: Move, x: mx.array, offsets: mx.array) -> mx.array:
 
 class Regions:
     """Every layer's region of one tier (``tier.region``): ``top`` slots for a moved
-    copy of the sinks (``stream`` placement; present when any placement asks for it),
+    copy of the sinks (``stream`` placement; a ``near`` one leaves them unread),
     then ``blocks * block`` slots of recalled blocks.
 
     Args:
@@ -122,11 +122,8 @@ class Regions:
         blocks = [tier.store.get(i, j) for j in sel]
         keys, values = (mx.concatenate([b[x] for b in blocks], axis=2) for x in (0, 1))
         first = k - len(sel)
-        if move is not None:
-            if placement == "fixed":  # every token right before the sinks
-                shift = np.tile(anchor - 1 - np.arange(bs), len(sel))
-            else:  # block slot r from position anchor - R + lead + r * bs
-                shift = np.repeat(anchor - R + lead + np.arange(first, k) * bs, bs)
+        if move is not None:  # block slot r from position anchor - R + lead + r * bs
+            shift = np.repeat(anchor - R + lead + np.arange(first, k) * bs, bs)
             keys = _shift_tokens(move, keys, mx.array(shift))
         lo = base + top + first * bs
         kvstore.put(rk, lo, lo + len(sel) * bs, kvstore.pack(keys, bits, g))

@@ -1,14 +1,14 @@
-"""Refreshes between full scans read a shortlist (``RecallSpec.index="reuse"``).
+"""Refreshes between full scans read a shortlist (the tier's index).
 
 A decode refresh (``quest`` or ``mean``) scores every stored block against the last
 block's queries, once per block: O(stored blocks) each time, the part of a long
 stream's time that grows with it. Consecutive blocks' queries mostly pick the same
 blocks (TokenSelect's selection cache and Quest's reuse across steps rest on the same
-observation), so with this index only every ``rescan``-th refresh scores every block;
+observation), so with this index only every ``RESCAN``-th refresh scores every block;
 it keeps the ``size`` best, and the refreshes in between score those plus every block
 stored since that scan, the softmax over them alone. Each refresh then costs
-``size + blocks stored since`` and one in ``rescan`` the flat scan's: the stream's
-time still grows with it, ``rescan`` times slower. A rollback behind the scan leaves
+``size + blocks stored since`` and one in ``RESCAN`` the flat scan's: the stream's
+time still grows with it, ``RESCAN`` times slower. A rollback behind the scan leaves
 the next refresh to scan; the blocks a prompt's end chooses (its own selector, over
 every block) join the shortlist, so the question's choice stays a candidate.
 
@@ -25,6 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+RESCAN = 16  # one refresh in this many scans every block
+
+
+def shortlist_size(blocks: int) -> int:
+    """Blocks a full scan keeps for a tier that recalls ``blocks``."""
+    return max(8 * blocks, 64)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class Shortlist:
         self.size, self.rescan = int(size), int(rescan)
         self.state = state
         self.scans = self.reuses = 0  # refreshes that scanned, that read the shortlist
+
+    @classmethod
+    def of(cls, blocks: int) -> Shortlist:
+        """The shortlist of a tier that recalls ``blocks`` (:func:`shortlist_size`,
+        :data:`RESCAN`)."""
+        return cls(shortlist_size(blocks), RESCAN)
 
     def candidates(self, blocks: int) -> np.ndarray | None:
         """The blocks a refresh over ``blocks`` stored blocks scores, ascending, or

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-import mlx_stream.recall.index as index
 import mlx_stream.recall.select as select
 from mlx_stream.recall.select import _gqa
 
@@ -123,32 +122,12 @@ def mass_scores(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], n
     return _over_layers("mass", queries, keys_of, blocks, first, block, scale)
 
 
-def shortlisted_peaks(queries: list[np.ndarray], keys_of: Callable[[int, list[int]], np.ndarray],
-                      blocks: list[int], first: list[int], block: int, scale: float,
-                      stride: int, keep: int) -> np.ndarray:  # fmt: skip
-    """:func:`peak_scores` of the ``keep`` blocks that a first pass over every
-    ``stride``-th layer ranks best (the others ``-inf``), the softmax then over
-    those blocks' tokens only: the scan reads ``1 / stride`` of the stored keys and
-    ``keep`` blocks of every layer. ``keep`` 0 or at least ``len(blocks)``: the flat
-    scan (arguments otherwise: :func:`peak_scores`)."""
-    if not keep or keep >= len(blocks):
-        return peak_scores(queries, keys_of, blocks, first, block, scale)
-    layers = list(range(0, len(queries), stride))
-    pre = _over_layers("peak", [queries[i] for i in layers],
-                       lambda i, js: keys_of(layers[i], js), blocks, first, block, scale)  # fmt: skip
-    chosen = np.sort(np.argsort(-pre, kind="stable")[:keep])
-    out = np.full(len(blocks), -np.inf)
-    out[chosen] = peak_scores(queries, keys_of, [blocks[i] for i in chosen], first, block, scale)
-    return out
-
-
 def block_scores(selector: str, queries: list[np.ndarray], store, summaries, first: list[int],
-                 block: int, scale: float, scan: tuple[int, int] = (1, 0),
+                 block: int, scale: float,
                  candidates: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Every stored block's score under ``selector`` (``-inf``: a block with no token
     of its own), for blocks ``0 .. len(first) - 1`` of ``store`` (a ``BlockStore``)
     summarised in ``summaries``; ``queries[i]``: layer ``i``'s ``(Hq, L, D)``;
-    ``scan``: ``(stride, keep)`` of :func:`shortlisted_peaks` for ``token``;
     ``candidates`` (``quest`` and ``mean``, block numbers ascending): score those
     alone, the softmax over them, the rest ``-inf`` (``mlx_stream.recall.reuse``)."""
     nb = len(first)
@@ -162,13 +141,10 @@ def block_scores(selector: str, queries: list[np.ndarray], store, summaries, fir
         blocks = [j for j in range(nb) if not empty[j]]
         total = np.full(nb, -np.inf)
         if selector == "token":
-            total[blocks] = shortlisted_peaks(queries, keys_of(store), blocks, first, block,
-                                              scale, *scan)  # fmt: skip
+            total[blocks] = peak_scores(queries, keys_of(store), blocks, first, block, scale)
         else:
             total[blocks] = mass_scores(queries, keys_of(store), blocks, first, block, scale)
         return total
-    if selector == "quest" and isinstance(summaries, index.Indexed) and summaries.searches_quest:
-        return summaries.search(queries, nb, empty, scale)
     return _summary_scores(selector, queries, summaries, nb, scale, empty)
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-import mlx_stream.recall.index as index
 import mlx_stream.recall.reuse as reuse
 import mlx_stream.recall.score as score
 import mlx_stream.recall.select as select
@@ -21,7 +20,14 @@ from mlx_stream.cache import storage as kvstore
 from mlx_stream.cache.hooks import Hooks
 from mlx_stream.errors import RuntimeFailure, Unsupported, UserError
 from mlx_stream.recall.region import Regions
-from mlx_stream.recall.spec import RecallSpec
+from mlx_stream.recall.spec import (
+    PLACEMENT,
+    PLACEMENT_AT_PROMPT_END,
+    PROMPT_SELECTOR,
+    REFEED,
+    SELECTOR,
+    RecallSpec,
+)
 from mlx_stream.recall.store import BlockStore, load_queries, save_queries
 
 HISTORY = 16  # selections kept for rollback (a rollback reaches slack + 1 tokens back)
@@ -68,13 +74,12 @@ class Recall(Hooks):
         L = len(self.layers)
         # One RAM budget: the index (block summaries, read at every refresh) takes up to
         # its share, the blocks the rest; past its part each spills to files
-        kinds = select.kinds_for(spec.selector, spec.prompt_selector or spec.selector)
+        kinds = select.kinds_for(SELECTOR, PROMPT_SELECTOR)
         index_ram = int(spec.ram_bytes * select.INDEX_SHARE) if kinds else 0
         self.store = BlockStore(L, spec.block, spec.bits, spec.group_size,
                                 spec.ram_bytes - index_ram, spec.folder)  # fmt: skip
-        self.summaries = index.summaries_for(spec, L, kinds, index_ram)
-        self.shortlist = reuse.Shortlist(spec.shortlist_blocks, spec.rescan) if (
-            spec.index == "reuse") else None  # fmt: skip
+        self.summaries = select.Summaries(L, kinds, index_ram, spec.folder)
+        self.shortlist = reuse.Shortlist.of(spec.blocks)  # None: every refresh scans all
         self.first = []  # per block: its first token that belongs to it (sinks excluded)
         # (refresh point, selection, hold): the last one is current; no boundary
         # refresh replaces it at a boundary <= hold (a prompt's end fed again)
@@ -121,15 +126,11 @@ class Recall(Hooks):
         (``reserved_bytes`` = ``ram_reserved_bytes`` + ``disk_reserved_bytes``); the
         device region (``region_bytes``: reserved once, fixed); the blocks the last
         refresh scored (``scored_blocks``) and the seconds every refresh took
-        together (``refresh_seconds``); with the ``tree`` index, its searches and
-        those its expansion cap stopped (``index_searches``, ``index_capped``); with
-        ``reuse``, the refreshes that scanned every block and those that read its
-        shortlist (``index_scans``, ``index_reuses``)."""
+        together (``refresh_seconds``); the refreshes that scanned every block and
+        those that read the shortlist (``index_scans``, ``index_reuses``)."""
         store, summaries = self.store, self.summaries
         (ram, disk), (iram, idisk) = store.used(), summaries.used()
-        if isinstance(summaries, index.Indexed):
-            counters = {"index_searches": summaries.searches, "index_capped": summaries.capped}
-        elif self.shortlist is not None:
+        if self.shortlist is not None:
             counters = {"index_scans": self.shortlist.scans, "index_reuses": self.shortlist.reuses}
         else:
             counters = {}
@@ -295,15 +296,14 @@ class Recall(Hooks):
         ``candidates_at``, only from blocks no row from that token on can see."""
         n = self.layers[0].tokens_seen
         if n != self.refreshed_at:
-            self.refresh(n, candidates_at, self.spec.prompt_selector,
-                         self.spec.prompt_neighbours)  # fmt: skip
+            self.refresh(n, candidates_at, PROMPT_SELECTOR, True)
             if self.on_prompt_end is not None:
                 self.on_prompt_end(self, n)
 
     def prompt_end(self, model, caches: list, fed) -> None:
         """At the end of a prompt (``fed``: its tokens fed so far, all but the last):
         refresh the selection from the prompt's last queries, then roll ``caches``
-        back to the start of the prompt's last ``spec.refeed`` blocks and feed those
+        back to the start of the prompt's last ``REFEED`` blocks and feed those
         tokens again, attending to what the prompt chose (the question's own tokens
         then see the blocks it recalls; a boundary refresh does not replace that
         selection before the prompt's end). The candidates are then the blocks no
@@ -314,8 +314,8 @@ class Recall(Hooks):
         if n == self.refreshed_at:
             return
         bs = self.block
-        start = max((n - 1) // bs * bs - (self.spec.refeed - 1) * bs, n - len(fed), 0)
-        refeed = bool(self.spec.refeed) and start < n and all(c.is_trimmable() for c in caches)
+        start = max((n - 1) // bs * bs - (REFEED - 1) * bs, n - len(fed), 0)
+        refeed = start < n and all(c.is_trimmable() for c in caches)
         self.refresh_now(start if refeed else None)
         if self.refreshed_at != n:
             return  # nothing to choose from yet
@@ -367,27 +367,26 @@ class Recall(Hooks):
     def scores(self, point: int, selector: str | None = None, candidates_at: int | None = None,
                only: np.ndarray | None = None) -> np.ndarray | None:  # fmt: skip
         """Every candidate block's score for the calls from ``point`` (or
-        ``candidates_at``) on, from the queries before ``point`` (``selector``: the
-        spec's unless named; ``only``: those blocks, the rest ``-inf``: see
+        ``candidates_at``) on, from the queries before ``point`` (``selector``: a
+        boundary's unless named; ``only``: those blocks, the rest ``-inf``: see
         ``score.block_scores``); ``None`` when there is no candidate or no query yet."""
-        selector = selector or self.spec.selector
+        selector = selector or SELECTOR
         nb = self.candidates(point, candidates_at)
         recent = self.recent_queries(point) if nb and self.scale is not None else [None]
         if any(q is None for q in recent):
             return None
         return score.block_scores(selector, recent, self.store, self.summaries, self.first[:nb],
-                                  self.block, self.scale, (self.spec.scan_stride,
-                                                           self.spec.scan_keep), only)  # fmt: skip
+                                  self.block, self.scale, only)  # fmt: skip
 
     def refresh(self, point: int, candidates_at: int | None = None,
                 selector: str | None = None, neighbours: bool = False) -> None:  # fmt: skip
         """Choose the blocks for the calls from ``point`` (or ``candidates_at``) on,
         from the queries before ``point`` (with ``neighbours``, in pairs:
-        ``select.with_neighbours``); count the blocks scored and the time. With the
-        ``reuse`` index a ``quest`` or ``mean`` refresh scores its shortlist, or every
-        block when its turn to scan has come (``mlx_stream.recall.reuse``)."""
+        ``select.with_neighbours``); count the blocks scored and the time. A ``quest``
+        or ``mean`` refresh scores the shortlist, or every block when its turn to scan
+        has come (``mlx_stream.recall.reuse``)."""
         tic = time.perf_counter()
-        selector = selector or self.spec.selector
+        selector = selector or SELECTOR
         short = self.shortlist if selector in ("quest", "mean") else None
         only = short.candidates(self.candidates(point, candidates_at)) if short else None
         total = self.scores(point, selector, candidates_at, only)
@@ -396,7 +395,7 @@ class Recall(Hooks):
         self.refresh_seconds += time.perf_counter() - tic
         if total is None:
             return
-        self.scored_blocks = index.scored(self.summaries, total)
+        self.scored_blocks = int(np.isfinite(total).sum())
         pick = select.with_neighbours if neighbours else select.top_k
         chosen = pick(total, self.spec.blocks)
         if self.shortlist is not None and short is None:
@@ -408,7 +407,7 @@ class Recall(Hooks):
 
     def region_anchor(self, cache, n: int) -> int:
         """Position the region ends at for a call at token ``n``: the first sink's
-        (``stream``, ``before``, ``fixed``), or for ``near`` the position of the token the
+        (``stream``), or for ``near`` the position of the token the
         selection was refreshed at (the blocks end right before it, so the queries of the
         block after a refresh see them as their most recent context)."""
         if not cache.moving:
@@ -420,11 +419,10 @@ class Recall(Hooks):
 
     @property
     def placement(self) -> str:
-        """Where the current selection goes: ``spec.prompt_placement`` for one a
-        prompt's end chose (and fed its tail again under), else ``spec.placement``."""
+        """Where the current selection goes: ``near`` for one a prompt's end chose
+        (and fed its tail again under), else ``stream``."""
         point, _, hold = self.history[-1]
-        prompt = self.spec.prompt_placement
-        return prompt if prompt is not None and hold > point else self.spec.placement
+        return PLACEMENT_AT_PROMPT_END if hold > point else PLACEMENT
 
     def lead_slots(self, cache) -> int:
         """Region slots before the blocks: a moved copy of the sinks for ``stream``."""

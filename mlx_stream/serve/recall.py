@@ -117,4 +117,5 @@ def config(spec: Any) -> dict | None:
         return None
     from mlx_stream.recall.persist import CHECKED
 
-    return {k: getattr(spec, k) for k in CHECKED}
+    settings = spec.settings()
+    return {k: settings[k] for k in CHECKED}

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_stream.cache import make_sink_cache, max_call_tokens
-from mlx_stream.recall import RecallSpec
+from mlx_stream.recall import RecallSpec, tier_of
 
 SINKS, WINDOW, BLOCK = 2, 16, 8
 
@@ -18,8 +18,24 @@ def spec(**kw) -> RecallSpec:
     return RecallSpec(**{"blocks": 4, "block": BLOCK, **kw})
 
 
-def recall_cache(model, **kw):
-    return make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(**kw))
+def recall_cache(model, index: str = "reuse", shortlist: int = 0, rescan: int = 0, **kw):
+    """A recall cache of :func:`spec`; ``index="flat"`` (every refresh scans every
+    block), ``shortlist`` and ``rescan``: its tier's shortlist made so (:func:`reindex`)."""
+    cache = make_sink_cache(model, SINKS, WINDOW, stride=BLOCK, recall=spec(**kw))
+    return reindex(cache, index, shortlist, rescan)
+
+
+def reindex(cache, index: str = "reuse", shortlist: int = 0, rescan: int = 0):
+    """``cache`` with its tier's shortlist changed (its state kept): none for
+    ``index="flat"``; ``shortlist`` blocks kept, a scan every ``rescan`` refreshes
+    (``0``: the tier's own)."""
+    tier = tier_of(cache)
+    if index == "flat":
+        tier.shortlist = None
+    elif shortlist or rescan:
+        tier.shortlist.size = shortlist or tier.shortlist.size
+        tier.shortlist.rescan = rescan or tier.shortlist.rescan
+    return cache
 
 
 def feed(model, cache, tokens, chunk: int = 8) -> mx.array:
