@@ -61,13 +61,13 @@ def weights_digest(model: Any) -> str:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_stream.checkpoint import _raw
+    from mlx_stream.checkpoint import array_bytes
 
     h = hashlib.sha256(f"{type(model).__module__}.{type(model).__name__}\0".encode())
     for name, value in tree_flatten(model.parameters()):
         mx.eval(value)
         h.update(f"{name}:{value.dtype}:{value.shape}\0".encode())
-        h.update(memoryview(_raw(value)))
+        h.update(memoryview(array_bytes(value)))
     digest = "content:" + h.hexdigest()
     with contextlib.suppress(AttributeError, TypeError):
         setattr(model, WEIGHTS_ATTR, digest)
@@ -135,7 +135,7 @@ def state_digest(caches: list, key: PrefixKey) -> str:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_stream.checkpoint import _raw
+    from mlx_stream.checkpoint import array_bytes
 
     h = hashlib.sha256(key.to_json().encode())
     for i, c in enumerate(caches):
@@ -148,7 +148,7 @@ def state_digest(caches: list, key: PrefixKey) -> str:
         for name, value in flat:
             if isinstance(value, mx.array):
                 h.update(f"{i}.{name}:{value.dtype}:{value.shape}".encode())
-                h.update(memoryview(_raw(value)))
+                h.update(memoryview(array_bytes(value)))
             else:
                 h.update(f"{i}.{name}={value!r}".encode())
     return h.hexdigest()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlx_stream.recall.select import KINDS, Summaries, _gqa, quest_logits
+from mlx_stream.recall.select import KINDS, Summaries, group_queries, quest_logits
 
 FANOUT = 64  # blocks per superblock
 
@@ -166,7 +166,7 @@ class Indexed(Summaries):
             offsets: list[np.ndarray]):  # fmt: skip
         """``(S, logits)`` of blocks ``start .. stop - 1``: their :meth:`key` and every
         layer's scaled bounds (``grouped``: every layer's queries as
-        :func:`~mlx_stream.recall.select._gqa` groups them)."""
+        :func:`~mlx_stream.recall.select.group_queries` groups them)."""
         logits = [self._logits(g, scale, i, start, stop) for i, g in enumerate(grouped)]
         return self.key(logits, offsets), logits
 
@@ -176,7 +176,7 @@ class Indexed(Summaries):
         rest (``queries[i]``: layer ``i``'s ``(Hq, L, D)``; ``empty``: blocks with no
         token of their own). Sets ``scored``; counts ``searches`` and ``capped``."""
         H = self.shape[0]
-        grouped = [_gqa(q.astype(np.float32), H) for q in queries]
+        grouped = [group_queries(q.astype(np.float32), H) for q in queries]
         supers = -(-nb // self.fanout)
         U, offsets = self.upper(grouped, scale, supers)
         found, values, expanded, threshold = [], [], 0, -np.inf
@@ -214,7 +214,7 @@ class Indexed(Summaries):
             scale: float) -> np.ndarray:  # fmt: skip
         """The shortlist :meth:`search` reranks, as a flat scan of ``S`` would find it
         (for tests and measurements: every block scored)."""
-        grouped = [_gqa(q.astype(np.float32), self.shape[0]) for q in queries]
+        grouped = [group_queries(q.astype(np.float32), self.shape[0]) for q in queries]
         _, offsets = self.upper(grouped, scale, -(-nb // self.fanout))
         S = np.concatenate([self.raw(grouped, scale, a, min(nb, a + self.fanout), offsets)[0]
                             for a in range(0, nb, self.fanout)] or [[]])  # fmt: skip

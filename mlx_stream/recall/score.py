@@ -22,7 +22,7 @@ import numpy as np
 
 import mlx_stream.recall.index as index
 import mlx_stream.recall.select as select
-from mlx_stream.recall.select import _gqa
+from mlx_stream.recall.select import group_queries
 
 
 def keys_of(store) -> Callable[[int, list[int]], np.ndarray]:
@@ -71,7 +71,7 @@ def _layer(q: np.ndarray, chunks, kind: str, scale: float) -> np.ndarray:
     g, tops, lses = None, [], []
     for keys, valid in chunks:
         if g is None:
-            g = _gqa(q.astype(np.float32), keys.shape[1])
+            g = group_queries(q.astype(np.float32), keys.shape[1])
         top, lse = _chunk_stats(g, keys, valid, scale)
         tops.append(top)
         lses.append(lse)

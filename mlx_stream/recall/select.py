@@ -275,7 +275,7 @@ def _float32(raw: np.ndarray, dtype) -> np.ndarray:
     return raw.astype(np.float32)
 
 
-def _gqa(q: np.ndarray, kv_heads: int) -> np.ndarray:
+def group_queries(q: np.ndarray, kv_heads: int) -> np.ndarray:
     """Queries ``(Hq, L, D)`` as ``(kv_heads, Hq // kv_heads * L, D)``: each KV head's
     query heads side by side (mlx-lm's grouping: query head ``h`` reads KV head
     ``h // (Hq // kv_heads)``)."""
@@ -295,7 +295,7 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks,
     query heads and tokens, from summaries; ``blocks``: an ``int`` (blocks ``0 ..
     blocks - 1``) or block numbers, ascending (the softmax over those alone; ``empty``
     is then theirs)."""
-    g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
+    g = group_queries(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
 
     def read(kind):
         if isinstance(blocks, (int, np.integer)):
