@@ -94,7 +94,8 @@ def test_the_engine_never_imports_the_cli_typer_or_rich():
     "folder, forbidden",
     [
         ("cache", ("serve", "eval", "generate", "models", "recall")),
-        ("models", ("serve", "eval", "generate")),
+        ("models", ("serve", "eval", "generate", "prefix_store")),
+        ("prefix_store", ("models", "generate", "serve", "eval", "recall")),
         ("generate", ("serve", "eval")),
         ("eval", ("serve",)),
         ("recall", ("serve", "eval", "generate", "models")),

@@ -279,11 +279,11 @@ class ChatSession:
             fed += len(tokens)
         self.fed_text, self.pending, self.tokens = text, [], tokens
 
-    def prefix_key(self, text: str) -> Any:
-        """The prefix-store key of these caches after ``text`` (rendered, the start of
-        the conversation), or ``None`` where no entry may serve them: a draft model, a
-        recall tier (its store lives beside the caches) or a prefix under
-        ``prefix_store.MIN_TOKENS`` tokens."""
+    def prefix_key(self, text: str, store: Any = None) -> Any:
+        """The key in ``store`` (default: :attr:`prefix_store`) of these caches after
+        ``text`` (rendered, the start of the conversation), or ``None`` where no entry
+        may serve them: a draft model, a recall tier (its store lives beside the caches)
+        or a prefix under ``prefix_store.MIN_TOKENS`` tokens."""
         from mlx_stream import prefix_store
 
         if self.draft_model is not None or self.settings.cache.recall is not None:
@@ -292,13 +292,14 @@ class ChatSession:
         if len(tokens) < prefix_store.MIN_TOKENS:
             return None
         spec = self.settings.cache_spec(self.sinks, drafting=False)
-        return prefix_store.make_key(self.model, tokens, spec, PREFILL_STEP)
+        weights = getattr(store or self.prefix_store, "weights", None)  # None: by content
+        return prefix_store.make_key(self.model, tokens, spec, PREFILL_STEP, weights)
 
     def prefill_stored(self, text: str, store: Any) -> Generator[int, None, bool]:
         """:meth:`prefill_steps` of ``text`` into empty caches, from ``store`` (a
         ``PrefixStore``) when it holds them (nothing is yielded then); on a miss the
         prefilled caches go into the store. Returns whether they came from the store."""
-        key = self.prefix_key(text) if store is not None else None
+        key = self.prefix_key(text, store) if store is not None else None
         if key is not None:
             caches = store.lookup(key, self.model)
             if caches is not None and len(caches) == len(self.caches):

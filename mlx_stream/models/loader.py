@@ -540,9 +540,6 @@ def load(
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise UserError(f"cannot load {folder}: {_one_line(e)}") from None
     weights = apply_dtype(model, policy)
-    from mlx_stream.prefix_store import WEIGHTS_ATTR, source_digest
-
-    setattr(model, WEIGHTS_ATTR, source_digest(folder))  # what prefix-store entries belong to
     if prepare is not None:
         prepare(model)
     mx.eval(model.parameters())
