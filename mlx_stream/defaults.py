@@ -13,6 +13,7 @@ DEFAULT_SLACK = 0  # slack serves rollback only: a multi-token call needs none
 POSITIONS = ("cache", "absolute")
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE = 64
 
 # The recall tier (mlx_stream.recall).
 DEFAULT_RECALL_BLOCKS = 8

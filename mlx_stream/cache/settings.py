@@ -6,7 +6,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from mlx_stream.defaults import DEFAULT_SLACK, DEFAULT_STRIDE, KV_BITS, KV_GROUP_SIZES, POSITIONS
+from mlx_stream.defaults import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_SLACK,
+    DEFAULT_STRIDE,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    POSITIONS,
+)
 from mlx_stream.errors import Unsupported
 
 #: The CLI flag of each setting a user chooses (slack and stride have none).
@@ -89,11 +96,11 @@ def read_json(data: dict) -> dict:
 def validate_sizes(
     sinks: int,
     window: int,
-    slack: int | None = DEFAULT_STRIDE,
+    slack: int | None = DEFAULT_SLACK,
     stride: int = DEFAULT_STRIDE,
     positions: str = "cache",
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     key_bits: int | None = None,
 ) -> None:
     """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache

@@ -31,6 +31,7 @@ from mlx_stream.cache.settings import (  # noqa: F401  (FLAGS, CacheSettingError
     refusal,
 )
 from mlx_stream.defaults import (
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_SINKS,
     DEFAULT_SLACK,
     DEFAULT_STRIDE,
@@ -70,7 +71,7 @@ class CacheSpec:
     stride: int = DEFAULT_STRIDE
     positions: str = "cache"
     kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     key_bits: int | None = None
     recall: Any = None
 
@@ -93,7 +94,7 @@ class CacheSpec:
         window: int | None = None,
         positions: str = "cache",
         kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         key_bits: int | None = None,
         num_draft_tokens: int | None = None,
     ) -> CacheSpec:

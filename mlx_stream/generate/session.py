@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.defaults import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.prefill import PREFILL_STEP, feed_steps
 from mlx_stream.generate.saving import (
@@ -50,10 +51,10 @@ class Settings:
     cache: CacheSpec
     keep_system: bool = False
     pin_limit: int | None = None  # most sinks ``keep_system`` pins; the rest flows
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temp: float = 0.0
     top_p: float = 1.0
-    num_draft_tokens: int = 3
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
@@ -133,8 +134,7 @@ class ChatSession:
     specials: tuple[str, ...] | None = field(default=None, repr=False)
     tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
     thinking: bool | None = None  # the template's enable_thinking (mlx-lm's wrapper renames it)
-    # A mlx_stream.prefix_store.PrefixStore: the first turn starts from its copy of the
-    # rendered system prompt's caches (made and put there on a miss).
+    # A PrefixStore: a first turn starts from its system prompt's caches (put there on a miss).
     prefix_store: Any = None
 
     def __post_init__(self) -> None:
