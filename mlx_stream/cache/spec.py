@@ -4,17 +4,12 @@ Contract: a :class:`CacheSpec` holds the eight settings a SinkCache is built fro
 (``sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits``) and is
 valid once constructed: ``__post_init__`` refuses impossible settings with one line
 (:class:`CacheSettingError`, an ``Unsupported``: exit 2), naming the Python field, or
-the CLI flag when it was built from the user's options (:meth:`CacheSpec.for_model`).
-It is the one place those settings are checked (``settings.validate_sizes`` and the CLI
-delegate here), turned into bytes (:meth:`CacheSpec.bytes`), into JSON (the form
-checkpoints, ``/v1/sessions``, ``--json`` outputs and cache files carry), read back
-from a cache (:meth:`CacheSpec.of`) and turned into a prompt cache
-(:meth:`CacheSpec.build`).
-
-Imports nothing heavy at module level (``import mlx_stream.cache.estimate`` and the
-CLI's ``--help`` stay free of MLX): ``build`` and ``bytes`` import what they use.
-Nothing ``cache.build`` imports imports this module (a SinkCache reports its settings
-as JSON, read back by :meth:`CacheSpec.of`): building from here makes no import circle.
+the CLI flag when built from the user's options (:meth:`CacheSpec.for_model`). It is
+the one place those settings are checked, turned into bytes (:meth:`CacheSpec.bytes`),
+into JSON, read back from a cache (:meth:`CacheSpec.of`) and built
+(:meth:`CacheSpec.build`). Nothing heavy is imported at module level, and nothing
+``cache.build`` imports imports this module (no import circle). In full: docs/cache.md
+("CacheSpec").
 """
 
 from __future__ import annotations

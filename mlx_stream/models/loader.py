@@ -10,7 +10,7 @@ window) is checked before a download and before loading. The dtype
 policy: on MLX's CPU backend weights are dequantized to float32 (its quantized matmul
 is slow there), on a GPU they stay quantized; ``dtype=`` overrides it.
 
-mlx-lm is imported inside the functions that need it (``import mlx_lm`` costs ~2 s).
+mlx-lm is imported inside the functions that need it (``import mlx_lm`` is slow).
 """
 
 from __future__ import annotations

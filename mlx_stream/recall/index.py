@@ -1,33 +1,14 @@
 """A sublinear index over the block summaries (``RecallSpec.index="tree"``, numpy).
 
-Every :data:`FANOUT` consecutive blocks of a layer form a *superblock* whose key
-minimum and maximum (per KV head and channel) are the elementwise minimum and maximum
-of its children's: kept in host memory, updated as each block is summarised
-(append-only: O(1) per block; a rollback rebuilds the one superblock it cuts), rebuilt
-from the summaries when a store is loaded. Quest's bound ``sum_c max(q_c lo_c, q_c
-hi_c)`` is monotone in ``hi`` (for ``q_c >= 0``) and in ``-lo`` (for ``q_c < 0``), so a
-superblock's bound is at least every child's.
-
-A refresh (the ``quest`` selector) then:
-
-1. scores every superblock: ``U`` = the sum over layers of the largest bound over
-   (KV head, query row), scaled (the same aggregate ``S`` of a block is at most its
-   superblock's ``U``);
-2. expands superblocks best ``U`` first, scoring their children's ``S`` exactly, until
-   the next ``U`` falls below the ``shortlist``-th best ``S`` found (branch and bound:
-   the shortlist is exactly the top blocks by ``S`` of a flat scan, ties to the
-   earlier block), or ``cap`` superblocks were expanded (the cap *binds*: counted in
-   ``capped``);
-3. reranks every block it expanded with the flat scan's vote (per layer the softmax
-   mass of each (KV head, query row), its largest, summed over layers), the softmax
-   over those blocks only, reading their summaries again (from files when spilled):
-   when every superblock was expanded, the flat scan's scores.
-
-``S`` is the vote with each row's softmax denominator fixed in advance (from the
-superblocks' bounds): monotone in every bound, so the search is exact for ``S``, but
-``S`` ranks blocks only roughly as the vote does (measured: benchmarks/README.md).
-
-Blocks left out get ``-inf``; the tier takes the top ``k`` as for the flat scan.
+Every :data:`FANOUT` consecutive blocks of a layer form a *superblock* whose key minimum
+and maximum are the elementwise minimum and maximum of its children's (host memory,
+O(1) per block summarised, rebuilt when a store is loaded), so its Quest bound is at
+least every child's. A refresh (the ``quest`` selector) scores the superblocks, expands
+them best first by branch and bound until the ``shortlist`` best blocks under the
+aggregate ``S`` are found exactly (or ``cap`` superblocks were expanded: counted in
+``capped``), then reranks the expanded blocks with the flat scan's vote. ``S`` ranks
+blocks only roughly as the vote does; blocks left out get ``-inf``, and the tier takes
+the top ``k`` as for the flat scan. In full: docs/recall.md ("The tree index").
 """
 
 from __future__ import annotations

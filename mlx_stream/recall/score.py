@@ -38,7 +38,7 @@ def keys_of(store) -> Callable[[int, list[int]], np.ndarray]:
 
 #: Blocks whose keys one step of a layer's scan reads (64 x 64 tokens): the scan's
 #: memory is this chunk's logits and ``(KV heads, query rows, blocks)`` statistics,
-#: not a softmax over every stored token (at 1M tokens that was ~7 GB a layer).
+#: not a softmax over every stored token (gigabytes a layer over a long stream).
 CHUNK = 64
 
 
