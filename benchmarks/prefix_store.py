@@ -45,6 +45,7 @@ def child(args) -> None:
     from mlx_stream.cache.spec import CacheSpec
     from mlx_stream.generate.model_config import end_of_turn_tokens
     from mlx_stream.generate.session import ChatSession, Settings
+    from mlx_stream.models.loader import resolve
     from mlx_stream.models.registry import load_registry
     from mlx_stream.prefix_store import PrefixStore
 
@@ -57,7 +58,7 @@ def child(args) -> None:
     cache = CacheSpec.for_model(entry)
     settings = Settings(cache=cache, max_tokens=args.max_tokens, temp=0.0,
                         stop_tokens=end_of_turn_tokens(tokenizer))  # fmt: skip
-    store = None if args.store is None else PrefixStore(args.store)
+    store = None if args.store is None else PrefixStore(args.store).bind(resolve(args.model)[0])
     session = ChatSession(model, tokenizer, settings, system=system, prefix_store=store)
     first = None
     tokens = []

@@ -450,6 +450,7 @@ def chat(
         kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
     )  # fmt: skip
     sample = sampling(path, temp, top_p, top_k, repetition_penalty)
+    prefixes = prefixes and prefixes.bind(path)  # entries keyed by the model's folder
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(

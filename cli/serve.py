@@ -368,6 +368,7 @@ def serve(
         kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
     )  # fmt: skip
     sample = sampling(path, temp, top_p, top_k, repetition_penalty)
+    prefixes = prefixes and prefixes.bind(path)  # entries keyed by the model's folder
     draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
     model_id = spec.name if spec is not None else Path(model or "default").name
     aliases: tuple[str, ...] = ()

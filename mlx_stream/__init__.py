@@ -1,18 +1,8 @@
 """mlx-stream: run language models forever in fixed memory on MLX.
 
-The engine, one folder per concern, each layer importing only the ones below it:
-
-- base modules here: ``errors``, ``files``, ``defaults``, ``blas`` (import nothing of
-  the package's folders), ``checkpoint`` and ``distributed``;
-- ``cache/``: the rolling KV cache (attention sinks + window), its storage, RoPE
-  position moves, the batched cache, the reclaim schedule and the memory estimate;
-- ``models/``: the registry, pulling and loading, GGUF conversion;
-- ``generate/``: the decode loops, the chat session, batched decode;
-- ``serve/``: the OpenAI-compatible server's engine and HTTP routes;
-- ``eval/``: streaming perplexity, divergence from the full cache, passkey recall.
-
-It never imports typer or rich (the CLI lives in ``cli/``). The public API below is
-resolved lazily (PEP 562), so ``import mlx_stream`` loads neither MLX nor mlx-lm::
+The public API is resolved lazily (PEP 562), so ``import mlx_stream`` loads neither MLX
+nor mlx-lm, and the package never imports typer or rich (the CLI lives in ``cli/``).
+Its folders and the layering between them: docs/development.md::
 
     from mlx_stream import CacheSpec, RecallSpec, load, make_sink_cache, stream_generate
 
@@ -32,7 +22,7 @@ from typing import Any
 from mlx_stream import blas as _blas
 
 # On Linux, an installed OpenBLAS must be loaded before mlx.core to serve MLX's CPU
-# matmuls (its vendored reference BLAS is ~30x slower); a no-op elsewhere.
+# matmuls (its vendored reference BLAS is far slower); a no-op elsewhere.
 _blas.preload()
 
 __version__ = "0.1.0"

@@ -1,19 +1,15 @@
 """Use an optimized BLAS under MLX's CPU backend on Linux, when one is installed.
 
-The ``mlx[cpu]`` wheel links a vendored netlib reference BLAS/LAPACK
-(``mlx_cpu.libs/libblas-*.so``): float32 matmul runs at a few GFLOP/s where OpenBLAS
-reaches hundreds. ``libmlx.so`` imports ``cblas_sgemm`` and the LAPACK routines as
-undefined symbols, and the dynamic linker resolves them in the global scope first. So
-loading an OpenBLAS with ``RTLD_GLOBAL`` *before* ``mlx.core`` is first imported makes
-MLX call it instead of the vendored library. After MLX is imported it is too late:
-its symbols are already bound.
+The ``mlx[cpu]`` wheel links a vendored reference BLAS whose symbols ``libmlx.so``
+resolves in the global scope, so an OpenBLAS loaded with ``RTLD_GLOBAL`` before
+``mlx.core`` is first imported serves MLX instead (after that it is too late). Why:
+docs/development.md ("OpenBLAS under MLX").
 
-:func:`preload` does that once, never raising: it is a no-op when
-``MLX_STREAM_BLAS=off``, off Linux (macOS uses Accelerate), when MLX is already
-imported, or when no OpenBLAS is found (Debian/Ubuntu: ``apt-get install
-libopenblas0-pthread``). ``MLX_STREAM_BLAS=/path/to/libopenblas.so.0`` picks a library.
-Threads follow OpenBLAS's own ``OPENBLAS_NUM_THREADS`` (read when it loads). This module
-imports nothing from MLX.
+:func:`preload` does that once, never raising: a no-op when ``MLX_STREAM_BLAS=off``,
+off Linux (macOS uses Accelerate), when MLX is already imported, or when no OpenBLAS is
+found (Debian/Ubuntu: ``apt-get install libopenblas0-pthread``).
+``MLX_STREAM_BLAS=/path/to/libopenblas.so.0`` picks a library; threads follow
+``OPENBLAS_NUM_THREADS``. This module imports nothing from MLX.
 """
 
 from __future__ import annotations

@@ -54,11 +54,11 @@ def checksum(caches: list, used: bool = True) -> str:
         mx.eval([v for _, v in arrays])
         for key, value in arrays:
             h.update(f"{i}.{key}:{value.dtype}:{value.shape}".encode())
-            h.update(memoryview(_raw(value)))
+            h.update(memoryview(array_bytes(value)))
     return h.hexdigest()
 
 
-def _raw(a: mx.array) -> np.ndarray:
+def array_bytes(a: mx.array) -> np.ndarray:
     """The bytes of ``a`` as a numpy array (bfloat16 has no numpy dtype: viewed as bytes)."""
     flat = a.reshape(-1)
     if flat.dtype == mx.bool_:

@@ -64,7 +64,6 @@ def slack_for(num_draft_tokens: int = 0) -> int:
 
 
 #: Tokens after an edit in the middle of a conversation computed again
-#: (``serve --repair-tokens``, ``mlx_stream.generate.repair``). 128: on the default
-#: model the greedy reply after 16 of 18 edits equal to a rebuild's (32: 14), the first
-#: token 10x sooner or more (benchmarks/README.md, "Repair after an edit").
+#: (``serve --repair-tokens``, ``mlx_stream.generate.repair``): the value the repair
+#: benchmark chose (benchmarks/README.md, "Repair after an edit").
 DEFAULT_REPAIR_TOKENS = 128

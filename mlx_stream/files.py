@@ -1,4 +1,5 @@
-"""Files written so that nothing half-done is ever seen or left behind.
+"""Files written so that nothing half-done is ever seen or left behind, and the user
+cache they go under (:func:`home_dir`).
 
 Temporary files and folders are made beside their target and named
 ``.<target>.<kind>-<pid>-...`` so that the next run can tell a leftover of a killed
@@ -13,6 +14,19 @@ import shutil
 from pathlib import Path
 
 STALE_KINDS = ("partial", "old", "download", "rm")
+ENV_HOME = "MLX_STREAM_HOME"
+
+
+def home_dir(home: str | os.PathLike | None = None) -> Path:
+    """The user cache: ``home`` if given, else ``$MLX_STREAM_HOME``, else the platform's
+    user cache dir ``mlx-stream``."""
+    if home is not None:
+        return Path(home).expanduser()
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("mlx-stream"))
 
 
 def file_mode() -> int:

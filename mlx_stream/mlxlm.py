@@ -9,7 +9,7 @@ Each item says what is assumed and the mlx-lm version it was checked with (pypro
 pins ``mlx-lm>=0.32.2,<0.33``).
 
 A base module: it imports nothing from the package. mlx-lm is imported on first use
-(``import mlx_lm`` costs ~2 s), so importing this module loads neither mlx nor mlx-lm.
+(``import mlx_lm`` is slow), so importing this module loads neither mlx nor mlx-lm.
 The classes and objects (``BaseCache``, ``TextStateMachine``, ``generation_stream``)
 resolve on first access.
 """

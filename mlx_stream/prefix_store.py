@@ -34,7 +34,7 @@ DEFAULT_MB = 4096  # default bound on the folder, in MB (10**6 bytes, as --recal
 FOLDER = "prefixes"  # under the user cache (``$MLX_STREAM_HOME`` or the platform's)
 #: Shortest prefix worth a file: a few dozen tokens prefill faster than a file is written.
 MIN_TOKENS = 64
-#: Set on a loaded model by ``mlx_stream.models.loader``: a digest of its folder.
+#: A built model's content digest, kept on it once computed (:func:`weights_digest`).
 WEIGHTS_ATTR = "mlx_stream_weights_digest"
 MODE = 0o600  # a system prompt may be private: entries are the user's own
 _STALE = re.compile(r"\.partial-(\d+)-")
@@ -52,22 +52,22 @@ def source_digest(folder: str | os.PathLike) -> str:
 
 
 def weights_digest(model: Any) -> str:
-    """The digest of ``model``'s weights: its folder's (:func:`source_digest`, set by
-    the loader), else a sha256 of its class, parameter names, shapes and bytes (a model
-    built in memory; computed once, then kept on the model)."""
+    """A sha256 of ``model``'s class, parameter names, shapes and bytes, for a model no
+    folder names (built in memory; computed once, then kept on the model). A loaded
+    model's store is keyed by its folder instead (:meth:`PrefixStore.bind`)."""
     known = getattr(model, WEIGHTS_ATTR, None)
     if isinstance(known, str):
         return known
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_stream.checkpoint import _raw
+    from mlx_stream.checkpoint import array_bytes
 
     h = hashlib.sha256(f"{type(model).__module__}.{type(model).__name__}\0".encode())
     for name, value in tree_flatten(model.parameters()):
         mx.eval(value)
         h.update(f"{name}:{value.dtype}:{value.shape}\0".encode())
-        h.update(memoryview(_raw(value)))
+        h.update(memoryview(array_bytes(value)))
     digest = "content:" + h.hexdigest()
     with contextlib.suppress(AttributeError, TypeError):
         setattr(model, WEIGHTS_ATTR, digest)
@@ -116,15 +116,20 @@ class PrefixKey:
         return hashlib.sha256(self.to_json().encode()).hexdigest() + SUFFIX
 
 
-def make_key(model: Any, tokens: list[int], spec: Any, step: int) -> PrefixKey:
+def make_key(
+    model: Any, tokens: list[int], spec: Any, step: int, weights: str | None = None
+) -> PrefixKey:
     """The key of the cache state after ``tokens`` went into ``model`` under the cache
-    policy ``spec`` (a ``CacheSpec``) in calls of at most ``step`` tokens."""
+    policy ``spec`` (a ``CacheSpec``) in calls of at most ``step`` tokens; ``weights``:
+    the model's digest (:func:`source_digest` of its folder; default: its content's,
+    :func:`weights_digest`)."""
     from mlx_stream.checkpoint import TextDigest
 
     text = TextDigest()
     text.update(list(tokens))
     cache = json.dumps(spec.to_json(), sort_keys=True)
-    return PrefixKey(weights_digest(model), weights_dtype(model), cache, int(step),
+    weights = weights if weights is not None else weights_digest(model)
+    return PrefixKey(weights, weights_dtype(model), cache, int(step),
                      text.hexdigest(), len(tokens))  # fmt: skip
 
 
@@ -135,7 +140,7 @@ def state_digest(caches: list, key: PrefixKey) -> str:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_stream.checkpoint import _raw
+    from mlx_stream.checkpoint import array_bytes
 
     h = hashlib.sha256(key.to_json().encode())
     for i, c in enumerate(caches):
@@ -148,7 +153,7 @@ def state_digest(caches: list, key: PrefixKey) -> str:
         for name, value in flat:
             if isinstance(value, mx.array):
                 h.update(f"{i}.{name}:{value.dtype}:{value.shape}".encode())
-                h.update(memoryview(_raw(value)))
+                h.update(memoryview(array_bytes(value)))
             else:
                 h.update(f"{i}.{name}={value!r}".encode())
     return h.hexdigest()
@@ -156,9 +161,7 @@ def state_digest(caches: list, key: PrefixKey) -> str:
 
 def default_dir() -> Path:
     """``prefixes/`` under the user cache (``$MLX_STREAM_HOME`` or the platform's)."""
-    from mlx_stream.models.registry import home_dir
-
-    return home_dir() / FOLDER
+    return files.home_dir() / FOLDER
 
 
 class PrefixStore:
@@ -169,6 +172,8 @@ class PrefixStore:
         max_bytes (int): Most bytes of entries kept. Default: ``DEFAULT_MB`` MB.
 
     Attributes:
+        weights (str | None): The digest its keys give the model (:meth:`bind`);
+            ``None``: each model's content digest (:func:`weights_digest`).
         enabled (bool): False once the folder could not be made or written.
         hits, misses, writes, rejected (int): Counters (``rejected``: entries found
             corrupt, truncated or foreign, and removed).
@@ -177,6 +182,7 @@ class PrefixStore:
     def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None):
         self.root = Path(root).expanduser() if root is not None else default_dir()
         self.max_bytes = DEFAULT_MB * MB if max_bytes is None else int(max_bytes)
+        self.weights: str | None = None
         self.enabled = True
         self.hits = self.misses = self.writes = self.rejected = 0
         self._lock = threading.Lock()
@@ -190,6 +196,12 @@ class PrefixStore:
 
     def path(self, key: PrefixKey) -> Path:
         return self.root / key.name
+
+    def bind(self, folder: str | os.PathLike) -> PrefixStore:
+        """Key entries by the model loaded from ``folder`` (:func:`source_digest`: a
+        changed or replaced file is another model); returns the store."""
+        self.weights = source_digest(folder)
+        return self
 
     # ----- reading ------------------------------------------------------------------
 

@@ -94,7 +94,8 @@ def test_the_engine_never_imports_the_cli_typer_or_rich():
     "folder, forbidden",
     [
         ("cache", ("serve", "eval", "generate", "models", "recall")),
-        ("models", ("serve", "eval", "generate")),
+        ("models", ("serve", "eval", "generate", "prefix_store")),
+        ("prefix_store", ("models", "generate", "serve", "eval", "recall")),
         ("generate", ("serve", "eval")),
         ("eval", ("serve",)),
         ("recall", ("serve", "eval", "generate", "models")),
@@ -389,3 +390,188 @@ def test_only_mlxlm_imports_mlx_lms_private_names():
         if alias.name.startswith("_")
     ]
     assert found == [], "import them through mlx_stream/mlxlm.py"
+
+
+# ------------------------------------------------------------------ private names across modules
+
+# The package's modules that still import another module's private name, each to be
+# fixed (then removed here).
+PRIVATE_IMPORT_PENDING: set[str] = set()
+
+
+def private_imports(path, root=REPO) -> list[str]:
+    """Another package module's private names ``path`` uses: ``from mlx_stream.x import
+    _y`` (relative imports resolved) and ``x._y`` where ``x`` names a package module it
+    imported (dunders aside)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    modules: set[str] = set()  # local names bound to package modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if not under(base, "mlx_stream"):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{base}.{alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if under(alias.name, "mlx_stream"):
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_private_import_check_finds_planted_ones(tmp_path):
+    pkg = tmp_path / "mlx_stream" / "recall"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text(
+        "from mlx_stream.checkpoint import _raw, __version__\n"
+        "from .select import _gqa, group_queries\n"
+        "from mlx_stream.models.hub import local\n"
+        "from os import _exit\n"
+        "local._read_config(None), group_queries._cache, local.__name__\n"
+    )
+    assert sorted(private_imports(pkg / "x.py", tmp_path)) == [
+        "group_queries._cache",
+        "local._read_config",
+        "mlx_stream.checkpoint._raw",
+        "mlx_stream.recall.select._gqa",
+    ]
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name used across modules is public: no ``_name`` crosses a module's edge."""
+    found = {
+        path.relative_to(REPO).as_posix(): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (hits := private_imports(path))
+    }
+    new = {path: hits for path, hits in found.items() if path not in PRIVATE_IMPORT_PENDING}
+    assert not new, f"private names imported across modules (make them public): {new}"
+    done = sorted(PRIVATE_IMPORT_PENDING - set(found))
+    assert not done, f"no private imports left, remove them from PRIVATE_IMPORT_PENDING: {done}"
+
+
+# ------------------------------------------------------------------ defaults, defined once
+
+# Files that still repeat a value of mlx_stream/defaults.py, each to be fixed (then
+# removed here): a module-level ``DEFAULT_*`` defaults.py defines, or a literal default
+# for a parameter or field named like one of its values.
+DEFAULTS_PENDING = {
+    "mlx_stream/cache/layer.py",
+    "mlx_stream/serve/admission.py",
+    "mlx_stream/serve/scheduler.py",
+    "cli/chat.py",
+    "cli/checks.py",
+    "cli/eval.py",
+    "cli/profile.py",
+    "cli/serve.py",
+    "cli/stream_run.py",
+}
+# Parameters and fields named like a default that hold another setting on purpose:
+# ``(path, name)``, each with its reason.
+NOT_THE_DEFAULT = {
+    ("mlx_stream/eval/needle.py", "window"): "the needle eval's own window, recall's",
+    ("mlx_stream/generate/session.py", "stop_loops"): "off in the library; chat asks",
+    ("mlx_stream/generate/decode.py", "stop_loops"): "off in the library; chat asks",
+    ("mlx_stream/serve/engine.py", "repair_tokens"): "off in the library; serve asks",
+    ("mlx_stream/generate/session.py", "sinks"): "a session's state: the sinks pinned",
+    ("mlx_stream/serve/matching.py", "sinks"): "an entry's state: the sinks pinned",
+}
+
+
+def default_names() -> dict[str, str]:
+    """``{parameter name: DEFAULT_ name}`` of defaults.py (``window``: DEFAULT_WINDOW)."""
+    from mlx_stream import defaults
+
+    return {
+        n.removeprefix("DEFAULT_").lower(): n for n in vars(defaults) if n.startswith("DEFAULT_")
+    }
+
+
+def repeated_defaults(source: str, names: dict[str, str]) -> list[str]:
+    """Where ``source`` repeats a default: a module-level assignment of one of the
+    ``DEFAULT_*`` names, or a number literal as the default of a parameter (or a class
+    field) named by ``names``."""
+    tree = ast.parse(source)
+    found = []
+    defined = set(names.values())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets = [node.target] if isinstance(node, ast.AnnAssign) else targets
+        found += [t.id for t in targets if isinstance(t, ast.Name) and t.id in defined]
+
+    def literal(value) -> bool:
+        return (
+            isinstance(value, ast.Constant)
+            and isinstance(value.value, int | float)
+            and not isinstance(value.value, bool)
+        )
+
+    for node in ast.walk(tree):
+        pairs = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            pairs += zip(positional[len(positional) - len(a.defaults) :], a.defaults)
+            pairs += zip(a.kwonlyargs, a.kw_defaults)
+            pairs = [(arg.arg, value) for arg, value in pairs]
+        elif isinstance(node, ast.ClassDef):
+            pairs = [
+                (s.target.id, s.value)
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            ]
+        found += [name for name, value in pairs if name in names and literal(value)]
+    return found
+
+
+def test_the_defaults_check_finds_planted_ones():
+    names = default_names()
+    assert names["kv_group_size"] == "DEFAULT_KV_GROUP_SIZE" and names["slack"] == "DEFAULT_SLACK"
+    code = (
+        "from mlx_stream.defaults import DEFAULT_WINDOW\n"
+        "DEFAULT_SINKS = 4\n"
+        "def f(x, window=DEFAULT_WINDOW, slack=64, *, kv_group_size=64, other=3): ...\n"
+        "class S:\n"
+        "    sinks: int = 4\n"
+        "    flag: bool = False\n"
+    )
+    assert sorted(repeated_defaults(code, names)) == [
+        "DEFAULT_SINKS",
+        "kv_group_size",
+        "sinks",
+        "slack",
+    ]
+
+
+def test_every_default_is_defined_once_in_defaults_py():
+    """A value defaults.py holds is imported from there, never written again (so two
+    copies cannot disagree); a different value on purpose is listed with its reason."""
+    names = default_names()
+    found = {}
+    for path, source in sources().items():
+        if not path.startswith(("mlx_stream/", "cli/")) or path == "mlx_stream/defaults.py":
+            continue
+        hits = [h for h in repeated_defaults(source, names) if (path, h) not in NOT_THE_DEFAULT]
+        if hits:
+            found[path] = hits
+    new = {path: hits for path, hits in found.items() if path not in DEFAULTS_PENDING}
+    assert not new, f"defaults written again (import them from mlx_stream/defaults.py): {new}"
+    done = sorted(DEFAULTS_PENDING - set(found))
+    assert not done, f"no repeated defaults left, remove them from DEFAULTS_PENDING: {done}"

@@ -143,7 +143,7 @@ def test_an_entry_is_never_read_by_another_model_dtype_or_policy(loaded, tiny_mo
     assert store.rejected == len(others)
 
 
-def test_the_loader_digest_follows_the_weight_files(tiny_model_dir, tmp_path):
+def test_a_bound_stores_digest_follows_the_weight_files(tiny_model_dir, tmp_path):
     import shutil
 
     folder = tmp_path / "copy"
@@ -155,8 +155,11 @@ def test_the_loader_digest_follows_the_weight_files(tiny_model_dir, tmp_path):
     assert ps.source_digest(folder) != first  # a replaced file is another model
     from mlx_stream.models.loader import load
 
-    model, _ = load(str(folder))
-    assert ps.weights_digest(model) == ps.source_digest(folder)
+    model, tokenizer = load(str(folder))
+    store = ps.PrefixStore(tmp_path / "store").bind(folder)  # as chat and serve do
+    assert store.weights == ps.source_digest(folder)
+    assert key_of(make_session(model, tokenizer, store)).weights == store.weights
+    assert key_of(make_session(model, tokenizer)).weights.startswith("content:")  # no store
     built = tiny.make_model("llama")
     assert ps.weights_digest(built).startswith("content:")
     assert ps.weights_digest(built) == ps.weights_digest(tiny.make_model("llama"))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_stream.defaults import DEFAULT_SLACK, DEFAULT_STRIDE
+from mlx_stream.defaults import DEFAULT_KV_GROUP_SIZE, DEFAULT_SLACK, DEFAULT_STRIDE
 from mlx_stream.errors import UserError
 
 RECALL_SEGMENT = 32  # blocks per recall store segment (one allocation or file per layer)
@@ -67,7 +67,7 @@ def cache_bytes(
     slack: int = DEFAULT_SLACK,
     positions: str = "cache",
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     key_bits: int | None = None,
     stride: int = DEFAULT_STRIDE,
 ) -> int:

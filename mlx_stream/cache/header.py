@@ -22,7 +22,7 @@ from mlx_stream.errors import Unsupported
 DTYPES = ("float16", "bfloat16", "float32", "uint32")  # what a cache's arrays hold
 MAX_COUNT = 1 << 62  # tokens a stream may have seen
 TOLERANCE = 1.25  # padded arrays over the model's cache of the same settings (8-bit keys
-# per token against per channel differ by a few %; another head count by 2x or more)
+# per token against per channel differ by little; another head count by far more)
 LAYOUT_ATTR = "mlx_stream_kv_layout"  # a model's KVLayout, kept on it once worked out
 
 

@@ -1,40 +1,16 @@
 """Per-channel 4-bit and 8-bit keys for the sink + window ring (KIVI's scheme, fitted to a ring).
 
-Why per-channel keys, with their measurements: docs/cache.md ("Why per-channel keys").
-
-Contract (``ChannelKeys``, the key storage of a SinkCache whose keys have 4 bits):
-
-- Groups: ring token ``t >= sinks`` belongs to group ``(t - sinks) // GROUP``. The ring
-  has ``window + slack`` slots, rounded up to a multiple of ``GROUP`` (``ring_slack``), so
-  group ``k`` always lands on the ring slots ``sinks + (k * GROUP) % ring``..``+GROUP``:
-  a group starts at a ring slot that is a multiple of ``GROUP`` past the sinks.
-- Float residual: ``RECENT = 2 * GROUP`` float slots (``recent``), token ``t`` in slot
-  ``(t - sinks) % RECENT``, in float16 when the keys are float32 (``residual_dtype``:
-  half the bytes, a rounding far below 4-bit's). A group is quantized (from these
-  floats, transposed, with ``mx.quantize`` along the tokens) into the ring when its
-  last token is written. A row
-  ``q`` reads token ``t`` from the ring once ``t``'s group is complete at ``q``, else from
-  its float slot: the mask picks, per row, which of the two columns a token is seen
-  through, so a chunk or a speculative verify block sees exactly what token-by-token
-  decoding sees. The residual must hold every float a call's rows need and those a
-  rollback brings back: ``call_limit``/``trim_limit`` bound a call and a trim by what
-  fits (at least ``GROUP + 1`` tokens each). Calls are written into the ring before
-  attention (the ring's in-place layout), so the slack is at least ``MIN_SLACK``.
-- Sinks (and the spare sink copies of a call crossing a sink move) are kept in float:
-  ``sinks`` tokens, re-derived from the sink copy when they move, so they are never
-  re-quantized. A rebase moves the whole ring by re-rotation: dequantize, rotate,
-  quantize again (one more rounding per rebase a token lives through, at most two
-  over a window), and the float residual is rotated as floats.
-- Bytes: every array here is in the cache's ``state`` (``estimate.cache_bytes`` counts
-  them exactly).
-- Columns a call attends: the cache's slots (sinks, ring, spare sinks), then the
-  residual slots ``recent_range(n, N)`` that hold the tokens of the call's open groups
-  (the others are masked for every row, so they are left out: a decode step attends
-  at most ``GROUP`` residual columns).
-
-Attention either reads dequantized float keys (``fetch``: any model) or runs on the
-packed ring (``mlx_stream.cache.qattend``, where the model's attention is proven to
-reach it).
+Contract (``ChannelKeys``, the key storage of a SinkCache whose keys are quantized per
+channel): ring token ``t >= sinks`` belongs to group ``(t - sinks) // GROUP``, and a
+group always lands on the same ``GROUP`` ring slots (the ring is rounded up to a
+multiple of ``GROUP``: ``ring_slack``). The newest tokens wait as floats in ``RECENT``
+residual slots until their group is complete, then the group is quantized into the
+ring; each row of a call sees a token through the ring or the residual as a decode step
+at its token would, so chunks and verify blocks see exactly what decoding sees
+(``call_limit`` and ``trim_limit`` bound a call and a trim by what the residual holds).
+Sinks stay in float; a rebase re-rotates the ring (dequantize, rotate, quantize). Every
+array is in the cache's ``state``. In full, and why per-channel keys: docs/cache.md
+("Per-channel keys in the ring", "Why per-channel keys").
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Where each cached tensor carries its position, how to move it, and the self-check
 that proves it on the real model.
 
-mlx-lm layers store tensors after RoPE: ``update_and_fetch(keys, values)`` where, per
-architecture, the roped part is all of the keys (llama), the tail of the keys
-(``concat(k_nope, roped k_pe)``: minicpm3, deepseek_v2), the values slot (MLA:
-``update_and_fetch(latent, roped k_pe)``), or nothing (NoPE layers). A ``Move`` names
-that part (slot, dims) and the rope that rotates it; moving it by ``d`` positions is the
-rope applied with ``offset=d`` to one position per token (a pure rotation, with a
-magnitude factor such as YaRN's mscale divided out).
-
-Nothing is guessed from names alone. ``check_model`` runs the model itself on a few
-random tokens with probe caches at positions ``p`` and ``p + d`` and keeps, per layer,
-the one description that turns what was cached at ``p`` into what was cached at
-``p + d`` (float tolerance); it also checks that a rebase (every stored tensor moved by
-``-d``, the offset lowered by ``d``) leaves the next logits unchanged, which catches
-state outside the cache that remembers absolute positions, and whether the model reads
-an additive mask correctly (else it gets a boolean one). A layer no description fits
-is refused with one line. The verdict is cached per model object.
+A ``Move`` names the part of a layer's cached tensors that carries positions (all of
+the keys, a roped tail of the keys, the values slot for MLA, or nothing: NoPE) and the
+rope that rotates it; moving by ``d`` positions is that rope applied with ``offset=d``.
+``check_model`` runs the model on random tokens with probe caches at ``p`` and
+``p + d`` and keeps, per layer, the one description that turns one into the other; it
+also checks that a rebase leaves the next logits unchanged and whether the model reads
+an additive mask. A layer no description fits is refused with one line; the verdict is
+cached per model object. In full: docs/cache.md ("Positions and the self-check").
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """Quantized attention on the packed per-channel keys (MLX's quantized matmul route).
 
-Why this route, with its measurements: docs/cache.md ("Why the packed route").
-
-Contract:
-
-- The route is a handler of the one wrapper of mlx-lm's attention function
-  (``mlx_stream.cache.attention``: it takes the calls whose keys are ``PackedKeys``).
-  ``install(model, caches)`` runs that module's lazy probe pass on copies of
-  ``caches``: only if every per-channel SinkCache layer hands its packed keys and
-  values to the wrapper untouched does it set ``fast_route`` on those caches (and on
-  any SinkCache made later with the same layer's ``Move``, the model's own: a cache
-  loaded from a file). Elsewhere the caches keep returning dequantized floats
-  (correct, slower), and a probe that fails leaves the model's attention as it was.
-- A cache with ``fast_route`` returns ``(PackedKeys, PackedValues)`` from
-  ``update_and_fetch``: a snapshot of its storage for the columns of the call (sinks,
-  ring, spare sinks, then the residual columns ``kvquant.recent_range``) in the order
-  of ``make_mask``'s columns. ``attend`` computes the same attention as the float route
-  over the dequantized keys, to rounding: scores on the packed ring by the quantized
-  matmul, the float sinks and residual by a matmul, the mask, a precise softmax, values
-  by the quantized matmul. The residual keys' scores go into their own slots' columns
-  (a decode step: the slots of its open group; a chunk: per row, where its mask shows
-  the token through the residual), so every row of a chunk or a speculative verify
-  block attends over exactly the columns of a decode step at its token, in the same
-  order, and gets the same bits wherever the matmuls give a row the same bits in a
-  block as alone (the CPU's quantized matmul and softmax always; float matmuls in
-  bfloat16/float16, or float32 through MLX's bundled BLAS; not float32 through
-  OpenBLAS, where mlx-lm's own KVCache also differs in the last bits).
-- GQA: the query heads of one key/value head are folded into the rows of one matmul.
-  Attention sinks (``sinks=``, gpt-oss) go to the float route on dequantized tensors.
+Contract: a handler of the one wrapper of mlx-lm's attention function
+(``mlx_stream.cache.attention``) for the calls whose keys are ``PackedKeys``.
+``install(model, caches)`` probes copies of ``caches`` and sets ``fast_route`` only
+where every per-channel SinkCache layer hands its packed keys and values to the wrapper
+untouched; elsewhere the caches return dequantized floats (correct, slower).
+``attend`` computes the float route's attention over the dequantized keys, to
+rounding, every row of a chunk over exactly a decode step's columns in the same order.
+GQA folds a KV head's query heads into the rows of one matmul; attention sinks
+(``sinks=``, gpt-oss) take the float route. In full, and why this route: docs/cache.md
+("The packed route's contract", "Why the packed route").
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """The slot layout of a sink + window ring, in numpy: no model, no mlx.
 
-A buffer of ``sinks + window + slack`` slots (plus spare sink copies, below). Token
+A buffer of ``sinks + window + slack`` slots (plus spare sink copies). Token
 ``t < sinks`` lives in slot ``t``; later tokens go round a ring of ``window + slack``
-slots. ``slots[i]`` records the token slot ``i`` holds (``-1``: none). Row ``q`` of a
+slots; ``slots[i]`` records the token slot ``i`` holds (``-1``: none). Row ``q`` of a
 call sees the slots holding a token ``t <= q`` with ``t < sinks`` or ``t > q - window``.
-
-Positions ("positions within the cache"): a token stored under the layout of a call
-starting at token ``n`` sits at position ``t - base(n)``; the sinks sit at
-``sink_start(n) + i - base(n)``, right before the oldest window token of the first
-token of ``n``'s stride. Both change only at multiples of ``stride``.
-
-A call whose rows span two or more layouts (a foreign loop's chunk crossing a stride
-multiple) stays exact: each further layout's sinks are written to a spare copy of the
-sink slots, and the mask shows each row the copy of its own layout. The layout here is a
-pure function of token indices, so a batched cache can share it.
-
-Multi-token calls (``in_place=False``, the default): a call of ``N > 1`` tokens past the
-first eviction attends over the buffer as it was before the call, then the spare sink
-copies of its later layouts, then its own ``N`` tokens (``fetched``/``visible`` describe
-those columns; the cache concatenates them, as mlx-lm's rotating cache does for a
-chunk), and writes its tokens into the ring afterwards; it may span any number of
-layouts (one sink copy each), so mlx-lm's 2048-token prefill steps are served. So a call never needs slots it
-overwrites, ``slack`` only serves rollback (``trim(n)`` is exact for ``n <= slack + 1``),
-and a single-token step attends over the ``sinks + window + slack`` slots it fills: with
-``slack=0`` all of them are visible and the step needs no mask. A call of at most
-``slack + 1`` tokens within one sink layout (a speculative verify block: the decode
-loop's slack is sized for it) is written in place first instead, so its rows attend
-over exactly a decode step's slots (``concatenates``). :class:`InPlaceRing` (the
-per-channel keys of ``mlx_stream.cache.kvquant``) writes every call into the ring first,
-keeps spare sink slots after it and needs ``slack + 1`` slots for the largest call.
+Positions and sink moves change only at multiples of ``stride``; a call spanning two
+layouts stays exact through spare sink copies. A multi-token call attends over the
+buffer as it was, then its own tokens, and is written afterwards; a call of at most ``slack + 1``
+tokens in one layout, or any call of an :class:`InPlaceRing` (per-channel keys), is
+written first. The layout is a pure function of token indices (a batched cache
+shares it). In full: docs/cache.md ("The ring's layout").
 """
 
 from __future__ import annotations
@@ -229,7 +210,7 @@ class Ring:
 
     def _visible_step(self, window_size: int | None) -> np.ndarray:
         """``visible(1)`` past the first eviction, in a few array operations: a decode
-        step asks for it once per token (the general form costs ~10x as much)."""
+        step asks for it once per token (the general form costs far more)."""
         n, S, t = self.tokens_seen, self.sinks, self.slots
         seen = (t >= 0) & ((t < S) | (t > n - self.window))
         if window_size is not None:

@@ -122,11 +122,11 @@ def checked(
 def validate_sizes(
     sinks: int,
     window: int,
-    slack: int | None = DEFAULT_STRIDE,
+    slack: int | None = DEFAULT_SLACK,
     stride: int = DEFAULT_STRIDE,
     positions: str = "cache",
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     key_bits: int | None = None,
 ) -> None:
     """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache

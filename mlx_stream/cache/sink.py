@@ -15,6 +15,7 @@ from mlx_stream.cache.saving import load_cache, save_cache  # noqa: F401
 from mlx_stream.cache.settings import validate_sizes  # noqa: F401
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.defaults import (  # noqa: F401
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_SINKS,
     DEFAULT_SLACK,
     DEFAULT_STRIDE,
@@ -31,7 +32,7 @@ def make_sink_cache(
     stride: int = DEFAULT_STRIDE,
     positions: str = "cache",
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     key_bits: int | None = None,
     recall=None,
 ) -> list:

@@ -4,17 +4,12 @@ Contract: a :class:`CacheSpec` holds the eight settings a SinkCache is built fro
 (``sinks, window, slack, stride, positions, kv_bits, kv_group_size, key_bits``) and is
 valid once constructed: ``__post_init__`` refuses impossible settings with one line
 (:class:`CacheSettingError`, an ``Unsupported``: exit 2), naming the Python field, or
-the CLI flag when it was built from the user's options (:meth:`CacheSpec.for_model`).
-It is the one place those settings are checked (``settings.validate_sizes`` and the CLI
-delegate here), turned into bytes (:meth:`CacheSpec.bytes`), into JSON (the form
-checkpoints, ``/v1/sessions``, ``--json`` outputs and cache files carry), read back
-from a cache (:meth:`CacheSpec.of`) and turned into a prompt cache
-(:meth:`CacheSpec.build`).
-
-Imports nothing heavy at module level (``import mlx_stream.cache.estimate`` and the
-CLI's ``--help`` stay free of MLX): ``build`` and ``bytes`` import what they use.
-Nothing ``cache.build`` imports imports this module (a SinkCache reports its settings
-as JSON, read back by :meth:`CacheSpec.of`): building from here makes no import circle.
+the CLI flag when built from the user's options (:meth:`CacheSpec.for_model`). It is
+the one place those settings are checked, turned into bytes (:meth:`CacheSpec.bytes`),
+into JSON, read back from a cache (:meth:`CacheSpec.of`) and built
+(:meth:`CacheSpec.build`). Nothing heavy is imported at module level, and nothing
+``cache.build`` imports imports this module (no import circle). In full: docs/cache.md
+("CacheSpec").
 """
 
 from __future__ import annotations
@@ -31,6 +26,7 @@ from mlx_stream.cache.settings import (  # noqa: F401  (FLAGS, CacheSettingError
     refusal,
 )
 from mlx_stream.defaults import (
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_SINKS,
     DEFAULT_SLACK,
     DEFAULT_STRIDE,
@@ -70,7 +66,7 @@ class CacheSpec:
     stride: int = DEFAULT_STRIDE
     positions: str = "cache"
     kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     key_bits: int | None = None
     recall: Any = None
 
@@ -93,7 +89,7 @@ class CacheSpec:
         window: int | None = None,
         positions: str = "cache",
         kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         key_bits: int | None = None,
         num_draft_tokens: int | None = None,
     ) -> CacheSpec:

@@ -21,6 +21,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.defaults import DEFAULT_CHUNK, DEFAULT_KV_GROUP_SIZE
 from mlx_stream.generate.decode import generate_step
 from mlx_stream.recall import tier_of
 
@@ -48,7 +49,7 @@ class Policy:
     positions: str = "cache"
     kv_bits: int | None = None
     key_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     recall: Any = None
 
     def __post_init__(self) -> None:
@@ -202,7 +203,7 @@ def divergence(
     model: nn.Module,
     tokens: Sequence[int],
     policies: Sequence[Policy],
-    chunk: int = 64,
+    chunk: int = DEFAULT_CHUNK,
     points: Sequence[int] = (),
     generate: int = 32,
     callback: Callable[[int, int], None] | None = None,

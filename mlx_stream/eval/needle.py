@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream.cache.hooks import hooks_of as tier_of
 from mlx_stream.cache.sink import make_sink_cache
-from mlx_stream.defaults import DEFAULT_STRIDE
+from mlx_stream.defaults import DEFAULT_SINKS, DEFAULT_STRIDE
 from mlx_stream.eval.passkey import FILLER, SYSTEM, answer
 from mlx_stream.generate.prefill import feed_prompt
 
@@ -137,7 +137,7 @@ def needle_eval(
     depths: Sequence[float],
     kinds: Sequence[str] = KINDS,
     caches: Sequence[str] = CACHES,
-    sinks: int = 4,
+    sinks: int = DEFAULT_SINKS,
     window: int = 512,
     recall=None,
     context: int | None = None,

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream.cache.sink import make_sink_cache
+from mlx_stream.defaults import DEFAULT_SINKS
 from mlx_stream.generate.decode import generate_step
 
 PLACEMENTS = ("inside", "just_outside", "far_outside", "system")
@@ -65,7 +66,7 @@ def _filler(tokenizer: Any, n: int) -> list[int]:
 
 
 def build_prompt(
-    tokenizer: Any, placement: str, window: int, length: int, key: str, sinks: int = 4
+    tokenizer: Any, placement: str, window: int, length: int, key: str, sinks: int = DEFAULT_SINKS
 ) -> RecallPrompt:
     """The passkey prompt of ``placement`` for ``window``, about ``length`` tokens long.
 
@@ -156,7 +157,7 @@ def recall(
     windows: Sequence[int],
     placements: Sequence[str] = PLACEMENTS,
     trials: int = 4,
-    sinks: int = 4,
+    sinks: int = DEFAULT_SINKS,
     answer_tokens: int = 12,
     context: int | None = None,
     seed: int = 0,

@@ -34,7 +34,12 @@ from mlx_stream import checkpoint as ckpt
 from mlx_stream.cache.reclaim import ReclaimSchedule
 from mlx_stream.cache.sink import max_call_tokens
 from mlx_stream.cache.spec import CacheSpec
-from mlx_stream.defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
+from mlx_stream.defaults import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHUNK,
+    DEFAULT_SINKS,
+    DEFAULT_WINDOW,
+)
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.prefill import feed_prompt
 
@@ -175,8 +180,8 @@ def _token_nll(logits: mx.array, targets: mx.array) -> mx.array:
 def stream_perplexity(
     model: nn.Module,
     tokens: Iterable[int],
-    sinks: int = 4,
-    window: int = 1024,
+    sinks: int = DEFAULT_SINKS,
+    window: int = DEFAULT_WINDOW,
     chunk: int = DEFAULT_CHUNK,
     positions: str = "cache",
     prompt_cache: list | None = None,
@@ -339,8 +344,8 @@ def stream_perplexity(
 def recompute_perplexity(
     model: nn.Module,
     tokens: list[int],
-    sinks: int = 4,
-    window: int = 1024,
+    sinks: int = DEFAULT_SINKS,
+    window: int = DEFAULT_WINDOW,
     indices: Iterable[int] | None = None,
 ) -> PerplexityResult:
     """The quality oracle: sliding window with re-computation.

@@ -22,6 +22,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from mlx_stream.cache.batched import BatchSinkCache, batch_refusal, check_batchable
 from mlx_stream.cache.reclaim import ReclaimSchedule
+from mlx_stream.defaults import DEFAULT_MAX_TOKENS
 from mlx_stream.errors import Unsupported
 from mlx_stream.generate.prefill import feed_steps
 from mlx_stream.generate.steps import DecodeState, as_tokens, extend_history
@@ -247,7 +248,7 @@ class Batch:
         drive = drive or (lambda row: self.step())
 
         def source(prompt, model, prompt_cache, sampler=None, logits_processors=None, *,
-                   max_tokens=256, draft_model=None, state=None, poll=False,
+                   max_tokens=DEFAULT_MAX_TOKENS, draft_model=None, state=None, poll=False,
                    **_: Any):  # fmt: skip
             if model is not self.model or draft_model is not None:
                 raise Unsupported("a batch decodes its own model only, without a draft model")

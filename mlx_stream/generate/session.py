@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_stream.cache.spec import CacheSpec
+from mlx_stream.defaults import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.prefill import PREFILL_STEP, feed_steps
 from mlx_stream.generate.saving import (
@@ -50,10 +51,10 @@ class Settings:
     cache: CacheSpec
     keep_system: bool = False
     pin_limit: int | None = None  # most sinks ``keep_system`` pins; the rest flows
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temp: float = 0.0
     top_p: float = 1.0
-    num_draft_tokens: int = 3
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
@@ -133,8 +134,7 @@ class ChatSession:
     specials: tuple[str, ...] | None = field(default=None, repr=False)
     tools: Any = None  # a serve.tools.ToolSet: tool definitions shown to the template
     thinking: bool | None = None  # the template's enable_thinking (mlx-lm's wrapper renames it)
-    # A mlx_stream.prefix_store.PrefixStore: the first turn starts from its copy of the
-    # rendered system prompt's caches (made and put there on a miss).
+    # A PrefixStore: a first turn starts from its system prompt's caches (put there on a miss).
     prefix_store: Any = None
 
     def __post_init__(self) -> None:
@@ -277,11 +277,11 @@ class ChatSession:
             fed += len(tokens)
         self.fed_text, self.pending, self.tokens = text, [], tokens
 
-    def prefix_key(self, text: str) -> Any:
-        """The prefix-store key of these caches after ``text`` (rendered, the start of
-        the conversation), or ``None`` where no entry may serve them: a draft model, a
-        recall tier (its store lives beside the caches) or a prefix under
-        ``prefix_store.MIN_TOKENS`` tokens."""
+    def prefix_key(self, text: str, store: Any = None) -> Any:
+        """The key in ``store`` (default: :attr:`prefix_store`) of these caches after
+        ``text`` (rendered, the start of the conversation), or ``None`` where no entry
+        may serve them: a draft model, a recall tier (its store lives beside the caches)
+        or a prefix under ``prefix_store.MIN_TOKENS`` tokens."""
         from mlx_stream import prefix_store
 
         if self.draft_model is not None or self.settings.cache.recall is not None:
@@ -290,13 +290,14 @@ class ChatSession:
         if len(tokens) < prefix_store.MIN_TOKENS:
             return None
         spec = self.settings.cache_spec(self.sinks, drafting=False)
-        return prefix_store.make_key(self.model, tokens, spec, PREFILL_STEP)
+        weights = getattr(store or self.prefix_store, "weights", None)  # None: by content
+        return prefix_store.make_key(self.model, tokens, spec, PREFILL_STEP, weights)
 
     def prefill_stored(self, text: str, store: Any) -> Generator[int, None, bool]:
         """:meth:`prefill_steps` of ``text`` into empty caches, from ``store`` (a
         ``PrefixStore``) when it holds them (nothing is yielded then); on a miss the
         prefilled caches go into the store. Returns whether they came from the store."""
-        key = self.prefix_key(text) if store is not None else None
+        key = self.prefix_key(text, store) if store is not None else None
         if key is not None:
             caches = store.lookup(key, self.model)
             if caches is not None and len(caches) == len(self.caches):

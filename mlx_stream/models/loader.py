@@ -10,7 +10,7 @@ window) is checked before a download and before loading. The dtype
 policy: on MLX's CPU backend weights are dequantized to float32 (its quantized matmul
 is slow there), on a GPU they stay quantized; ``dtype=`` overrides it.
 
-mlx-lm is imported inside the functions that need it (``import mlx_lm`` costs ~2 s).
+mlx-lm is imported inside the functions that need it (``import mlx_lm`` is slow).
 """
 
 from __future__ import annotations
@@ -540,9 +540,6 @@ def load(
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise UserError(f"cannot load {folder}: {_one_line(e)}") from None
     weights = apply_dtype(model, policy)
-    from mlx_stream.prefix_store import WEIGHTS_ATTR, source_digest
-
-    setattr(model, WEIGHTS_ATTR, source_digest(folder))  # what prefix-store entries belong to
     if prepare is not None:
         prepare(model)
     mx.eval(model.parameters())

@@ -5,8 +5,8 @@ root) lists the known models; a user file (``$MLX_STREAM_HOME/models.yaml``, els
 platform's user config dir ``mlx-stream/models.yaml``) adds entries or overrides fields
 of existing ones. Every validation error is one line naming the entry and the field.
 
-Also home of the user cache layout: ``$MLX_STREAM_HOME`` else the platform's user
-cache dir ``mlx-stream``; pulled models live in ``<home>/models/<name>/``.
+Pulled models live in ``<home>/models/<name>/`` under the user cache
+(:func:`mlx_stream.files.home_dir`, re-exported here).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 from mlx_stream import files
 from mlx_stream.defaults import DEFAULT_SINKS, DEFAULT_WINDOW
 from mlx_stream.errors import UserError
+from mlx_stream.files import ENV_HOME, home_dir
 
-ENV_HOME = "MLX_STREAM_HOME"
 REGISTRY_FILE = "models.yaml"
 SOURCE_KINDS = ("hf", "pypi", "path")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -134,18 +134,6 @@ class Registry:
     def names(self) -> list[str]:
         """Model names, in registry order."""
         return list(self.models)
-
-
-def home_dir(home: str | os.PathLike | None = None) -> Path:
-    """The user cache: ``home`` if given, else ``$MLX_STREAM_HOME``, else the platform's
-    user cache dir ``mlx-stream``."""
-    if home is not None:
-        return Path(home).expanduser()
-    if os.environ.get(ENV_HOME):
-        return Path(os.environ[ENV_HOME]).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("mlx-stream"))
 
 
 def models_dir(home: str | os.PathLike | None = None) -> Path:

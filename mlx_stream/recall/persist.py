@@ -1,30 +1,16 @@
 """The recall tier on disk: a sidecar folder saved and restored with a prompt cache.
 
 Contract: a cache file ``X.safetensors`` whose caches carry a recall tier has a sidecar
-folder ``X.recall/`` beside it: ``manifest.json`` (the tier's numbers and settings,
-and the sha256 and size of every other file) and one ``.npy`` file per stored segment
-part, index segment (the block summaries) and recent query block. The cache file's metadata (``KEY``) binds
-it to its sidecar by the manifest's sha256, so a cache file never continues another
-save's store.
-
-* **Saving** (:func:`stage`) writes the sidecar into a temporary folder beside the
-  target; :meth:`Staged.commit` then moves any earlier sidecar aside, renames the new
-  one in, and the caller replaces the cache file; :meth:`Staged.finish` removes the
-  earlier one. A save that fails before the commit leaves the earlier save as it was;
-  a process killed between the renames leaves the earlier sidecar under
-  ``.X.recall.old-<pid>-*``, where :func:`restore` finds it by its manifest's sha256
-  (the next save that succeeds removes it).
-  Spilled segments are copied file to file and RAM segments written in chunks, so a
-  store of GBs never passes through memory whole.
-* **Restoring** (:func:`restore`) checks every file against the manifest (a missing,
-  changed or foreign file is one line, a ``UserError``), checks the saved recall
-  settings against the run's (a difference names the setting), installs the
-  attention hook on the model and gives the caches a tier holding the saved store,
-  summaries, selections and queries. Segments fit the run's RAM budget as they did
-  when stored: past it they are copied into the run's store folder and memory-mapped
-  again. The retrieval regions are device state: rebuilt from the store at the next
-  call. Where the store lives (``folder``) and its RAM budget (``ram_bytes``) are the
-  run's own: they change where bytes sit, never what attention sees.
+folder ``X.recall/`` beside it (``manifest.json`` with the sha256 and size of every
+other file, and one ``.npy`` file per stored segment part, index segment and recent
+query block), bound to the cache file by the manifest's sha256 in its metadata
+(``KEY``). :func:`stage` writes a new sidecar beside the target and
+:meth:`Staged.commit` swaps it in, so a failed or killed save leaves the earlier one
+usable. :func:`restore` checks every file, and the saved recall settings against the
+run's (one ``UserError`` line each), installs the attention hook and gives the caches a
+tier holding the saved store; where the store lives and its RAM budget are the run's
+own. Neither passes a large store through memory whole. In full: docs/recall.md ("The
+sidecar on disk").
 """
 
 from __future__ import annotations

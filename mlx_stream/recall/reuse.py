@@ -1,23 +1,13 @@
 """Refreshes between full scans read a shortlist (the tier's index).
 
-A decode refresh (``quest`` or ``mean``) scores every stored block against the last
-block's queries, once per block: O(stored blocks) each time, the part of a long
-stream's time that grows with it. Consecutive blocks' queries mostly pick the same
-blocks (TokenSelect's selection cache and Quest's reuse across steps rest on the same
-observation), so with this index only every ``RESCAN``-th refresh scores every block;
-it keeps the ``size`` best, and the refreshes in between score those plus every block
-stored since that scan, the softmax over them alone. Each refresh then costs
-``size + blocks stored since`` and one in ``RESCAN`` the flat scan's: the stream's
-time still grows with it, ``RESCAN`` times slower. A rollback behind the scan leaves
-the next refresh to scan; the blocks a prompt's end chooses (its own selector, over
-every block) join the shortlist, so the question's choice stays a candidate.
-
-Its selection is seldom the flat scan's between scans: the softmax over fewer blocks
-weighs the query rows differently, and as the store grows the flat scan's blocks fall
-out of a fixed shortlist more often (at 32k among the candidates on 99% of refreshes,
-at 128k on about half), while streaming perplexity stays the flat scan's (over 32k
-and over 128k; measured: benchmarks/README.md, "Refreshes between full scans"). Its
-state is a few hundred block numbers: host memory it does not count.
+Only every ``RESCAN``-th decode refresh (``quest`` or ``mean``) scores every stored
+block; it keeps the ``size`` best, and the refreshes in between score those plus every
+block stored since that scan, the softmax over them alone. A rollback behind the scan
+leaves the next refresh to scan; the blocks a prompt's end chooses join the shortlist.
+Its selection is seldom the flat scan's between scans (the softmax over fewer blocks
+weighs the query rows differently). Its state is a few hundred block numbers: host
+memory it does not count. Why, and what it changes: docs/recall.md ("Refreshes from a
+shortlist").
 """
 
 from __future__ import annotations

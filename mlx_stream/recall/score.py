@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_stream.recall.select as select
-from mlx_stream.recall.select import _gqa
+from mlx_stream.recall.select import group_queries
 
 
 def keys_of(store) -> Callable[[int, list[int]], np.ndarray]:
@@ -37,7 +37,7 @@ def keys_of(store) -> Callable[[int, list[int]], np.ndarray]:
 
 #: Blocks whose keys one step of a layer's scan reads (64 x 64 tokens): the scan's
 #: memory is this chunk's logits and ``(KV heads, query rows, blocks)`` statistics,
-#: not a softmax over every stored token (at 1M tokens that was ~7 GB a layer).
+#: not a softmax over every stored token (gigabytes a layer over a long stream).
 CHUNK = 64
 
 
@@ -70,7 +70,7 @@ def _layer(q: np.ndarray, chunks, kind: str, scale: float) -> np.ndarray:
     g, tops, lses = None, [], []
     for keys, valid in chunks:
         if g is None:
-            g = _gqa(q.astype(np.float32), keys.shape[1])
+            g = group_queries(q.astype(np.float32), keys.shape[1])
         top, lse = _chunk_stats(g, keys, valid, scale)
         tops.append(top)
         lses.append(lse)

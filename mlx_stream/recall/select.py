@@ -1,25 +1,14 @@
 """Which stored blocks come back: block summaries and query-driven scoring (numpy).
 
-Scoring (measured on the default model: averaging heads loses the needle, a vote of
-per-head scores across layers finds it): for each layer, each query head and each
-query token, the softmax mass every block would receive; a layer's score of a block
-is its largest mass over heads and tokens; the selection is the ``k`` blocks with the
-highest sum over layers, one selection shared by all layers. Ties go to the earlier
-block, so a selection is a pure function of the queries and the store.
-
-How a block's logits are estimated is the selector:
-
-* ``exact``: every stored key (the softmax over all stored tokens, summed per block;
-  ``mlx_stream.recall.score``), O(stored tokens) per refresh;
-* ``token``: every stored key, a block's largest single-token probability
-  (``mlx_stream.recall.score``), O(stored tokens) per refresh;
-* ``quest``: Quest's per-channel bound ``sum_c max(q_c min_c, q_c max_c)`` of the
-  block's keys, a softmax over blocks;
-* ``mean``: the block's mean key (InfLLM's simplest summary), a softmax over blocks.
-
-Queries arrive moved to the frame where a block's key ``i`` sits at position ``i``
-(block-relative keys, as the store keeps them), so a dot product here is the score
-the block would get placed right before the sinks.
+For each layer, each query head and each query token, the softmax mass every block
+would receive; a layer's score of a block is its largest mass over heads and tokens;
+the selection is the ``k`` blocks with the highest sum over layers, shared by all
+layers, ties to the earlier block (a pure function of the queries and the store). A
+block's logits come from its selector: ``exact`` (every stored key, summed per block),
+``token`` (every stored key, a block's largest single-token probability; both in
+``mlx_stream.recall.score``), ``quest`` (Quest's per-channel bound of its keys) or
+``mean`` (its mean key). Queries arrive in the frame where a block's key ``i`` sits at
+position ``i``. In full, and why a vote across layers: docs/recall.md ("Scoring").
 """
 
 from __future__ import annotations
@@ -275,7 +264,7 @@ def _float32(raw: np.ndarray, dtype) -> np.ndarray:
     return raw.astype(np.float32)
 
 
-def _gqa(q: np.ndarray, kv_heads: int) -> np.ndarray:
+def group_queries(q: np.ndarray, kv_heads: int) -> np.ndarray:
     """Queries ``(Hq, L, D)`` as ``(kv_heads, Hq // kv_heads * L, D)``: each KV head's
     query heads side by side (mlx-lm's grouping: query head ``h`` reads KV head
     ``h // (Hq // kv_heads)``)."""
@@ -295,7 +284,7 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks,
     query heads and tokens, from summaries; ``blocks``: an ``int`` (blocks ``0 ..
     blocks - 1``) or block numbers, ascending (the softmax over those alone; ``empty``
     is then theirs)."""
-    g = _gqa(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
+    g = group_queries(q.astype(np.float32), summaries.shape[0])  # (H, R, D)
 
     def read(kind):
         if isinstance(blocks, (int, np.integer)):
@@ -311,9 +300,8 @@ def head_scores_summary(q: np.ndarray, summaries: Summaries, layer: int, blocks,
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ b`` (float32) through MLX, so on the model's own BLAS threads: numpy's
-    ``einsum`` loops ~10x slower, and numpy's ``@`` wakes a second BLAS thread pool
-    that spins after each call, taking a core from the model on a 2-core machine (the
-    tiny model's stream ran 2x slower with it)."""
+    ``einsum`` loops far slower, and numpy's ``@`` wakes a second BLAS thread pool
+    that spins after each call, taking a core from the model on a small machine."""
     return np.asarray(mx.array(a) @ mx.array(b))
 
 
@@ -330,7 +318,7 @@ def mass(logits: np.ndarray, scale: float, empty: np.ndarray) -> np.ndarray:
     """``(H, blocks)``: per KV head, the largest softmax mass over blocks of unscaled
     ``logits`` ``(H, R, blocks)`` over its query rows (``empty`` blocks get none);
     ``logits`` is overwritten."""
-    logits *= scale  # in place (the caller's fresh array): the same numbers, 5x sooner
+    logits *= scale  # in place (the caller's fresh array): the same numbers, sooner
     if empty.any():
         logits[..., empty] = -np.inf
     logits -= logits.max(-1, keepdims=True)
@@ -353,8 +341,7 @@ def with_neighbours(scores: np.ndarray, k: int) -> tuple[int, ...]:
     yet chosen comes with the better-scoring of its two neighbours in the stream (ties:
     the earlier; only candidates: finite scores). A sentence cut by a block boundary
     keeps both halves: the question's words rank one half, the fact may sit in the
-    other (measured on book dumps: both halves selected in 13 of 13 prompt ends, 7 of 13
-    with the ``k`` best; benchmarks/README.md, "Needles in books")."""
+    other (docs/recall.md, "The tier")."""
     order = [int(b) for b in np.argsort(-scores, kind="stable") if np.isfinite(scores[b])]
     chosen: list[int] = []
     for b in order:

@@ -1,24 +1,16 @@
 """The store of evicted blocks: host memory (numpy), optionally quantized, spilling to
-memory-mapped files past a RAM budget.
+files past a RAM budget.
 
-One ``BlockStore`` serves every layer of a model. Block ``j`` holds the keys and
-values of tokens ``[j * block, (j + 1) * block)`` of one layer, shape ``(H, block, D)``
-(batch 1), keys moved to block-relative positions (token ``i`` of the block at
-position ``i``). Arrays leave the device as raw bits (a bfloat16 array travels as
-``uint16``), so a round trip is exact for float stores; a quantized store keeps mlx's
-``(packed, scales, biases)`` triple per tensor, the window's own format
-(``mlx_stream.cache.storage``). Blocks are kept in segments of ``SEGMENT`` blocks per layer;
-a segment that would take the store past ``ram_bytes`` is a ``.npy`` file in the
-folder instead (:class:`FileArray`: read and written a block at a time, no map or file
-kept open), so a long stream grows the disk, not the process. Bytes per stored
-token are known before the first block (:func:`bytes_per_token`).
-
-A store's files carry its own ``tag`` (stores may share a folder), are allocated on
-the disk when made (a full disk is a ``RuntimeFailure`` naming the folder then, never a
-``SIGBUS`` later; :meth:`BlockStore.reserve` makes them ahead of a call).
-:meth:`BlockStore.export` and :meth:`BlockStore.restore` save and restore the blocks
-file by file (a spilled segment is copied, never read into memory whole; restored past
-the RAM budget it is a file again).
+One ``BlockStore`` serves every layer of a model. Block ``j`` holds the keys and values
+of tokens ``[j * block, (j + 1) * block)`` of one layer, ``(H, block, D)``, keys at
+block-relative positions. Arrays leave the device as raw bits (a float store's round
+trip is exact); a quantized store keeps mlx's ``(packed, scales, biases)`` per tensor.
+A segment of ``SEGMENT`` blocks that would take the store past ``ram_bytes`` is a
+``.npy`` file instead (:class:`FileArray`, a block at a time), allocated when made (a
+full disk is a ``RuntimeFailure`` then, never a ``SIGBUS``). Bytes per stored token are
+known before the first block (:func:`bytes_per_token`); :meth:`BlockStore.export` and
+:meth:`BlockStore.restore` copy spilled segments file to file. In full: docs/recall.md
+("The store").
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def mlx_lm_supports(model_type: str | None) -> bool:
     return name is not None and any((root / f"{name}.py").is_file() for root in roots)
 
 
-def _read_config(folder: Path) -> dict | None:
+def read_config(folder: Path) -> dict | None:
+    """``folder``'s ``config.json`` as a dict, or ``None`` where it is missing or not one."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
@@ -128,7 +129,7 @@ def folder_problem(folder: str | os.PathLike) -> str | None:
     ``config.json`` with a model type mlx-lm has, and every weight shard present (all
     files the ``model.safetensors.index.json`` names)."""
     folder = Path(folder)
-    config = _read_config(folder)
+    config = read_config(folder)
     if config is None:
         return "no config.json"
     if not mlx_lm_supports(config.get("model_type")):
@@ -189,7 +190,7 @@ def _describe_quant(config: dict) -> str:
 def _local(repo_id: str, where: str, folder: Path) -> LocalModel | None:
     if folder_problem(folder) is not None:
         return None
-    config = _read_config(folder) or {}
+    config = read_config(folder) or {}
     return LocalModel(repo_id, where, folder, _folder_size(folder),
                       str(config.get("model_type")), _describe_quant(config))  # fmt: skip
 

@@ -15,13 +15,13 @@ from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.models.hub.fit import check_fit, config_mismatches, fit_summary
 from mlx_stream.models.hub.local import (
     WEIGHT_FILES,
-    _read_config,
     allow_patterns,
     folder_problem,
     hf_cache_dir,
     lmstudio_models_dir,
     mlx_lm_supports,
     offline,
+    read_config,
 )
 from mlx_stream.models.registry import ProgressCallback, notify
 
@@ -127,7 +127,7 @@ def remote_config(repo: RemoteRepo) -> dict:
     from huggingface_hub import hf_hub_download
 
     path = hf_hub_download(repo.id, "config.json", cache_dir=hf_cache_dir(), endpoint=endpoint())
-    config = _read_config(Path(path).parent)
+    config = read_config(Path(path).parent)
     if config is None:
         raise UserError(f"{repo.id} is not an MLX model: its config.json is not a JSON object")
     if not mlx_lm_supports(config.get("model_type")):
