@@ -473,7 +473,6 @@ def test_no_module_imports_another_modules_private_names():
 # removed here): a module-level ``DEFAULT_*`` defaults.py defines, or a literal default
 # for a parameter or field named like one of its values.
 DEFAULTS_PENDING = {
-    "mlx_stream/cache/layer.py",
     "mlx_stream/serve/admission.py",
     "mlx_stream/serve/scheduler.py",
     "cli/chat.py",
