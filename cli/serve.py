@@ -3,6 +3,7 @@ memory (the engine is :mod:`mlx_stream.serve.engine`, the routes :mod:`mlx_strea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -23,18 +24,12 @@ from mlx_stream.defaults import (
 
 from . import options as opt
 from .common import (
-    check_cache,
     check_positive,
-    check_sampling,
     fail,
     handle_errors,
-    load_for_cache,
-    load_model,
-    prefix_store,
-    recall_spec,
-    sampling,
     stderr_console,
 )
+from .groups import Only, grouped
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
@@ -240,51 +235,51 @@ def recall_note(policy) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeCacheOptions(opt.CacheOptions):
+    """The cache options with serve's ``--window`` (sized from the model and the budget)."""
+
+    window: ServeWindow = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeReplyOptions(opt.ReplyOptions):
+    """The reply options with serve's ``--max-tokens`` (a request's default)."""
+
+    max_tokens: ServeMaxTokens = DEFAULT_SERVE_MAX_TOKENS
+
+
 @handle_errors
+@grouped
 def serve(
-    model: opt.Model = None,
     host: Host = "127.0.0.1",
     port: Port = 8080,
-    sinks: opt.Sinks = None,
-    window: ServeWindow = None,
     keep_system: KeepSystem = True,
-    max_tokens: ServeMaxTokens = DEFAULT_SERVE_MAX_TOKENS,
+    *,
+    reply: Annotated[ServeReplyOptions, Only("max_tokens")],
     max_tokens_ceiling: MaxTokensCeiling = DEFAULT_MAX_TOKENS_CEILING,
     max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
     memory_budget: MemoryBudget = "auto",
     max_sessions: MaxSessions = None,
     state_dir: StateDir = None,
-    draft_model: opt.DraftModel = None,
-    num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
-    temp: opt.Temp = None,
-    top_p: opt.TopP = None,
-    top_k: opt.TopK = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    dtype: opt.Dtype = "auto",
-    kv_bits: opt.KvBits = None,
-    kv_group_size: opt.KvGroupSize = 64,
-    kv_key_bits: opt.KvKeyBits = None,
     batch: Batching = True,
     api_key: ApiKey = None,
     api_keys: ApiKeys = None,
     isolate: Isolate = False,
-    distributed: opt.Distributed = "auto",
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
     quiet: Quiet = False,
     no_ui: NoUi = False,
-    prefix_store_dir: opt.PrefixStoreDir = None,
-    prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
-    no_prefix_store: opt.NoPrefixStore = False,
     repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
     stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
     cors_origin: CorsOrigin = None,
     allowed_host: AllowedHost = None,
     max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
     header_timeout: HeaderTimeout = DEFAULT_HEADER_TIMEOUT,
+    model: opt.ModelOptions,
+    cache: ServeCacheOptions,
+    sampling: Annotated[opt.SamplingOptions, Only("temp", "top_p", "top_k", "repetition_penalty")],
+    draft: opt.DraftOptions,
+    recall: opt.RecallOptions,
+    prefix_store: opt.PrefixStoreOptions,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -313,7 +308,7 @@ def serve(
     penalty 1.1; --temp and the other sampling options change them); one that gives a
     temperature gets exactly the sampling it asks for (0: greedy).
     """
-    check_positive(max_tokens, "--max-tokens")
+    check_positive(reply.max_tokens, "--max-tokens")
     check_positive(max_tokens_ceiling, "--max-tokens-ceiling", 0)
     max_tokens_ceiling = max_tokens_ceiling or None
     check_positive(max_connections, "--max-connections")
@@ -322,17 +317,17 @@ def serve(
     if stop_loops and stop_loops < LOOP_REPEATS:
         fail(f"--stop-loops must be 0 (off) or at least {LOOP_REPEATS} tokens, not {stop_loops}")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
-    check_positive(num_draft_tokens, "--num-draft-tokens")
+    draft.check()
     check_positive(max_sessions, "--max-sessions")
     check_positive(port, "--port", 0)
     check_positive(repair_tokens, "--repair-tokens", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
-    check_sampling(temp, top_p, top_k, repetition_penalty)
-    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
+    sampling.check()
+    cache.check()
     budget = parse_bytes(memory_budget)
-    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
-    prefixes = prefix_store(prefix_store_dir, prefix_store_mb, no_prefix_store)
+    recall_policy = recall.spec()
+    prefixes = prefix_store.open()
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
     from mlx_stream.serve.app import read_api_keys
@@ -354,22 +349,17 @@ def serve(
         fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
     if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
         fail(f"--state-dir {state_dir}: not writable")
-    from mlx_stream import distributed as dist
-
-    cluster = dist.join(distributed, model)
+    cluster = model.join()
     if cluster is not None:  # a rank's caches hold its shard only: no shared entries
         prefixes = None
     if cluster is not None and recall_policy is not None:
         fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec, cache, path = load_for_cache(
-        model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
-        kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
-    )  # fmt: skip
-    sample = sampling(path, temp, top_p, top_k, repetition_penalty)
-    draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    model_id = spec.name if spec is not None else Path(model or "default").name
+    target, tokenizer, spec, policy, path = model.load(cache, cluster)
+    sample = sampling.sampling(path)
+    drafter = draft.load(model.dtype)
+    model_id = spec.name if spec is not None else Path(model.model or "default").name
     aliases: tuple[str, ...] = ()
     if spec is not None:
         from mlx_stream.models import hub, registry
@@ -383,19 +373,20 @@ def serve(
     from mlx_stream.serve.app import create_app
     from mlx_stream.serve.engine import Engine
 
-    if window is None:  # from the model's context and the budget, not the registry's
+    if cache.window is None:  # from the model's context and the budget, not the registry's
         context = getattr(spec, "context", None)
-        cache = cache.replace(window=window_for(target, context, cache, budget))
+        policy = policy.replace(window=window_for(target, context, policy, budget))
     if budget is None and recall_policy is None and cluster is None:
-        budget = auto_budget(target, cache)  # a few sessions, not the whole machine
-    cache = cache.replace(recall=recall_policy)
+        budget = auto_budget(target, policy)  # a few sessions, not the whole machine
+    policy = policy.replace(recall=recall_policy)
     from mlx_stream.generate.model_config import end_of_turn_tokens
 
-    settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+    settings = Settings(cache=policy, max_tokens=reply.max_tokens,
+                        num_draft_tokens=draft.num_draft_tokens,
                         stop_tokens=end_of_turn_tokens(tokenizer),
                         stop_loops=stop_loops)  # fmt: skip
     engine = Engine(
-        target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
+        target, tokenizer, settings, model_id, draft_model=drafter, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
         cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
         max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes, sampling=sample,
@@ -409,7 +400,7 @@ def serve(
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
-            f"mlx-stream serve · {model_id} · window {cache.window} · system prompts pinned "
+            f"mlx-stream serve · {model_id} · window {policy.window} · system prompts pinned "
             f"up to {engine.pin} tokens · "
             + (f"max_tokens ceiling {max_tokens_ceiling} · " if max_tokens_ceiling else "")
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
