@@ -31,6 +31,9 @@ from .common import (
 )
 from .groups import Only, grouped
 
+# serve's own help panels, after its common options and the shared groups
+SESSIONS, REQUESTS, ACCESS, CONNECTIONS = "Sessions", "Requests", "Access", "Connections"
+
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
 
@@ -43,10 +46,14 @@ MemoryBudget = Annotated[
         help="Bytes for weights + sessions (e.g. 2GB, 512MiB), or 'auto' (the weights and 8 "
         "sessions at the full window, at most 75% of memory). A session that does not fit "
         "evicts an idle one to disk, or gets 429.",
+        rich_help_panel=SESSIONS,
     ),
 ]
 MaxSessions = Annotated[
-    int | None, typer.Option("--max-sessions", help="Most sessions kept in memory at once.")
+    int | None,
+    typer.Option(
+        "--max-sessions", help="Most sessions kept in memory at once.", rich_help_panel=SESSIONS
+    ),
 ]
 KeepSystem = Annotated[
     bool,
@@ -71,6 +78,7 @@ ApiKey = Annotated[
         help="Require 'Authorization: Bearer KEY' on every route but /health (OpenAI "
         "clients send their api_key so). Default: none (anyone who can reach the port may "
         "use it).",
+        rich_help_panel=ACCESS,
     ),
 ]
 ApiKeys = Annotated[
@@ -79,6 +87,7 @@ ApiKeys = Annotated[
         "--api-keys",
         help="A file of API keys, one per line ('#' comments): each key has its own "
         "sessions, and sees and continues only those.",
+        rich_help_panel=ACCESS,
     ),
 ]
 Isolate = Annotated[
@@ -87,6 +96,7 @@ Isolate = Annotated[
         "--isolate",
         help="Never match a request without X-Session-ID to an existing session by its "
         "transcript (for one key shared by several people).",
+        rich_help_panel=ACCESS,
     ),
 ]
 StateDir = Annotated[
@@ -95,6 +105,7 @@ StateDir = Annotated[
         "--state-dir",
         help="Where evicted sessions are saved, and every resident one on exit (SIGTERM): "
         "a restart with the same folder continues them. Default: a temp folder.",
+        rich_help_panel=SESSIONS,
     ),
 ]
 RepairTokens = Annotated[
@@ -105,6 +116,7 @@ RepairTokens = Annotated[
         "a message rewritten), keep the KV before it, compute the edit and this many tokens "
         "after it again, and reuse the rest moved into place (approximate; a number "
         "covering the window is exact). 0: rebuild from the system prompt as before.",
+        rich_help_panel=SESSIONS,
     ),
 ]
 StopLoops = Annotated[
@@ -114,6 +126,7 @@ StopLoops = Annotated[
         help="End a reply whose last this-many tokens repeat one span at least 4 times "
         "(a small model's loop would run to max_tokens, and an agent takes a reply cut "
         "there as a failed turn); the reply ends as a finished one. 0: never.",
+        rich_help_panel=REQUESTS,
     ),
 ]
 NoUi = Annotated[
@@ -144,6 +157,7 @@ MaxTokensCeiling = Annotated[
         "--max-tokens-ceiling",
         help="Cap every request's max_tokens at this (said in the X-Max-Tokens-Ceiling "
         "response header and the log); 0: no cap.",
+        rich_help_panel=REQUESTS,
     ),
 ]
 CorsOrigin = Annotated[
@@ -154,6 +168,7 @@ CorsOrigin = Annotated[
         help="A web page's origin (https://app.example:3000) that may call this server "
         "from a browser (repeatable; '*': any site, which lets every page you open use "
         "it). Default: only the chat page served here.",
+        rich_help_panel=ACCESS,
     ),
 ]
 AllowedHost = Annotated[
@@ -163,6 +178,7 @@ AllowedHost = Annotated[
         metavar="NAME",
         help="A Host name requests may be sent to besides 127.0.0.1, localhost, [::1] and "
         "--host (repeatable; '*': any). Others get 421 (DNS rebinding).",
+        rich_help_panel=ACCESS,
     ),
 ]
 MaxConnections = Annotated[
@@ -171,6 +187,7 @@ MaxConnections = Annotated[
         "--max-connections",
         help="Most open connections; one more closes the oldest that has not sent its "
         "headers, or gets 503 when all are busy.",
+        rich_help_panel=CONNECTIONS,
     ),
 ]
 HeaderTimeout = Annotated[
@@ -178,6 +195,7 @@ HeaderTimeout = Annotated[
     typer.Option(
         "--header-timeout",
         help="Seconds a connection has to send a request's line and headers.",
+        rich_help_panel=CONNECTIONS,
     ),
 ]
 MaxPromptTokens = Annotated[
@@ -187,6 +205,7 @@ MaxPromptTokens = Annotated[
         help="Most tokens one request may feed (a new session's whole history, else its new "
         "messages); more is refused with 413. A long prompt goes in a chunk at a time "
         "between other requests' tokens, through the window like any other stream.",
+        rich_help_panel=REQUESTS,
     ),
 ]
 
@@ -257,29 +276,29 @@ def serve(
     keep_system: KeepSystem = True,
     *,
     reply: Annotated[ServeReplyOptions, Only("max_tokens")],
-    max_tokens_ceiling: MaxTokensCeiling = DEFAULT_MAX_TOKENS_CEILING,
-    max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
-    memory_budget: MemoryBudget = "auto",
-    max_sessions: MaxSessions = None,
-    state_dir: StateDir = None,
     batch: Batching = True,
-    api_key: ApiKey = None,
-    api_keys: ApiKeys = None,
-    isolate: Isolate = False,
     quiet: Quiet = False,
     no_ui: NoUi = False,
-    repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
-    stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
-    cors_origin: CorsOrigin = None,
-    allowed_host: AllowedHost = None,
-    max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
-    header_timeout: HeaderTimeout = DEFAULT_HEADER_TIMEOUT,
     model: opt.ModelOptions,
     cache: ServeCacheOptions,
     sampling: Annotated[opt.SamplingOptions, Only("temp", "top_p", "top_k", "repetition_penalty")],
     draft: opt.DraftOptions,
     recall: opt.RecallOptions,
     prefix_store: opt.PrefixStoreOptions,
+    memory_budget: MemoryBudget = "auto",
+    max_sessions: MaxSessions = None,
+    state_dir: StateDir = None,
+    repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
+    max_tokens_ceiling: MaxTokensCeiling = DEFAULT_MAX_TOKENS_CEILING,
+    max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
+    stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
+    api_key: ApiKey = None,
+    api_keys: ApiKeys = None,
+    isolate: Isolate = False,
+    cors_origin: CorsOrigin = None,
+    allowed_host: AllowedHost = None,
+    max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
+    header_timeout: HeaderTimeout = DEFAULT_HEADER_TIMEOUT,
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
