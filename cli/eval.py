@@ -330,7 +330,7 @@ def recall(
     from mlx_stream.eval.passkey import check_prompts
     from mlx_stream.eval.passkey import recall as run_recall
 
-    sinks = cache_spec(spec, sinks).sinks
+    sinks = cache.spec(spec).sinks
     context = model_context(target)
     try:  # every prompt must fit before the first token
         check_prompts(tokenizer, windows, placement_list, sinks, context, answer_tokens)

@@ -61,7 +61,7 @@ def _in_panel(annotation: Any, panel: str | None) -> Any:
     return Annotated[(base, *marked)]
 
 
-def _group_of(annotation: Any) -> tuple[type[OptionGroup], tuple[str, ...] | None] | None:
+def group_of(annotation: Any) -> tuple[type[OptionGroup], tuple[str, ...] | None] | None:
     """``(group, names or None for all)`` when ``annotation`` names a group, else None."""
     only = None
     if typing.get_origin(annotation) is Annotated:
@@ -84,7 +84,7 @@ def grouped(func: F) -> F:
     params: list[inspect.Parameter] = []
     groups: dict[str, tuple[type[OptionGroup], list[str]]] = {}
     for p in inspect.signature(func).parameters.values():
-        found = _group_of(hints.get(p.name))
+        found = group_of(hints.get(p.name))
         if found is None:
             params.append(p.replace(annotation=hints.get(p.name, p.annotation)))
             continue
@@ -111,5 +111,4 @@ def grouped(func: F) -> F:
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in params}
-    command.groups = {name: group for name, (group, _) in groups.items()}  # type: ignore[attr-defined]
     return typing.cast(F, command)

@@ -305,7 +305,7 @@ class ModelOptions(OptionGroup):
 
         return dist.join(self.distributed, self.model)
 
-    def load(self, cache: CacheOptions | None = None, cluster: Any = None, **options: Any):
+    def load(self, cache: CacheOptions, cluster: Any = None, **options: Any):
         """Load the model (``loading.load_for_cache``): fit-checked against ``cache``
         and sharded over ``cluster``; ``options`` as for :meth:`CacheOptions.spec`.
 
@@ -317,7 +317,6 @@ class ModelOptions(OptionGroup):
 
         from .loading import load_for_cache
 
-        cache = cache or CacheOptions()
         return load_for_cache(
             self.model, self.dtype, cache.sinks, cache.window, prepare=dist.preparer(cluster),
             with_path=True, **cache.kv(), **options,
