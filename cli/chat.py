@@ -11,25 +11,19 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 from . import options as opt
 from .common import (
-    check_cache,
     check_output_path,
     check_positive,
-    check_sampling,
     describe,
     error_line,
     fail,
     handle_errors,
     is_interactive,
-    load_for_cache,
-    load_model,
-    prefix_store,
-    recall_spec,
-    sampling,
 )
+from .groups import Only, grouped
 
 if TYPE_CHECKING:
     from mlx_stream.generate.session import ChatSession
@@ -388,34 +382,18 @@ def run(session: ChatSession, interactive: bool, console, per_reply=None, source
 
 
 @handle_errors
+@grouped
 def chat(
-    model: opt.Model = None,
-    sinks: opt.Sinks = None,
-    window: opt.Window = None,
     keep_system: opt.KeepSystem = False,
     system: opt.System = None,
-    max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
-    temp: opt.Temp = None,
-    top_p: opt.TopP = None,
-    top_k: opt.TopK = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    seed: opt.Seed = None,
-    draft_model: opt.DraftModel = None,
-    num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
-    dtype: opt.Dtype = "auto",
-    kv_bits: opt.KvBits = None,
-    kv_group_size: opt.KvGroupSize = 64,
-    kv_key_bits: opt.KvKeyBits = None,
-    distributed: opt.Distributed = "auto",
-    json_schema: opt.JsonSchema = None,
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
-    prefix_store_dir: opt.PrefixStoreDir = None,
-    prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
-    no_prefix_store: opt.NoPrefixStore = False,
+    *,
+    reply: Annotated[opt.ReplyOptions, Only("max_tokens", "json_schema")],
+    model: opt.ModelOptions,
+    cache: opt.CacheOptions,
+    sampling: opt.SamplingOptions,
+    draft: opt.DraftOptions,
+    recall: opt.RecallOptions,
+    prefix_store: opt.PrefixStoreOptions,
 ) -> None:
     """Chat in the terminal, forever, in fixed memory.
 
@@ -428,70 +406,65 @@ def chat(
     prefilled cache goes to the prefix store on disk (--prefix-store): the next chat
     with the same system prompt and model starts from it.
     """
-    check_positive(max_tokens, "--max-tokens")
-    check_positive(num_draft_tokens, "--num-draft-tokens")
-    check_sampling(temp, top_p, top_k, repetition_penalty)
-    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
-    if json_schema is not None and draft_model is not None:
+    check_positive(reply.max_tokens, "--max-tokens")
+    draft.check()
+    sampling.check()
+    cache.check()
+    if reply.json_schema is not None and draft.draft_model is not None:
         fail("--json-schema is not available with --draft-model")
-    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
-    prefixes = prefix_store(prefix_store_dir, prefix_store_mb, no_prefix_store)
-    from mlx_stream import distributed as dist
-
-    cluster = dist.join(distributed, model)
+    recall_policy = recall.spec()
+    prefixes = prefix_store.open()
+    cluster = model.join()
     if cluster is not None:  # a rank's caches hold its shard only: no shared entries
         prefixes = None
     interactive = is_interactive() and cluster is None
     from rich.console import Console
 
     console = Console(highlight=False)
-    target, tokenizer, spec, cache, path = load_for_cache(
-        model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
-        kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
-    )  # fmt: skip
-    sample = sampling(path, temp, top_p, top_k, repetition_penalty)
+    target, tokenizer, _, policy, path = model.load(cache, cluster)
+    sample = sampling.sampling(path)
     prefixes = prefixes and prefixes.bind(path)  # entries keyed by the model's folder
     if cluster is not None:  # rank 0 reads the input lines, every rank replies to them
         why = "not available with --distributed (each rank holds part of the cache)"
         sys.stdin = cluster.stream(
             sys.stdin, {"/save": f"/save is {why}", "/load": f"/load is {why}"}
         )
-    draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    cache = cache.replace(recall=recall_policy)
+    drafter = draft.load(model.dtype)
+    policy = policy.replace(recall=recall_policy)
     from mlx_stream.generate.sampler import seed_random
 
-    seed_random(seed)  # once: every reply's sampler (make_sampling) draws on from it
+    seed_random(sampling.seed)  # once: every reply's sampler (make_sampling) draws on from it
     from mlx_stream.generate.model_config import end_of_turn_tokens
     from mlx_stream.generate.session import ChatSession, Settings
 
     settings = Settings(
-        cache=cache,
+        cache=policy,
         keep_system=keep_system,
-        max_tokens=max_tokens,
+        max_tokens=reply.max_tokens,
         temp=sample.temp,
         top_p=sample.top_p,
         top_k=sample.top_k,
         min_p=sample.min_p,
         repetition_penalty=sample.repetition_penalty,
-        num_draft_tokens=num_draft_tokens,
+        num_draft_tokens=draft.num_draft_tokens,
         stop_tokens=end_of_turn_tokens(tokenizer),
     )
     session = ChatSession(
-        target, tokenizer, settings, system=system, draft_model=draft, prefix_store=prefixes
+        target, tokenizer, settings, system=system, draft_model=drafter, prefix_store=prefixes
     )
     if interactive:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - arrow keys and history for input()
         console.print(
-            f"mlx-stream chat · sinks {session.sinks} + window {cache.window} · "
+            f"mlx-stream chat · sinks {session.sinks} + window {policy.window} · "
             "/help for commands, Ctrl-C stops a reply, Ctrl-D exits",
             style="dim",
         )
     per_reply = None
-    if json_schema is not None:
+    if reply.json_schema is not None:
         from mlx_stream.serve.structured import Grammars, schema_file_grammar
 
-        grammar, grammars = schema_file_grammar(json_schema), Grammars(tokenizer)
+        grammar, grammars = schema_file_grammar(reply.json_schema), Grammars(tokenizer)
 
         def per_reply() -> dict:
             return {"logits_processors": [grammars.constraint(grammar)]}

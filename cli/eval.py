@@ -19,17 +19,16 @@ import typer
 from . import options as opt
 from .common import (
     cache_spec,
-    check_cache,
     check_choice,
     check_positive,
     check_text_file,
     fail,
     handle_errors,
     load_model,
-    recall_spec,
     sizes,
     stderr_console,
 )
+from .groups import Only, grouped
 
 app = typer.Typer(
     name="eval",
@@ -150,26 +149,21 @@ def _fmt(value: float | None, spec: str) -> str:
 
 @app.command("divergence")
 @handle_errors
+@grouped
 def divergence(
     path: Source,
-    model: opt.Model = None,
     window: Windows = None,
     sinks: SinksList = None,
     positions: PositionsList = "cache",
     kv_bits: KvList = "float",
-    kv_group_size: opt.KvGroupSize = 64,
-    limit_tokens: opt.LimitTokens = None,
+    *,
+    cache: Annotated[opt.CacheOptions, Only("kv_group_size")],
+    scoring: opt.ScoringOptions,
     points: Points = 4,
     generate: Generate = 32,
-    chunk: opt.Chunk = opt.DEFAULT_CHUNK,
-    segment: opt.Segment = opt.DEFAULT_SEGMENT,
-    json_out: opt.Json = False,
-    dtype: opt.Dtype = "auto",
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
+    output: Annotated[opt.OutputOptions, Only("json_out")],
+    model: Annotated[opt.ModelOptions, Only("model", "dtype")],
+    recall: opt.RecallOptions,
 ) -> None:
     """Compare cache policies with the full cache on a text, within the model's context.
 
@@ -183,20 +177,21 @@ def divergence(
     sink_list = parse_ints(sinks, "--sinks", 0)
     position_list = parse_choices(positions, "--positions", ("cache", "absolute", "rotating"))
     kv_list = parse_choices(kv_bits, "--kv-bits", tuple(KV_CHOICES))
-    check_cache(kv_group_size=kv_group_size)
+    cache.check()
     if position_list == ["rotating"] and "float" not in kv_list:
         fail("--positions rotating (mlx-lm's RotatingKVCache) cannot be quantized: add float")
+    limit_tokens, chunk, segment = scoring.limit_tokens, scoring.chunk, scoring.segment
     check_positive(limit_tokens, "--limit-tokens", 2)
     check_positive(points, "--points", 0)
     check_positive(generate, "--generate")
     check_positive(chunk, "--chunk")
     check_positive(segment, "--segment")
-    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    recall_policy = recall.spec()
     if recall_policy is not None and "cache" not in position_list:
         fail("--recall needs --positions cache (bounded positions)")
     checked = check_text_file(path)
 
-    target, tokenizer, spec = load_model(model, dtype)
+    target, tokenizer, spec = load_model(model.model, model.dtype)
     from mlx_stream.eval.divergence import Policy, sample_points
     from mlx_stream.eval.divergence import divergence as run_divergence
     from mlx_stream.eval.perplexity import iter_tokens
@@ -215,7 +210,7 @@ def divergence(
     if len(tokens) < 2:
         fail(f"{path}: too short, no token to score")
     policies = [
-        Policy(s, w, p, *KV_CHOICES[kv], kv_group_size)
+        Policy(s, w, p, *KV_CHOICES[kv], cache.kv_group_size)
         for w in windows or [default.window]
         for s in (sink_list if sink_list is not None else [default.sinks])
         for p in position_list
@@ -234,7 +229,7 @@ def divergence(
             target, tokens, policies, chunk=chunk, points=at, generate=generate, callback=callback
         )
     summaries = [r.summary(segment) for r in results]
-    if json_out:
+    if output.json_out:
         typer.echo(json.dumps({"tokens": len(tokens), "generate": generate, "policies": summaries}))
         return
     _divergence_table(summaries, len(tokens), generate)
@@ -291,10 +286,11 @@ def _divergence_table(rows: list[dict], tokens: int, generate: int) -> None:
 
 @app.command("recall")
 @handle_errors
+@grouped
 def recall(
-    model: opt.Model = None,
     window: Windows = "256,1024",
-    sinks: opt.Sinks = None,
+    *,
+    cache: Annotated[opt.CacheOptions, Only("sinks")],
     placements: Placements = "inside,just_outside,far_outside,system",
     trials: Trials = 4,
     answer_tokens: AnswerTokens = 12,
@@ -302,16 +298,12 @@ def recall(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object per window and placement.")
     ] = False,
-    dtype: opt.Dtype = "auto",
     length: Lengths = None,
     depths: Depths = "0.1,0.3,0.5,0.7,0.9",
     kinds: Kinds = "passkey,word",
     haystack: Haystack = "filler",
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
+    model: Annotated[opt.ModelOptions, Only("model", "dtype")],
+    recall: opt.RecallOptions,
 ) -> None:
     """Passkey retrieval through the window, beside the full cache's accuracy.
 
@@ -321,11 +313,11 @@ def recall(
     --depths of a haystack, through the window alone, the window with --recall, and
     the full cache where the prompt fits the model's context.
     """
+    sinks = cache.sinks
     if length is not None:
         return _needles(
-            model, window, sinks, trials, answer_tokens, seed, json_out, dtype, length,
-            depths, kinds, haystack,
-            recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir),
+            model.model, window, sinks, trials, answer_tokens, seed, json_out, model.dtype,
+            length, depths, kinds, haystack, recall.spec(),
         )  # fmt: skip
     from_recall = ("inside", "just_outside", "far_outside", "system")
     windows = parse_ints(window, "--window", 1)
@@ -334,11 +326,11 @@ def recall(
     check_positive(trials, "--trials")
     check_positive(answer_tokens, "--answer-tokens")
 
-    target, tokenizer, spec = load_model(model, dtype)
+    target, tokenizer, spec = load_model(model.model, model.dtype)
     from mlx_stream.eval.passkey import check_prompts
     from mlx_stream.eval.passkey import recall as run_recall
 
-    sinks = cache_spec(spec, sinks).sinks
+    sinks = cache.spec(spec).sinks
     context = model_context(target)
     try:  # every prompt must fit before the first token
         check_prompts(tokenizer, windows, placement_list, sinks, context, answer_tokens)

@@ -18,6 +18,7 @@ import typer
 
 from . import options as opt
 from .common import handle_errors, stderr_console
+from .groups import Only, grouped
 
 app = typer.Typer(
     help=(
@@ -412,15 +413,16 @@ def info(
 
 @app.command()
 @handle_errors
+@grouped
 def pull(
     name: Annotated[
         str | None,
         typer.Argument(help="Model name or Hugging Face id. Default: the registry default."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Pull again even if present.")] = False,
-    sinks: opt.Sinks = None,
-    window: opt.Window = None,
-    dtype: opt.Dtype = "auto",
+    *,
+    model: Annotated[opt.ModelOptions, Only("dtype")],
+    sizes: Annotated[opt.CacheOptions, Only("sinks", "window")],
 ) -> None:
     """Download (and convert) a model: a registry model into the user cache, its
     Hugging Face source or a Hugging Face id into the shared Hugging Face cache (only
@@ -432,6 +434,7 @@ def pull(
 
     from .common import check_positive
 
+    sinks, window, dtype = sizes.sinks, sizes.window, model.dtype
     check_positive(sinks, "--sinks", 0)
     check_positive(window, "--window")
     policy = loader.resolve_dtype(dtype)

@@ -1,14 +1,18 @@
-"""Shared ``Annotated`` option aliases, so ``chat``, ``stream-run`` and ``profile``
-spell, document and default the same option the same way.
+"""The options, each declared once: ``Annotated`` aliases, and the groups of them
+several commands share (:class:`ModelOptions`, :class:`CacheOptions`, ...; taken as
+one parameter through :func:`cli.groups.grouped`), each turning itself into the
+engine's value (a loaded model, ``CacheSpec``, ``Sampling``, ``RecallSpec``). The
+engine is imported inside those methods, so ``mlx-stream --help`` stays instant.
 
-Ranges are checked inside the commands (``cli.common.check_options``), not with
+Ranges are checked inside the commands (``cli.checks``), not with
 ``typer.Option(min=...)``: a bad value must give one plain line on stderr, not a box.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, ClassVar
 
 import typer
 
@@ -22,6 +26,8 @@ from mlx_stream.defaults import (  # noqa: F401 - the commands read them from he
     DEFAULT_RECLAIM_EVERY,
 )
 from mlx_stream.prefix_store import DEFAULT_MB as DEFAULT_PREFIX_STORE_MB  # noqa: F401
+
+from .groups import OptionGroup
 
 # Defaults of the CLI only.
 DEFAULT_SEGMENT = 1024
@@ -279,3 +285,185 @@ NoPrefixStore = Annotated[
     bool,
     typer.Option("--no-prefix-store", help="Neither read nor write the prefix store."),
 ]
+
+
+# The groups: what several commands share, each option in one of them.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions(OptionGroup):
+    """The model and how it is loaded."""
+
+    panel: ClassVar[str | None] = "Model"
+    model: Model = None
+    dtype: Dtype = "auto"
+    distributed: Distributed = "auto"
+
+    def join(self) -> Any:
+        """The ``mlx.launch`` cluster ``--distributed`` joins, or ``None``."""
+        from mlx_stream import distributed as dist
+
+        return dist.join(self.distributed, self.model)
+
+    def load(self, cache: CacheOptions, cluster: Any = None, **options: Any):
+        """Load the model (``loading.load_for_cache``): fit-checked against ``cache``
+        and sharded over ``cluster``; ``options`` as for :meth:`CacheOptions.spec`.
+
+        Returns:
+            ``(model, tokenizer, entry, cache_spec, path)``: ``entry`` the registry
+            entry (None for a path), ``path`` the mlx-lm folder loaded.
+        """
+        from mlx_stream import distributed as dist
+
+        from .loading import load_for_cache
+
+        return load_for_cache(
+            self.model, self.dtype, cache.sinks, cache.window, prepare=dist.preparer(cluster),
+            with_path=True, **cache.kv(), **options,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions(OptionGroup):
+    """The sink cache's sizes and its quantization."""
+
+    panel: ClassVar[str | None] = "KV cache"
+    sinks: Sinks = None
+    window: Window = None
+    kv_bits: KvBits = None
+    kv_group_size: KvGroupSize = 64
+    kv_key_bits: KvKeyBits = None
+
+    def kv(self) -> dict[str, Any]:
+        """The quantization as ``CacheSpec`` spells it."""
+        return {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size,
+                "key_bits": self.kv_key_bits}  # fmt: skip
+
+    def check(self, positions: str = "cache") -> None:
+        """One-line error naming the flag, before any model loads."""
+        from .checks import check_cache
+
+        check_cache(self.sinks, self.window, positions, **self.kv())
+
+    def spec(self, entry: Any, **options: Any) -> Any:
+        """The ``CacheSpec``: the registry entry's (None for a path) with these options
+        over it (``options``: ``positions``, ``num_draft_tokens``, ``recall``)."""
+        from .loading import cache_spec
+
+        return cache_spec(entry, self.sinks, self.window, **self.kv(), **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions(OptionGroup):
+    """How replies are sampled, over the model's defaults."""
+
+    panel: ClassVar[str | None] = "Sampling"
+    temp: Temp = None
+    top_p: TopP = None
+    top_k: TopK = None
+    repetition_penalty: RepetitionPenalty = None
+    seed: Seed = None
+
+    def check(self) -> None:
+        """One-line error for a value out of range."""
+        from .checks import check_sampling
+
+        check_sampling(self.temp, self.top_p, self.top_k, self.repetition_penalty)
+
+    def sampling(self, model_path: Any) -> Any:
+        """The ``Sampling``: the model's defaults with the options given over them."""
+        from .checks import sampling
+
+        return sampling(model_path, self.temp, self.top_p, self.top_k, self.repetition_penalty)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOptions(OptionGroup):
+    """Speculative decoding."""
+
+    panel: ClassVar[str | None] = "Speculative decoding"
+    draft_model: DraftModel = None
+    num_draft_tokens: NumDraftTokens = DEFAULT_NUM_DRAFT_TOKENS
+
+    def check(self) -> None:
+        """One-line error for a bad ``--num-draft-tokens``."""
+        from .checks import check_positive
+
+        check_positive(self.num_draft_tokens, "--num-draft-tokens")
+
+    def load(self, dtype: str) -> Any:
+        """The draft model, or ``None`` without ``--draft-model``."""
+        from .loading import load_model
+
+        if not self.draft_model:
+            return None
+        return load_model(self.draft_model, dtype, what="draft model")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallOptions(OptionGroup):
+    """The recall tier: what leaves the window, kept and brought back."""
+
+    panel: ClassVar[str | None] = "Recall"
+    recall: Recall = False
+    recall_blocks: RecallBlocks = DEFAULT_RECALL_BLOCKS
+    recall_bits: RecallBits = None
+    recall_ram: RecallRam = DEFAULT_RECALL_RAM_MB
+    recall_dir: RecallDir = None
+
+    def spec(self) -> Any:
+        """The ``RecallSpec`` (``None`` without ``--recall``; ``loading.recall_spec``)."""
+        from .loading import recall_spec
+
+        return recall_spec(self.recall, self.recall_blocks, self.recall_bits, self.recall_ram,
+                           self.recall_dir)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixStoreOptions(OptionGroup):
+    """The prefix store on disk, shared by chat and serve."""
+
+    panel: ClassVar[str | None] = "Prefix store"
+    prefix_store_dir: PrefixStoreDir = None
+    prefix_store_mb: PrefixStoreMb = DEFAULT_PREFIX_STORE_MB
+    no_prefix_store: NoPrefixStore = False
+
+    def open(self) -> Any:
+        """The ``PrefixStore``, or ``None`` when off (``loading.prefix_store``)."""
+        from .loading import prefix_store
+
+        return prefix_store(self.prefix_store_dir, self.prefix_store_mb, self.no_prefix_store)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyOptions(OptionGroup):
+    """The prompt and the reply to it (the command's own panel)."""
+
+    prompt: Prompt = None
+    max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
+    json_schema: JsonSchema = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputOptions(OptionGroup):
+    """What the command writes besides its table (the command's own panel)."""
+
+    json_out: Json = False
+    csv: Csv = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringOptions(OptionGroup):
+    """How a text is scored (the command's own panel)."""
+
+    chunk: Chunk = DEFAULT_CHUNK
+    segment: Segment = DEFAULT_SEGMENT
+    limit_tokens: LimitTokens = None
+
+    def check(self) -> None:
+        """One-line error for a bad value."""
+        from .checks import check_positive
+
+        check_positive(self.chunk, "--chunk")
+        check_positive(self.segment, "--segment")
+        check_positive(self.limit_tokens, "--limit-tokens", 2)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -27,7 +27,6 @@ from .common import (
     EXIT_RUNTIME,
     atomic_path,
     atomic_write_csv,
-    check_cache,
     check_choice,
     check_distinct,
     check_output_path,
@@ -37,10 +36,8 @@ from .common import (
     fail,
     handle_errors,
     json_line,
-    load_for_cache,
-    load_model,
-    recall_spec,
 )
+from .groups import Only, grouped
 
 CACHES = ("sink", "full", "rotating")
 DEFAULT_PROMPT = "Once upon a time, in a small town by the sea, there lived"
@@ -367,32 +364,22 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
 
 
 @handle_errors
+@grouped
 def profile(
-    model: opt.Model = None,
-    prompt: opt.Prompt = None,
+    *,
+    reply: Annotated[opt.ReplyOptions, Only("prompt")],
     file: opt.PromptFile = None,
     tokens: opt.Tokens = opt.DEFAULT_PROFILE_TOKENS,
     cache: opt.CacheKind = "sink",
     schedule: opt.Schedule = "crossing",
     every: opt.Every = opt.DEFAULT_RECLAIM_EVERY,
-    sinks: opt.Sinks = None,
-    window: opt.Window = None,
-    draft_model: opt.DraftModel = None,
-    num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
     compare: opt.Compare = False,
-    json_out: opt.Json = False,
-    csv: opt.Csv = None,
+    output: opt.OutputOptions,
     plot: opt.Plot = None,
-    dtype: opt.Dtype = "auto",
-    kv_bits: opt.KvBits = None,
-    kv_group_size: opt.KvGroupSize = 64,
-    kv_key_bits: opt.KvKeyBits = None,
-    distributed: opt.Distributed = "auto",
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
+    model: opt.ModelOptions,
+    sizes: opt.CacheOptions,
+    draft: opt.DraftOptions,
+    recall: opt.RecallOptions,
 ) -> None:
     """Profile memory and latency per decoded token.
 
@@ -402,17 +389,17 @@ def profile(
     """
     check_positive(tokens, "--tokens")
     check_positive(every, "--every")
-    check_positive(num_draft_tokens, "--num-draft-tokens")
+    draft.check()
     check_choice(cache, "--cache", CACHES)
     check_choice(schedule, "--schedule", RECLAIM_MODES)
-    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
-    check_cache(sinks, window, **kv)
-    if kv_bits is not None and (cache != "sink" or (compare and not draft_model)):
+    sizes.check()
+    if sizes.kv_bits is not None and (cache != "sink" or (compare and not draft.draft_model)):
         fail("--kv-bits quantizes the sink cache: use it with --cache sink, without --compare")
-    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    recall_policy = recall.spec()
     if recall_policy is not None and (cache != "sink" or compare):
         fail("--recall extends the sink cache: use it with --cache sink, without --compare")
-    text = read_prompt(prompt, file)
+    text = read_prompt(reply.prompt, file)
+    csv, json_out = output.csv, output.json_out
     for path in (csv, plot):
         if path is not None:
             check_output_path(path)
@@ -421,24 +408,21 @@ def profile(
         check_matplotlib()
     from mlx_stream import distributed as dist
 
-    cluster = dist.join(distributed, model)
+    cluster = model.join()
     if cluster is not None and not cluster.is_root:
         csv = plot = None
-    drafted = num_draft_tokens if draft_model else None  # a verify block in the slack
-    target, tokenizer, spec, policy = load_for_cache(
-        model, dtype, sinks, window, prepare=dist.preparer(cluster), num_draft_tokens=drafted,
-        **kv,
-    )  # fmt: skip
-    draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
+    drafted = draft.num_draft_tokens if draft.draft_model else None  # a verify block in the slack
+    target, tokenizer, _, policy, _ = model.load(sizes, cluster, num_draft_tokens=drafted)
+    drafter = draft.load(model.dtype)
     policy = policy.replace(recall=recall_policy)
-    estimate = memory_estimate(target, draft, policy)
+    estimate = memory_estimate(target, drafter, policy)
     prompt_tokens = list(tokenizer.encode(text))
     runs: dict[str, list[dict]] = {}
     summaries = []
-    for setting in settings_for(cache, schedule, draft is not None, compare):
+    for setting in settings_for(cache, schedule, drafter is not None, compare):
         rows = run_setting(
-            setting, target, tokenizer, draft, prompt_tokens, tokens, policy, every,
-            num_draft_tokens,
+            setting, target, tokenizer, drafter, prompt_tokens, tokens, policy, every,
+            draft.num_draft_tokens,
         )  # fmt: skip
         runs[setting.name] = rows
         summaries.append(dict(summarize(setting, rows, policy), estimate=estimate))

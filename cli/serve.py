@@ -3,6 +3,7 @@ memory (the engine is :mod:`mlx_stream.serve.engine`, the routes :mod:`mlx_strea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -23,18 +24,15 @@ from mlx_stream.defaults import (
 
 from . import options as opt
 from .common import (
-    check_cache,
     check_positive,
-    check_sampling,
     fail,
     handle_errors,
-    load_for_cache,
-    load_model,
-    prefix_store,
-    recall_spec,
-    sampling,
     stderr_console,
 )
+from .groups import Only, grouped
+
+# serve's own help panels, after its common options and the shared groups
+SESSIONS, REQUESTS, ACCESS, CONNECTIONS = "Sessions", "Requests", "Access", "Connections"
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
@@ -48,10 +46,14 @@ MemoryBudget = Annotated[
         help="Bytes for weights + sessions (e.g. 2GB, 512MiB), or 'auto' (the weights and 8 "
         "sessions at the full window, at most 75% of memory). A session that does not fit "
         "evicts an idle one to disk, or gets 429.",
+        rich_help_panel=SESSIONS,
     ),
 ]
 MaxSessions = Annotated[
-    int | None, typer.Option("--max-sessions", help="Most sessions kept in memory at once.")
+    int | None,
+    typer.Option(
+        "--max-sessions", help="Most sessions kept in memory at once.", rich_help_panel=SESSIONS
+    ),
 ]
 KeepSystem = Annotated[
     bool,
@@ -76,6 +78,7 @@ ApiKey = Annotated[
         help="Require 'Authorization: Bearer KEY' on every route but /health (OpenAI "
         "clients send their api_key so). Default: none (anyone who can reach the port may "
         "use it).",
+        rich_help_panel=ACCESS,
     ),
 ]
 ApiKeys = Annotated[
@@ -84,6 +87,7 @@ ApiKeys = Annotated[
         "--api-keys",
         help="A file of API keys, one per line ('#' comments): each key has its own "
         "sessions, and sees and continues only those.",
+        rich_help_panel=ACCESS,
     ),
 ]
 Isolate = Annotated[
@@ -92,6 +96,7 @@ Isolate = Annotated[
         "--isolate",
         help="Never match a request without X-Session-ID to an existing session by its "
         "transcript (for one key shared by several people).",
+        rich_help_panel=ACCESS,
     ),
 ]
 StateDir = Annotated[
@@ -100,6 +105,7 @@ StateDir = Annotated[
         "--state-dir",
         help="Where evicted sessions are saved, and every resident one on exit (SIGTERM): "
         "a restart with the same folder continues them. Default: a temp folder.",
+        rich_help_panel=SESSIONS,
     ),
 ]
 RepairTokens = Annotated[
@@ -110,6 +116,7 @@ RepairTokens = Annotated[
         "a message rewritten), keep the KV before it, compute the edit and this many tokens "
         "after it again, and reuse the rest moved into place (approximate; a number "
         "covering the window is exact). 0: rebuild from the system prompt as before.",
+        rich_help_panel=SESSIONS,
     ),
 ]
 StopLoops = Annotated[
@@ -119,6 +126,7 @@ StopLoops = Annotated[
         help="End a reply whose last this-many tokens repeat one span at least 4 times "
         "(a small model's loop would run to max_tokens, and an agent takes a reply cut "
         "there as a failed turn); the reply ends as a finished one. 0: never.",
+        rich_help_panel=REQUESTS,
     ),
 ]
 NoUi = Annotated[
@@ -149,6 +157,7 @@ MaxTokensCeiling = Annotated[
         "--max-tokens-ceiling",
         help="Cap every request's max_tokens at this (said in the X-Max-Tokens-Ceiling "
         "response header and the log); 0: no cap.",
+        rich_help_panel=REQUESTS,
     ),
 ]
 CorsOrigin = Annotated[
@@ -159,6 +168,7 @@ CorsOrigin = Annotated[
         help="A web page's origin (https://app.example:3000) that may call this server "
         "from a browser (repeatable; '*': any site, which lets every page you open use "
         "it). Default: only the chat page served here.",
+        rich_help_panel=ACCESS,
     ),
 ]
 AllowedHost = Annotated[
@@ -168,6 +178,7 @@ AllowedHost = Annotated[
         metavar="NAME",
         help="A Host name requests may be sent to besides 127.0.0.1, localhost, [::1] and "
         "--host (repeatable; '*': any). Others get 421 (DNS rebinding).",
+        rich_help_panel=ACCESS,
     ),
 ]
 MaxConnections = Annotated[
@@ -176,6 +187,7 @@ MaxConnections = Annotated[
         "--max-connections",
         help="Most open connections; one more closes the oldest that has not sent its "
         "headers, or gets 503 when all are busy.",
+        rich_help_panel=CONNECTIONS,
     ),
 ]
 HeaderTimeout = Annotated[
@@ -183,6 +195,7 @@ HeaderTimeout = Annotated[
     typer.Option(
         "--header-timeout",
         help="Seconds a connection has to send a request's line and headers.",
+        rich_help_panel=CONNECTIONS,
     ),
 ]
 MaxPromptTokens = Annotated[
@@ -192,6 +205,7 @@ MaxPromptTokens = Annotated[
         help="Most tokens one request may feed (a new session's whole history, else its new "
         "messages); more is refused with 413. A long prompt goes in a chunk at a time "
         "between other requests' tokens, through the window like any other stream.",
+        rich_help_panel=REQUESTS,
     ),
 ]
 
@@ -240,47 +254,47 @@ def recall_note(policy) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeCacheOptions(opt.CacheOptions):
+    """The cache options with serve's ``--window`` (sized from the model and the budget)."""
+
+    window: ServeWindow = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeReplyOptions(opt.ReplyOptions):
+    """The reply options with serve's ``--max-tokens`` (a request's default)."""
+
+    max_tokens: ServeMaxTokens = DEFAULT_SERVE_MAX_TOKENS
+
+
 @handle_errors
+@grouped
 def serve(
-    model: opt.Model = None,
     host: Host = "127.0.0.1",
     port: Port = 8080,
-    sinks: opt.Sinks = None,
-    window: ServeWindow = None,
     keep_system: KeepSystem = True,
-    max_tokens: ServeMaxTokens = DEFAULT_SERVE_MAX_TOKENS,
-    max_tokens_ceiling: MaxTokensCeiling = DEFAULT_MAX_TOKENS_CEILING,
-    max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
+    *,
+    reply: Annotated[ServeReplyOptions, Only("max_tokens")],
+    batch: Batching = True,
+    quiet: Quiet = False,
+    no_ui: NoUi = False,
+    model: opt.ModelOptions,
+    cache: ServeCacheOptions,
+    sampling: Annotated[opt.SamplingOptions, Only("temp", "top_p", "top_k", "repetition_penalty")],
+    draft: opt.DraftOptions,
+    recall: opt.RecallOptions,
+    prefix_store: opt.PrefixStoreOptions,
     memory_budget: MemoryBudget = "auto",
     max_sessions: MaxSessions = None,
     state_dir: StateDir = None,
-    draft_model: opt.DraftModel = None,
-    num_draft_tokens: opt.NumDraftTokens = opt.DEFAULT_NUM_DRAFT_TOKENS,
-    temp: opt.Temp = None,
-    top_p: opt.TopP = None,
-    top_k: opt.TopK = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    dtype: opt.Dtype = "auto",
-    kv_bits: opt.KvBits = None,
-    kv_group_size: opt.KvGroupSize = 64,
-    kv_key_bits: opt.KvKeyBits = None,
-    batch: Batching = True,
+    repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
+    max_tokens_ceiling: MaxTokensCeiling = DEFAULT_MAX_TOKENS_CEILING,
+    max_prompt_tokens: MaxPromptTokens = DEFAULT_MAX_PROMPT_TOKENS,
+    stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
     api_key: ApiKey = None,
     api_keys: ApiKeys = None,
     isolate: Isolate = False,
-    distributed: opt.Distributed = "auto",
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
-    quiet: Quiet = False,
-    no_ui: NoUi = False,
-    prefix_store_dir: opt.PrefixStoreDir = None,
-    prefix_store_mb: opt.PrefixStoreMb = opt.DEFAULT_PREFIX_STORE_MB,
-    no_prefix_store: opt.NoPrefixStore = False,
-    repair_tokens: RepairTokens = DEFAULT_REPAIR_TOKENS,
-    stop_loops: StopLoops = DEFAULT_STOP_LOOPS,
     cors_origin: CorsOrigin = None,
     allowed_host: AllowedHost = None,
     max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
@@ -313,7 +327,7 @@ def serve(
     penalty 1.1; --temp and the other sampling options change them); one that gives a
     temperature gets exactly the sampling it asks for (0: greedy).
     """
-    check_positive(max_tokens, "--max-tokens")
+    check_positive(reply.max_tokens, "--max-tokens")
     check_positive(max_tokens_ceiling, "--max-tokens-ceiling", 0)
     max_tokens_ceiling = max_tokens_ceiling or None
     check_positive(max_connections, "--max-connections")
@@ -322,17 +336,17 @@ def serve(
     if stop_loops and stop_loops < LOOP_REPEATS:
         fail(f"--stop-loops must be 0 (off) or at least {LOOP_REPEATS} tokens, not {stop_loops}")
     check_positive(max_prompt_tokens, "--max-prompt-tokens")
-    check_positive(num_draft_tokens, "--num-draft-tokens")
+    draft.check()
     check_positive(max_sessions, "--max-sessions")
     check_positive(port, "--port", 0)
     check_positive(repair_tokens, "--repair-tokens", 0)
     if port > 65535:
         fail(f"--port must be at most 65535 (got {port})")
-    check_sampling(temp, top_p, top_k, repetition_penalty)
-    check_cache(sinks, window, kv_bits=kv_bits, kv_group_size=kv_group_size, key_bits=kv_key_bits)
+    sampling.check()
+    cache.check()
     budget = parse_bytes(memory_budget)
-    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
-    prefixes = prefix_store(prefix_store_dir, prefix_store_mb, no_prefix_store)
+    recall_policy = recall.spec()
+    prefixes = prefix_store.open()
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty")
     from mlx_stream.serve.app import read_api_keys
@@ -354,23 +368,18 @@ def serve(
         fail(f"--state-dir {state_dir}: {'not a' if state_dir.exists() else 'no such'} directory")
     if state_dir is not None and not os.access(state_dir, os.W_OK | os.X_OK):
         fail(f"--state-dir {state_dir}: not writable")
-    from mlx_stream import distributed as dist
-
-    cluster = dist.join(distributed, model)
+    cluster = model.join()
     if cluster is not None:  # a rank's caches hold its shard only: no shared entries
         prefixes = None
     if cluster is not None and recall_policy is not None:
         fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec, cache, path = load_for_cache(
-        model, dtype, sinks, window, prepare=dist.preparer(cluster), kv_bits=kv_bits,
-        kv_group_size=kv_group_size, key_bits=kv_key_bits, with_path=True,
-    )  # fmt: skip
-    sample = sampling(path, temp, top_p, top_k, repetition_penalty)
+    target, tokenizer, spec, policy, path = model.load(cache, cluster)
+    sample = sampling.sampling(path)
     prefixes = prefixes and prefixes.bind(path)  # entries keyed by the model's folder
-    draft = load_model(draft_model, dtype, what="draft model")[0] if draft_model else None
-    model_id = spec.name if spec is not None else Path(model or "default").name
+    drafter = draft.load(model.dtype)
+    model_id = spec.name if spec is not None else Path(model.model or "default").name
     aliases: tuple[str, ...] = ()
     if spec is not None:
         from mlx_stream.models import hub, registry
@@ -384,19 +393,20 @@ def serve(
     from mlx_stream.serve.app import create_app
     from mlx_stream.serve.engine import Engine
 
-    if window is None:  # from the model's context and the budget, not the registry's
+    if cache.window is None:  # from the model's context and the budget, not the registry's
         context = getattr(spec, "context", None)
-        cache = cache.replace(window=window_for(target, context, cache, budget))
+        policy = policy.replace(window=window_for(target, context, policy, budget))
     if budget is None and recall_policy is None and cluster is None:
-        budget = auto_budget(target, cache)  # a few sessions, not the whole machine
-    cache = cache.replace(recall=recall_policy)
+        budget = auto_budget(target, policy)  # a few sessions, not the whole machine
+    policy = policy.replace(recall=recall_policy)
     from mlx_stream.generate.model_config import end_of_turn_tokens
 
-    settings = Settings(cache=cache, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+    settings = Settings(cache=policy, max_tokens=reply.max_tokens,
+                        num_draft_tokens=draft.num_draft_tokens,
                         stop_tokens=end_of_turn_tokens(tokenizer),
                         stop_loops=stop_loops)  # fmt: skip
     engine = Engine(
-        target, tokenizer, settings, model_id, draft_model=draft, keep_system=keep_system,
+        target, tokenizer, settings, model_id, draft_model=drafter, keep_system=keep_system,
         budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
         cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
         max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes, sampling=sample,
@@ -410,7 +420,7 @@ def serve(
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
-            f"mlx-stream serve · {model_id} · window {cache.window} · system prompts pinned "
+            f"mlx-stream serve · {model_id} · window {policy.window} · system prompts pinned "
             f"up to {engine.pin} tokens · "
             + (f"max_tokens ceiling {max_tokens_ceiling} · " if max_tokens_ceiling else "")
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")

@@ -9,6 +9,7 @@ question of whatever the window still holds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,22 +21,18 @@ from .common import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
     atomic_write_csv,
-    check_cache,
     check_distinct,
     check_output_path,
     check_positive,
-    check_sampling,
     check_text_file,
     error_line,
     fail,
     handle_errors,
     json_line,
     lenient_stdin,
-    load_for_cache,
-    recall_spec,
-    sampling,
     stderr_console,
 )
+from .groups import grouped
 
 CHECKPOINT_SUFFIX = ".safetensors"
 Source = Annotated[
@@ -345,38 +342,21 @@ def failure_line(result: Any, checkpoint: Path | None) -> str:
 
 
 @handle_errors
+@grouped
 def stream_run(
     path: Source,
-    model: opt.Model = None,
-    sinks: opt.Sinks = None,
-    window: opt.Window = None,
     positions: opt.Positions = "cache",
-    chunk: opt.Chunk = opt.DEFAULT_CHUNK,
-    segment: opt.Segment = opt.DEFAULT_SEGMENT,
-    limit_tokens: opt.LimitTokens = None,
-    prompt: opt.Prompt = None,
-    json_schema: opt.JsonSchema = None,
-    max_tokens: opt.MaxTokens = opt.DEFAULT_MAX_TOKENS,
-    temp: opt.Temp = None,
-    top_p: opt.TopP = None,
-    top_k: opt.TopK = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    seed: opt.Seed = None,
-    json_out: opt.Json = False,
-    csv: opt.Csv = None,
+    *,
+    scoring: opt.ScoringOptions,
+    reply: opt.ReplyOptions,
+    output: opt.OutputOptions,
     checkpoint: opt.Checkpoint = None,
     checkpoint_every: opt.CheckpointEvery = opt.DEFAULT_CHECKPOINT_EVERY,
     resume: opt.Resume = None,
-    dtype: opt.Dtype = "auto",
-    kv_bits: opt.KvBits = None,
-    kv_group_size: opt.KvGroupSize = 64,
-    kv_key_bits: opt.KvKeyBits = None,
-    distributed: opt.Distributed = "auto",
-    recall: opt.Recall = False,
-    recall_blocks: opt.RecallBlocks = opt.DEFAULT_RECALL_BLOCKS,
-    recall_bits: opt.RecallBits = None,
-    recall_ram: opt.RecallRam = opt.DEFAULT_RECALL_RAM_MB,
-    recall_dir: opt.RecallDir = None,
+    model: opt.ModelOptions,
+    cache: opt.CacheOptions,
+    sampling: opt.SamplingOptions,
+    recall: opt.RecallOptions,
 ) -> None:
     """Stream a long text (a file, or - for stdin) through the model in fixed memory.
 
@@ -387,19 +367,17 @@ def stream_run(
     between model calls, saves --checkpoint and prints the figures so far; so does a
     recall store whose disk is full (exit 1). A checkpoint carries the recall store.
     """
-    check_positive(chunk, "--chunk")
-    check_positive(segment, "--segment")
-    check_positive(limit_tokens, "--limit-tokens", 2)
-    check_positive(max_tokens, "--max-tokens")
+    scoring.check()
+    check_positive(reply.max_tokens, "--max-tokens")
     check_positive(checkpoint_every, "--checkpoint-every")
-    check_sampling(temp, top_p, top_k, repetition_penalty)
-    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "key_bits": kv_key_bits}
-    check_cache(sinks, window, positions, **kv)
+    sampling.check()
+    cache.check(positions)
+    prompt, csv, json_out = reply.prompt, output.csv, output.json_out
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty")
-    if json_schema is not None and prompt is None:
+    if reply.json_schema is not None and prompt is None:
         fail("--json-schema constrains the answer to --prompt: pass --prompt too")
-    recall_policy = recall_spec(recall, recall_blocks, recall_bits, recall_ram, recall_dir)
+    recall_policy = recall.spec()
     if csv is not None:
         check_output_path(csv)
     if checkpoint is not None:
@@ -407,9 +385,7 @@ def stream_run(
     # Continuing a checkpoint in place is what --resume X --checkpoint X means.
     check_distinct({"--csv": csv, "--checkpoint": checkpoint}, {"the input": path})
     check_distinct({"--csv": csv}, {"--resume": resume})
-    from mlx_stream import distributed as dist
-
-    cluster = dist.join(distributed, model)
+    cluster = model.join()
     if cluster is not None and (checkpoint or resume):
         fail("--checkpoint and --resume are not available with --distributed")
     if cluster is not None and recall_policy is not None:
@@ -424,36 +400,38 @@ def stream_run(
         size = None if size < 0 else size
     try:
         if resume is not None:
-            checkpoint, sinks, window = prepare_resume(resume, checkpoint, sinks, window)
-        target, tokenizer, spec, cache, model_path = load_for_cache(
-            model, dtype, sinks, window, prepare=dist.preparer(cluster), positions=positions,
-            with_path=True, **kv,
-        )  # fmt: skip
-        cache = cache.replace(recall=recall_policy)
+            checkpoint, sinks, window = prepare_resume(
+                resume, checkpoint, cache.sinks, cache.window
+            )
+            cache = dataclasses.replace(cache, sinks=sinks, window=window)
+        target, tokenizer, spec, policy, model_path = model.load(
+            cache, cluster, positions=positions
+        )
+        policy = policy.replace(recall=recall_policy)
         constraint = None
-        if json_schema is not None:  # checked before the long run, used after it
+        if reply.json_schema is not None:  # checked before the long run, used after it
             from mlx_stream.serve.structured import Grammars, schema_file_grammar
 
-            constraint = Grammars(tokenizer).constraint(schema_file_grammar(json_schema))
+            constraint = Grammars(tokenizer).constraint(schema_file_grammar(reply.json_schema))
         from mlx_stream.eval.perplexity import iter_tokens
         from mlx_stream.models.loader import resolve_dtype
 
         reader = CountingReader(f)
         tokens = Tracked(iter_tokens(reader, tokenizer))
         identity = {
-            "model": spec.name if spec is not None else str(Path(model).resolve()),
-            "dtype": resolve_dtype(dtype), **cache.to_json(),
+            "model": spec.name if spec is not None else str(Path(model.model).resolve()),
+            "dtype": resolve_dtype(model.dtype), **policy.to_json(),
         }  # fmt: skip
         result, caches = evaluate(
-            target, tokens, reader, size, cache, chunk, segment, limit_tokens, checkpoint,
-            checkpoint_every, resume, identity,
+            target, tokens, reader, size, policy, scoring.chunk, scoring.segment,
+            scoring.limit_tokens, checkpoint, checkpoint_every, resume, identity,
         )  # fmt: skip
     finally:
         if path != "-":
             f.close()
     if result.failure is not None:  # e.g. the recall store's disk is full
         if result.tokens:
-            report(result, cache, json_out, {"interrupted": True, "failure": result.failure}
+            report(result, policy, json_out, {"interrupted": True, "failure": result.failure}
                    if json_out else {})  # fmt: skip
         error_line(failure_line(result, checkpoint))
         raise typer.Exit(EXIT_RUNTIME)
@@ -464,7 +442,7 @@ def stream_run(
         fail(f"{'stdin' if path == '-' else path}: too short, no token to score")
     # The main result goes out first: a side output that fails cannot take it along.
     if not json_out or result.interrupted:
-        report(result, cache, json_out, {"interrupted": True} if json_out else {})
+        report(result, policy, json_out, {"interrupted": True} if json_out else {})
     if result.interrupted:
         typer.echo(interrupted_line(result, checkpoint), err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
@@ -476,14 +454,14 @@ def stream_run(
                 print(text, end="", flush=True)
 
         extra["answer"], extra["finish_reason"] = answer(
-            target, tokenizer, caches, tokens.last, prompt, max_tokens, write,
+            target, tokenizer, caches, tokens.last, prompt, reply.max_tokens, write,
             [constraint] if constraint is not None else None,
-            sampling(model_path, temp, top_p, top_k, repetition_penalty), seed,
+            sampling.sampling(model_path), sampling.seed,
         )  # fmt: skip
         if not json_out:
             print(flush=True)
     if json_out:
-        report(result, cache, True, extra)
+        report(result, policy, True, extra)
     failures = [result.checkpoint_error] if result.checkpoint_error else []
     if csv is not None:
         try:
