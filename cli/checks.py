@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mlx_stream.defaults import DEFAULT_KV_GROUP_SIZE
+
 from .failures import fail
 
 SNIFF_BYTES = 1 << 16
@@ -30,7 +32,7 @@ def check_cache(
     window: int | None = None,
     positions: str = "cache",
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     key_bits: int | None = None,
 ) -> None:
     """One-line error naming the flag for cache options a SinkCache cannot have,

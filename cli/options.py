@@ -19,6 +19,7 @@ import typer
 from mlx_stream.defaults import (  # noqa: F401 - the commands read them from here
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_CHUNK,
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_RECALL_BLOCKS,
@@ -331,7 +332,7 @@ class CacheOptions(OptionGroup):
     sinks: Sinks = None
     window: Window = None
     kv_bits: KvBits = None
-    kv_group_size: KvGroupSize = 64
+    kv_group_size: KvGroupSize = DEFAULT_KV_GROUP_SIZE
     kv_key_bits: KvKeyBits = None
 
     def kv(self) -> dict[str, Any]:

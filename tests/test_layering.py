@@ -475,12 +475,6 @@ def test_no_module_imports_another_modules_private_names():
 DEFAULTS_PENDING = {
     "mlx_stream/serve/admission.py",
     "mlx_stream/serve/scheduler.py",
-    "cli/chat.py",
-    "cli/checks.py",
-    "cli/eval.py",
-    "cli/profile.py",
-    "cli/serve.py",
-    "cli/stream_run.py",
 }
 # Parameters and fields named like a default that hold another setting on purpose:
 # ``(path, name)``, each with its reason.
