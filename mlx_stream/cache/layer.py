@@ -319,6 +319,26 @@ class SinkCache(BaseCache):
         L = self._last_fetched or self.ring.fetched(0)
         return self.storage.fetch(L, self.ring, self._packed)
 
+    def tokens(self, lo: int, hi: int) -> tuple[mx.array, mx.array] | None:
+        """Tokens ``lo:hi`` as float ``(keys, values)`` in stream order (no columns when
+        ``hi <= lo``), or ``None`` when one of them left its slot already."""
+        g = self.kv_group_size
+        pairs = ((self.keys, self.key_bits), (self.values, self.value_bits))
+        if hi <= lo:
+            one = [kvstore.unpack(kvstore.get(b, 0, 1), bits, g) for b, bits in pairs]
+            return tuple(mx.zeros_like(x[:, :, :0, :]) for x in one)
+        slots = [self.ring.slot(t) for t in range(lo, hi)]
+        if any(self.ring.slots[s] != t for s, t in zip(slots, range(lo, hi))):
+            return None
+        idx = mx.array(slots)
+
+        def take(buf, bits):
+            part = tuple(mx.take(b, idx, axis=2) for b in buf) if isinstance(buf, tuple) else (
+                mx.take(buf, idx, axis=2))  # fmt: skip
+            return kvstore.unpack(part, bits, g)
+
+        return take(*pairs[0]), take(*pairs[1])
+
     def with_tail(self) -> tuple | None:
         """``(keys, values, L, T)``: when the last ``update_and_fetch`` returned the
         first ``L`` slots of the buffers as they are (not a concatenation), every slot

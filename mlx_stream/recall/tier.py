@@ -269,25 +269,13 @@ class Recall(Hooks):
     def _gather(self, c, lo: int, hi: int) -> tuple[mx.array, mx.array]:
         """Tokens ``lo:hi`` of layer cache ``c`` as float keys and values (zeros of
         one slot when the block is all sinks)."""
-        g = c.kv_group_size
-        if hi <= lo:
-            one = [kvstore.unpack(kvstore.get(b, 0, 1), bits, g)
-                   for b, bits in ((c.keys, c.key_bits), (c.values, c.value_bits))]  # fmt: skip
-            return tuple(mx.zeros_like(x[:, :, :0, :]) for x in one)
-        slots = [c.ring.slot(t) for t in range(lo, hi)]
-        if any(c.ring.slots[s] != t for s, t in zip(slots, range(lo, hi))):
+        got = c.tokens(lo, hi)
+        if got is None:
             raise RuntimeFailure(
                 f"recall: tokens {lo}-{hi - 1} were overwritten before they were stored "
                 "(a call crossed too many tokens at once; feed at most max_call_tokens())"
             )
-        idx = mx.array(slots)
-
-        def take(buf, bits):
-            part = tuple(mx.take(b, idx, axis=2) for b in buf) if isinstance(buf, tuple) else (
-                mx.take(buf, idx, axis=2))  # fmt: skip
-            return kvstore.unpack(part, bits, g)
-
-        return take(c.keys, c.key_bits), take(c.values, c.value_bits)
+        return got
 
     # ----- selection --------------------------------------------------------------------
 
