@@ -47,13 +47,14 @@ def test_a_new_message_over_the_prompt_limit_is_too_large(loaded):
 
 def test_each_refusal_maps_to_its_status():
     from mlx_stream.errors import RuntimeFailure, UserError
-    from mlx_stream.serve.refusals import BadRequest, Busy, TooLarge, Unsaved
-    from mlx_stream.serve.statuses import error_event
+    from mlx_stream.serve.refusals import BadRequest, Busy, ShuttingDown, TooLarge, Unsaved
+    from mlx_stream.serve.statuses import status_of
 
-    assert error_event(Busy("full", retry_after=3)) == ("error", 429, "full", 3)
-    assert error_event(Unsaved("disk")) == ("error", 507, "disk", None)
-    assert error_event(RuntimeFailure("save")) == ("error", 500, "save", None)
-    assert error_event(TooLarge("big")) == ("error", 413, "big", None)
-    assert error_event(BadRequest("bad")) == ("error", 400, "bad", None)
-    assert error_event(UserError("bad")) == ("error", 400, "bad", None)
-    assert error_event(KeyError("x")) == ("error", 500, "KeyError: 'x'", None)
+    assert status_of(Busy("full", retry_after=3)) == (429, "full", 3)
+    assert status_of(Unsaved("disk")) == (507, "disk", None)
+    assert status_of(RuntimeFailure("save")) == (500, "save", None)
+    assert status_of(TooLarge("big")) == (413, "big", None)
+    assert status_of(BadRequest("bad")) == (400, "bad", None)
+    assert status_of(UserError("bad")) == (400, "bad", None)
+    assert status_of(KeyError("x")) == (500, "KeyError: 'x'", None)
+    assert status_of(ShuttingDown()) == (503, "the server is shutting down", None)

@@ -45,7 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import owner_of, sampling_args, session_header
+from mlx_stream.serve.statuses import status_of
 
 PREFIX = "/v1/messages"
 KINDS = {
@@ -304,10 +306,10 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             top_k=body.top_k, stop=body.stop_sequences or None, owner=owner_of(http),
             **sampling_args(body.temperature, body.top_p), **fields,
         )  # fmt: skip
-        if first[0] == "error":
-            _, status, message, retry = first
-            return error(status, message, {"Retry-After": str(retry)} if retry else None)
-        session_id = first[1].get("session_id")
+        if isinstance(first, Failed):
+            refused = status_of(first.error)
+            return error(refused.status, refused.message, refused.headers())
+        session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
         ident = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
@@ -381,8 +383,8 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
         index, kind, pings = 0, None, 0  # kind: the open block's ("text", "thinking")
         while True:
             event = await job.events.get()
-            if event[0] in ("text", "reasoning") and event[1]:
-                want = "text" if event[0] == "text" else "thinking"
+            if isinstance(event, (Delta, Reasoning)) and event.text:
+                want = "text" if isinstance(event, Delta) else "thinking"
                 if kind not in (None, want):
                     yield _sse("content_block_stop", {"index": index})
                     index, kind = index + 1, None
@@ -392,22 +394,22 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                         block["signature"] = ""  # nothing signs a local model's thought
                     yield _sse("content_block_start", {"index": index, "content_block": block})
                     kind = want
-                delta = {"type": want + "_delta", want: event[1]}
+                delta = {"type": want + "_delta", want: event.text}
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
-            elif event[0] == "tool_call":
+            elif isinstance(event, ToolCall):
                 if kind is not None:
                     yield _sse("content_block_stop", {"index": index})
                     index, kind = index + 1, None
-                block = {**_tool_use(event[2]), "input": {}}
+                block = {**_tool_use(event.call), "input": {}}
                 yield _sse("content_block_start", {"index": index, "content_block": block})
                 delta = {
                     "type": "input_json_delta",
-                    "partial_json": event[2]["function"]["arguments"],
+                    "partial_json": event.call["function"]["arguments"],
                 }
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
                 yield _sse("content_block_stop", {"index": index})
                 index += 1
-            elif event[0] == "ping":  # a long prompt going in: keep the client waiting
+            elif isinstance(event, events.Ping):  # a long prompt going in: keep the client waiting
                 yield _sse("ping", {})
                 pings += 1
                 if pings == 1:
@@ -419,15 +421,16 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                     kind = "text"
                 delta = {"type": kind + "_delta", kind: ""}
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
-            elif event[0] == "end":
+            elif isinstance(event, End):
                 if kind is not None:
                     yield _sse("content_block_stop", {"index": index})
-                delta = stop_fields(event[2], request)
-                yield _sse("message_delta", {"delta": delta, "usage": _usage(event[1])})
+                delta = stop_fields(event.finish_reason, request)
+                yield _sse("message_delta", {"delta": delta, "usage": _usage(event.usage)})
                 yield _sse("message_stop", {})
                 break
-            elif event[0] == "error":
-                body = {"type": KINDS.get(event[1], "api_error"), "message": event[2]}
+            elif isinstance(event, Failed):
+                status, message, _ = status_of(event.error)
+                body = {"type": KINDS.get(status, "api_error"), "message": message}
                 yield _sse("error", {"error": body})
                 break
     finally:

@@ -26,6 +26,7 @@ from mlx_stream.generate.steps import DecodeState
 from mlx_stream.serve import marks
 from mlx_stream.serve import recall as recalled
 from mlx_stream.serve.admission import COPIES, Admission, weights_bytes
+from mlx_stream.serve.event_types import Started
 from mlx_stream.serve.logprobs import TokenLogprobs
 from mlx_stream.serve.matching import Entry, split_messages
 from mlx_stream.serve.planning import Planner
@@ -329,8 +330,7 @@ class Engine(Scheduler, Sessions):
         entry.last_used = time.monotonic()
         job = Job(request, entry, tokens, cached, batched=batched)
         self._active.append(job)
-        info = {"session_id": None if entry.transient else entry.id}
-        request.emit(("start", {**info, "note": note} if note else info))
+        request.emit(Started(None if entry.transient else entry.id, note))
         return job
 
     # ----- inspection -------------------------------------------------------------------

@@ -45,8 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events, ollama_models, reasoning
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import owner_of, sampling_args
 from mlx_stream.serve.ollama_models import error, not_found, now
+from mlx_stream.serve.statuses import status_of
 from mlx_stream.serve.structured import response_format_grammar
 
 PREFIX = "/api/"
@@ -231,8 +233,8 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
             return error(400, str(exc))
         clock = {"start": time.perf_counter()}
         job, request, first = await events.start(engine, http=http, owner=owner_of(http), **fields)
-        if first[0] == "error":
-            return error(first[1], first[2])
+        if isinstance(first, Failed):
+            return error(*status_of(first.error)[:2])
         pieces = _pieces(job, request, {"model": body.model}, chat, clock, http)
         if body.stream:
             lines = (_line(p) async for p in pieces)
@@ -313,21 +315,23 @@ async def _pieces(job: events.Job, request: Any, head: dict, chat: bool, clock: 
             event = await events.next_event(job, http)
             if event is None:  # the client left
                 break
-            if event[0] in ("text", "reasoning", "tool_call"):
+            if isinstance(event, (Delta, Reasoning, ToolCall)):
                 clock.setdefault("first", time.perf_counter())
-            if event[0] == "text" and event[1]:
-                yield piece(event[1])
-            elif event[0] == "reasoning":  # the thought apart, as ollama's ``thinking``
-                out = piece("")
-                (out["message"] if chat else out)["thinking"] = event[1]
-                yield out
-            elif event[0] == "tool_call":
-                yield piece("", [_call(event[2])])
-            elif event[0] == "end":
-                yield {**piece(""), **_stats(event[1], event[2], clock)}
-                break
-            elif event[0] == "error":
-                yield {"error": event[2], "status": event[1]}
-                break
+            match event:
+                case Delta(text) if text:
+                    yield piece(text)
+                case Reasoning(text):  # the thought apart, as ollama's ``thinking``
+                    out = piece("")
+                    (out["message"] if chat else out)["thinking"] = text
+                    yield out
+                case ToolCall(_, call):
+                    yield piece("", [_call(call)])
+                case End(usage, finish):
+                    yield {**piece(""), **_stats(usage, finish, clock)}
+                    break
+                case Failed(exc):
+                    status, message, _ = status_of(exc)
+                    yield {"error": message, "status": status}
+                    break
     finally:
         request.cancelled.set()  # a no-op once the engine has finished the request

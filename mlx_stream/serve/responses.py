@@ -42,7 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import field_of, owner_of, sampling_args, session_header, thinking_of
+from mlx_stream.serve.statuses import status_of
 from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
 from mlx_stream.serve.tools import canonical_messages
 
@@ -306,10 +308,10 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             thinking=thinking_of({"reasoning_effort": (body.reasoning or {}).get("effort")}),
             **sampling_args(body.temperature, body.top_p),
         )  # fmt: skip
-        if first[0] == "error":
-            _, status, message, retry = first
-            return error(status, message, {"Retry-After": str(retry)} if retry else None)
-        session_id = first[1].get("session_id")
+        if isinstance(first, Failed):
+            refused = status_of(first.error)
+            return error(refused.status, refused.message, refused.headers())
+        session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
         shape = _Shape(body, engine.model_id, namespaces)
 
@@ -367,23 +369,23 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
         index, text_open = 0, False
         while True:
             event = await job.events.get()
-            if event[0] == "ping":  # a long prompt going in: a real event keeps it alive
+            if isinstance(event, events.Ping):  # a long prompt: an event keeps it alive
                 yield sse("response.in_progress", response=shape.response("in_progress"))
-            if event[0] == "reasoning":
+            if isinstance(event, Reasoning):
                 if not shape.reasoning:
                     item = {**shape.reasoning_item("in_progress"), "content": []}
                     yield sse("response.output_item.added", output_index=index, item=item)
-                shape.reasoning += event[1]
+                shape.reasoning += event.text
                 yield sse("response.reasoning_text.delta", item_id=shape.reasoning_id,
-                          output_index=index, content_index=0, delta=event[1])  # fmt: skip
+                          output_index=index, content_index=0, delta=event.text)  # fmt: skip
                 continue
-            if shape.reasoning and index == 0 and event[0] in ("text", "tool_call", "end"):
+            if shape.reasoning and index == 0 and isinstance(event, (Delta, ToolCall, End)):
                 yield sse("response.reasoning_text.done", item_id=shape.reasoning_id,
                           output_index=index, content_index=0, text=shape.reasoning)  # fmt: skip
                 yield sse("response.output_item.done", output_index=index,
                           item=shape.reasoning_item())  # fmt: skip
                 index += 1
-            if event[0] == "text" and event[1]:
+            if isinstance(event, Delta) and event.text:
                 if not text_open:
                     item = {**shape.message_item("in_progress"), "content": []}
                     yield sse("response.output_item.added", output_index=index, item=item)
@@ -391,10 +393,10 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                     yield sse("response.content_part.added", item_id=shape.message_id,
                               output_index=index, content_index=0, part=part)  # fmt: skip
                     text_open = True
-                shape.text += event[1]
+                shape.text += event.text
                 yield sse("response.output_text.delta", item_id=shape.message_id,
-                          output_index=index, content_index=0, delta=event[1])  # fmt: skip
-            elif event[0] in ("tool_call", "end") and text_open:
+                          output_index=index, content_index=0, delta=event.text)  # fmt: skip
+            elif isinstance(event, (ToolCall, End)) and text_open:
                 yield sse("response.output_text.done", item_id=shape.message_id,
                           output_index=index, content_index=0, text=shape.text)  # fmt: skip
                 part = {"type": "output_text", "text": shape.text, "annotations": []}
@@ -404,8 +406,8 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                     "response.output_item.done", output_index=index, item=shape.message_item()
                 )
                 index, text_open = index + 1, False
-            if event[0] == "tool_call":
-                call = event[2]
+            if isinstance(event, ToolCall):
+                call = event.call
                 shape.calls.append(call)
                 item = shape.call_item(call, "in_progress")
                 yield sse(
@@ -420,8 +422,8 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                     "response.output_item.done", output_index=index, item=shape.call_item(call)
                 )
                 index += 1
-            elif event[0] == "end":
-                shape.usage, shape.finish = event[1], event[2]
+            elif isinstance(event, End):
+                shape.usage, shape.finish = event.usage, event.finish_reason
                 response = keep()
                 kind = (
                     "response.incomplete"
@@ -430,8 +432,9 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                 )
                 yield sse(kind, response=response)
                 break
-            elif event[0] == "error":
-                yield sse("error", code=str(event[1]), message=event[2], param=None)
+            elif isinstance(event, Failed):
+                status, message, _ = status_of(event.error)
+                yield sse("error", code=str(status), message=message, param=None)
                 break
     finally:
         request.cancelled.set()  # a no-op once the engine has finished the request

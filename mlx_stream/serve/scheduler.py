@@ -23,9 +23,9 @@ from typing import Any
 
 from mlx_stream.errors import UserError
 from mlx_stream.generate.session import cache_count
+from mlx_stream.serve.event_types import Delta, End, Failed, Prefill
 from mlx_stream.serve.matching import Entry
-from mlx_stream.serve.refusals import Busy, Unsaved
-from mlx_stream.serve.statuses import REFUSALS, SHUTTING_DOWN, error_event
+from mlx_stream.serve.refusals import REFUSALS, Busy, ShuttingDown, Unsaved
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
@@ -37,15 +37,13 @@ class Request:
 
     ``messages`` (chat) or ``prompt`` (plain completion). ``owner`` names the caller's
     namespace of sessions (a hash of its API key; ``""`` without keys): a request only
-    ever sees and continues sessions of its own owner. Events reach ``emit`` from the
-    worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
-    token's entry from :class:`~mlx_stream.serve.logprobs.TokenLogprobs` when ``logprobs``
-    is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
-    status, message, retry_after)``. Setting ``cancelled`` stops the request at its
-    next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
+    ever sees and continues sessions of its own owner. Events
+    (:mod:`~mlx_stream.serve.event_types`) reach ``emit`` from the worker thread.
+    Setting ``cancelled`` stops the request at its next token. ``logprobs``: ``None``
+    for none, else how many alternatives per token.
     """
 
-    emit: Callable[[tuple], None]
+    emit: Callable[[Any], None]
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     session_id: str | None = None
@@ -60,8 +58,8 @@ class Request:
     # Codex's session-id header): a transcript it edits is repaired in place, not forked.
     agent: str = ""
     # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
-    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
-    # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
+    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as a
+    # ToolCall event and ends the reply with finish_reason "tool_calls".
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -72,7 +70,7 @@ class Request:
     repetition_penalty: float | None = None  # mlx-lm's, over the last 20 tokens (ollama's)
     thinking: bool | None = None  # the template's enable_thinking (None: its default)
     matched_stop: str | None = None  # set by the engine: the stop string that ended it
-    progress: bool = False  # also emit ("prefill", done, total) while its prompt goes in
+    progress: bool = False  # also emit Prefill events while its prompt goes in
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -133,7 +131,7 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queue a generation request (any thread)."""
         if self._closing:
-            request.emit(SHUTTING_DOWN)
+            request.emit(Failed(ShuttingDown()))
             return
         self._queue.put(request)
 
@@ -281,7 +279,7 @@ class Scheduler:
                 future.set_exception(exc)
             return
         if self._closing:
-            item.emit(SHUTTING_DOWN)
+            item.emit(Failed(ShuttingDown()))
             return
         try:
             self._admit(self.planner.bound(item), origin=item)
@@ -289,7 +287,7 @@ class Scheduler:
             if not isinstance(exc, REFUSALS) and self._fatal(exc):
                 raise
             self.refusals += isinstance(exc, Busy)
-            item.emit(error_event(exc))
+            item.emit(Failed(exc))
         self.publish()
 
     def _round(self) -> None:
@@ -314,7 +312,7 @@ class Scheduler:
                 raise
             job.running = False
             self._end(job, rollback=True)
-            job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+            job.request.emit(Failed(exc))
 
     def _advance(self, job: Job) -> None:
         """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
@@ -328,7 +326,7 @@ class Scheduler:
             if job.batched and job.row is not None and not job.row.inbox and not ending:
                 if not job.row.joined and job.request.progress:  # still prefilling
                     job.fed = fed_so_far(job)
-                    job.request.emit(("prefill", job.fed, job.prompt))
+                    job.request.emit(Prefill(job.fed, job.prompt))
                 break  # its next token comes with the next batch step
             try:
                 response = next(job.tokens)
@@ -339,7 +337,7 @@ class Scheduler:
             if response is None:  # a prefill chunk went in (or not yet): the others' turn
                 job.fed = fed_so_far(job)
                 if job.request.progress:
-                    job.request.emit(("prefill", job.fed, job.prompt))
+                    job.request.emit(Prefill(job.fed, job.prompt))
                 break
             job.sent += 1
             ending = response.finish_reason is not None
@@ -352,7 +350,7 @@ class Scheduler:
             if top is not None and not (ending and response.token in self._eos):
                 logprob = self._logprobs.entry(response.token, response.logprobs, top)
             if response.text or logprob is not None:
-                job.request.emit(("text", response.text, logprob))
+                job.request.emit(Delta(response.text, logprob))
         job.running = False
 
     def _cancelled(self, job: Job, first: bool) -> bool:
@@ -385,7 +383,7 @@ class Scheduler:
             usage["repaired_tokens"] = job.repaired.recomputed
             usage["reused_tokens"] = job.repaired.reused
         self.publish()
-        job.request.emit(("end", usage, finish or "stop"))
+        job.request.emit(End(usage, finish or "stop"))
 
     def _drain(self) -> None:
         """End every running request (:meth:`_end_all`), then save every resident
@@ -412,7 +410,7 @@ class Scheduler:
                 self._finish(job, cut=True)
             else:
                 self._end(job, rollback=True)
-                job.request.emit(SHUTTING_DOWN)
+                job.request.emit(Failed(ShuttingDown()))
 
     def _end(self, job: Job, rollback: bool) -> None:
         """Close the request's generator; on ``rollback`` its session goes back to the

@@ -20,7 +20,7 @@ Contract:
   by llguidance to one call's JSON between the markers). A call's arguments are held
   to its tool's schema, closed to the keys it lists (:func:`arguments_schema`).
 - :class:`CallStream` wraps a request's event callback: text inside the markers is
-  held back and becomes ``("tool_call", index, call)`` events, parsed with mlx-lm's
+  held back and becomes :class:`~mlx_stream.serve.event_types.ToolCall` events, parsed with mlx-lm's
   parser for the template, or :mod:`~mlx_stream.serve.call_formats`' for families it
   has none for (``json_tools`` for ours and for a forced call, whose JSON the grammar
   wrote); a format without an end marker reads the call at the reply's end; the end
@@ -41,6 +41,7 @@ from typing import Any
 
 from mlx_stream.errors import UserError
 from mlx_stream.mlxlm import hf_tokenizer
+from mlx_stream.serve.event_types import Delta, End, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 SYSTEM_BLOCK = (
@@ -359,18 +360,18 @@ class CallStream:
     held: str = ""  # text that may begin a start marker
     inside: str | None = None  # text of an open call
 
-    def __call__(self, event: tuple) -> None:
-        if event[0] == "text" and self.plan.choice != "none":
-            self._feed(event[1], event[2])
-        elif event[0] == "end":
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, Delta) and self.plan.choice != "none":
+            self._feed(event.text, event.logprob)
+        elif isinstance(event, End):
             self._flush()
-            usage, finish = event[1], event[2]
+            finish = event.finish_reason
             if self.calls and finish == "stop":
                 finish = "tool_calls"
-            self.emit(("end", usage, finish))
+            self.emit(End(event.usage, finish))
         else:
-            if event[0] == "text":
-                self.text.append(event[1])
+            if isinstance(event, Delta):
+                self.text.append(event.text)
             self.emit(event)
 
     def _feed(self, text: str, logprob: Any) -> None:
@@ -400,7 +401,7 @@ class CallStream:
 
     def _text(self, text: str, logprob: Any) -> None:
         self.text.append(text)
-        self.emit(("text", text, logprob))
+        self.emit(Delta(text, logprob))
 
     def _call(self, body: str) -> None:
         try:
@@ -417,7 +418,7 @@ class CallStream:
             call = {"id": "call_" + digest.hexdigest()[:24], "type": "function",
                     "function": {"name": name, "arguments": args}}  # fmt: skip
             self.calls.append(call)
-            self.emit(("tool_call", index, call))
+            self.emit(ToolCall(index, call))
 
     def _flush(self) -> None:
         if self.inside is not None:
