@@ -175,13 +175,13 @@ def test_chats_with_different_system_prompts_all_fit_in_turn(loaded, tmp_path, r
         per = on_worker(e, lambda: e.session_bytes(sinks))
         e.budget = e.weights + int(room * (per + per // 2))
         used = []
-        original = e.publish
+        original = e.scheduler.refresh  # what the worker calls for the stats
 
-        def publish():
+        def refresh():
             original()
             used.append(e.stats["memory"]["used_bytes"])
 
-        e.publish = publish
+        e.scheduler.refresh = refresh
         for system in SYSTEMS:
             messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
             text, usage, error = ask(e, messages, max_tokens=3)
