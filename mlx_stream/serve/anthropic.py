@@ -3,32 +3,13 @@ and ``POST /v1/messages/count_tokens``, what Claude Code speaks.
 
 Contract: a request is translated into the engine's one request type (the same
 sessions, batching, admission by bytes and cancellation as chat completions) and its
-events back into Anthropic's shapes:
-- ``system`` (text or text blocks; Claude Code's per-run ``x-anthropic-billing-header``
-  block is dropped so its prompt stays one shared snapshot) -> a system message; ``{"role": "system"}``
-  messages inside ``messages`` stay at their place, except that one following a user
-  message goes just before it (the user's words stay next to the reply); ``text`` blocks -> content;
-  an assistant's ``tool_use`` blocks -> its tool calls (same ids); a user's
-  ``tool_result`` blocks (text or nested text blocks) -> tool messages, each answering
-  a ``tool_use`` of the assistant message before it (else 400 naming
-  ``messages.I.content.J.tool_use_id``). ``thinking`` / ``redacted_thinking`` and
-  hosted tools' blocks are left out of the prompt; an image or a document is a
-  one-line 400 (the model reads text only). ``cache_control``, ``metadata``,
-  ``thinking`` and other fields this server has no use for are ignored.
-- ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice``
-  (``auto``, ``any``, ``tool`` + ``name``, ``none``) -> function tools; hosted tools
-  (a ``type`` such as ``web_search_20250305``) cannot run here: left out, logged.
-- ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``max_tokens`` are read
-  from the body (recent SDKs send sampling fields as extra body fields).
-- Replies: ``content`` blocks (``thinking`` for a model that thinks, with an empty
-  ``signature``; ``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
-  ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the one that matched),
-  ``usage`` (``input_tokens`` = tokens fed this turn, ``cache_read_input_tokens`` =
-  tokens the session's cache already held). Streamed:
-  ``message_start``, ``content_block_start`` / ``content_block_delta`` (``thinking_delta``,
-  ``text_delta``, ``input_json_delta``) / ``content_block_stop`` per block, ``message_delta`` with the
-  stop reason and usage, ``message_stop``.
-- Errors: ``{"type": "error", "error": {"type", "message"}}`` (:func:`error`).
+events back into Anthropic's shapes: ``system``, text, ``tool_use`` and
+``tool_result`` blocks become messages and tool calls (a result without its call is
+a 400 naming the field; images and documents are refused, hosted tools left out and
+logged); replies are ``thinking``, ``text`` and ``tool_use`` blocks with
+``stop_reason`` and ``usage``, streamed as Anthropic's event sequence (a long prefill
+keeps Claude Code's idle timer alive). Errors: ``{"type": "error", "error": {"type",
+"message"}}`` (:func:`error`). In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

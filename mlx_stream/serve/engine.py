@@ -54,7 +54,7 @@ class Engine:
         state_dir (Path, optional): Where evicted sessions go, listed in its
             ``index.json`` (a restart with the same folder finds them again).
             Default: a temp folder.
-        max_prompt_tokens (int): Most tokens one request may feed (HTTP 413 over it).
+        max_prompt_tokens (int): Most tokens one request may feed (``TooLarge`` over it).
         pin (int, optional): Most tokens of a rendered system prompt kept as sinks
             (``keep_system``); the rest of it flows through the window. Default:
             ``DEFAULT_PIN_TOKENS`` or the window if smaller.
@@ -164,7 +164,7 @@ class Engine:
 
     def precheck(self, request: Request) -> None:
         """The worker's size check, run by the HTTP side on its own thread before the
-        request is queued (a 4 MB prompt takes seconds to count: the worker serves
+        request is queued (a long prompt is slow to count: the worker serves
         the others meanwhile); :class:`TooLarge` over the limit. Without a fast
         tokenizer (not safe off the worker) the worker alone checks."""
         if self.planner.fast_core() is not None:

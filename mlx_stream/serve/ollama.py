@@ -4,33 +4,13 @@ front ends, editors and scripts written for ollama speak.
 
 Contract: a request is translated into the engine's one request type (the same
 sessions, batching, admission by bytes and cancellation as chat completions) and its
-events back into ollama's shapes:
-- ``/api/chat``: ``messages`` (``role`` system / user / assistant / tool, ``content``,
-  an assistant's ``tool_calls`` with ``arguments`` as an object, a tool result after
-  them: given the ids of the calls it answers, in order), ``tools`` (OpenAI's function
-  shape, as ollama takes them), ``format`` (``"json"`` or a JSON schema: the same
-  constraint as ``response_format``). ``/api/generate``: ``prompt`` (and ``system``) as
-  one user turn under the chat template, ``raw`` as a plain completion. An empty
-  ``messages`` / ``prompt`` answers at once with ``done_reason: "load"`` (the model is
-  always loaded here), as ollama does to preload a model.
-- ``options``: ``temperature``, ``top_p``, ``top_k``, ``num_predict`` (``-1``/``-2``:
-  the server's default), ``stop``, ``seed``, ``repeat_penalty``; ``num_ctx`` is noted
-  in the access log when it is less than a session keeps (sessions here have the
-  server's fixed window: more context than asked, never less); other options (threads,
-  GPU layers, mirostat off) change nothing here and are ignored, as ollama ignores
-  unknown ones. ``keep_alive``: the one model stays loaded. A model that thinks has its
-  thought apart in ``thinking``; ``think`` sets the template's ``enable_thinking``
-  (left out: its default); ``think: true`` for a model that does not think is
-  refused, ``images``, ``suffix``, ``template`` and ``context`` too, each in one line
-  naming the field.
-- Replies: streamed (the default) as newline-delimited JSON, a line per piece of text
-  (``message.content`` / ``response``), a tool call as ``message.tool_calls`` with its
-  arguments as an object, then a ``done: true`` line with ``done_reason`` (``stop``,
-  ``length``) and ollama's counts and nanosecond durations (``prompt_eval_count`` = the
-  prompt's tokens, ``eval_count``, ``prompt_eval_duration`` = time to the first token);
-  ``stream: false``: one object with the whole message and the same fields.
-- Errors: ``{"error": "..."}`` with the HTTP status; mid-stream, a last line holding
-  ``error``.
+events back into ollama's shapes: ``messages`` / ``prompt`` (``raw``: a plain
+completion), ``tools``, ``format``, the ``options`` ollama defines that apply here
+(the rest ignored, as ollama ignores unknown ones; fields that cannot be served are
+refused in one line naming them). Replies stream as newline-delimited JSON, a line
+per piece, then a ``done`` line with ollama's counts and durations (``stream: false``:
+one object). Errors: ``{"error": "..."}`` with the HTTP side's status; mid-stream, a
+last line holding ``error``. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

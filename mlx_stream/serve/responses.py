@@ -2,30 +2,13 @@
 ``GET /v1/responses/{id}``, what Codex speaks.
 
 Contract: a request is translated into the engine's one request type and its events
-back into Responses shapes; nothing here runs the model.
-- ``input``: text (one user message) or items: messages (``role`` + text or
-  ``input_text`` / ``output_text`` parts), ``function_call`` items (joined to the
-  assistant message before them as its tool calls) and ``function_call_output`` items
-  (tool results, each answering a ``function_call`` before it, else a 400 naming
-  ``input.I.call_id``). ``instructions`` is the system message (not carried over
-  from a previous response, as OpenAI defines it).
-- ``previous_response_id``: the conversation of that response (kept here, in memory,
-  the newest :data:`MAX_STORED`, unless it was made with ``store: false``) followed
-  by the new input, on the same engine
-  session: the session's cache goes on and only the new input is fed.
-- ``tools`` (function tools, flat: ``name``, ``parameters``), ``tool_choice``,
-  ``text.format`` (``json_object`` / ``json_schema``: structured output),
-  ``temperature``, ``top_p``, ``max_output_tokens``.
-- Output: a ``reasoning`` item first for a model that thinks (``reasoning_text``
-  content; streamed as ``response.reasoning_text.delta``), a ``message`` item with
-  ``output_text`` and one ``function_call`` item per
-  call; usage with ``input_tokens_details.cached_tokens``; ``status`` ``incomplete``
-  when ``max_output_tokens`` ended it. Streamed: ``response.created``,
-  ``response.in_progress``, ``response.output_item.added``,
-  ``response.content_part.added``, ``response.output_text.delta`` / ``.done``,
-  ``response.function_call_arguments.delta`` / ``.done``,
-  ``response.output_item.done``, ``response.completed``, each with its
-  ``sequence_number``.
+back into Responses shapes; nothing here runs the model. ``input`` (text or items:
+messages, ``function_call`` and ``function_call_output``) and ``instructions``
+become the transcript; ``previous_response_id`` continues a response kept here (in
+memory, the newest :data:`MAX_STORED`, unless made with ``store: false``) on the same
+session. Output: a ``reasoning`` item for a model that thinks, a ``message`` item and
+a ``function_call`` item per call, streamed as the Responses event sequence with
+``sequence_number``. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The worker of :class:`~mlx_stream.serve.engine.Engine`: one thread runs every MLX call,
-fed by a queue, in scheduler rounds.
+fed by a queue, in scheduler rounds (:class:`Scheduler`, owned by the engine).
 
 Contract: each round, newcomers' prompts go in a chunk at a time, every session with
 decode work steps together in one batched model call, then each request takes its
 tokens (unbatched: at most ``chunk`` each, fair interleaving). A cancelled request stops
-at its next token or prefill chunk and its session goes back to its checkpoint. The
-sessions' lifecycle is in :mod:`~mlx_stream.serve.sessions`, admitting a request in the
-engine.
+at its next token or prefill chunk and its session goes back to its checkpoint. A
+request's events (:mod:`~mlx_stream.serve.event_types`) reach its ``emit``; one that
+fails gets the exception (``Failed``) and the server goes on. Admitting a request is
+the engine's (the ``admit`` it is given), a session's lifecycle the session table's.
 """
 
 from __future__ import annotations
@@ -459,7 +460,7 @@ class Scheduler:
     def _end_all(self) -> None:
         """End every running request: one that has sent tokens keeps its reply so far
         (its stream ends with ``length``), one still prefilling goes back to its
-        checkpoint (503); queued ones are refused as they come."""
+        checkpoint (``ShuttingDown``); queued ones are refused as they come."""
         self.closing = True
         for job in list(self._active):
             if job.sent:

@@ -1,6 +1,7 @@
-"""The sessions of :class:`~mlx_stream.serve.engine.Engine`: made resident (loaded from
-the state folder or new), evicted, dropped, rebuilt from a client's history, started
-from a shared system-prompt snapshot, repaired after an edit.
+"""The session table of :class:`~mlx_stream.serve.engine.Engine` (:class:`Sessions`, owned
+by the engine): sessions made resident (loaded from the state folder or new), evicted,
+dropped, rebuilt from a client's history, started from a shared system-prompt
+snapshot, repaired after an edit, saved on a drain.
 
 Contract: a session's caches always encode exactly the transcript its entry records;
 its checkpoint encodes the transcript one turn shorter. Room is made by
@@ -180,7 +181,7 @@ class Sessions:
         the error is raised."""
         try:
             path, record = self.store.save(entry)
-        except RuntimeFailure:  # Unsaved (507): the folder, not the session
+        except RuntimeFailure:  # Unsaved: the folder, not the session
             raise
         except UserError:
             if not drop:
