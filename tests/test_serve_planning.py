@@ -47,14 +47,17 @@ def test_a_new_message_over_the_prompt_limit_is_too_large(loaded):
 
 def test_each_refusal_maps_to_its_status():
     from mlx_stream.errors import RuntimeFailure, UserError
+    from mlx_stream.serve.event_types import Failed
     from mlx_stream.serve.refusals import BadRequest, Busy, ShuttingDown, TooLarge, Unsaved
     from mlx_stream.serve.statuses import status_of
 
-    assert status_of(Busy("full", retry_after=3)) == (429, "full", 3)
-    assert status_of(Unsaved("disk")) == (507, "disk", None)
-    assert status_of(RuntimeFailure("save")) == (500, "save", None)
-    assert status_of(TooLarge("big")) == (413, "big", None)
-    assert status_of(BadRequest("bad")) == (400, "bad", None)
-    assert status_of(UserError("bad")) == (400, "bad", None)
-    assert status_of(KeyError("x")) == (500, "KeyError: 'x'", None)
-    assert status_of(ShuttingDown()) == (503, "the server is shutting down", None)
+    assert status_of(Failed(Busy("full", retry_after=3))) == (429, "full", 3)
+    assert status_of(Failed(Unsaved("disk"))) == (507, "disk", None)
+    assert status_of(Failed(RuntimeFailure("save"))) == (500, "save", None)
+    assert status_of(Failed(TooLarge("big"))) == (413, "big", None)
+    assert status_of(Failed(BadRequest("bad"))) == (400, "bad", None)
+    assert status_of(Failed(UserError("bad"))) == (400, "bad", None)
+    assert status_of(Failed(KeyError("x"))) == (500, "KeyError: 'x'", None)
+    assert status_of(Failed(ShuttingDown())) == (503, "the server is shutting down", None)
+    # raised while the request ran: the server's fault, whatever the exception
+    assert status_of(Failed(UserError("bad"), crashed=True)) == (500, "UserError: bad", None)

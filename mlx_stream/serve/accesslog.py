@@ -112,8 +112,8 @@ class Record:
                 self.usage = usage
                 if finish == "loop":
                     self.notes.append(LOOP_NOTE)
-            case Failed(exc):
-                status, message, _ = status_of(exc)
+            case Failed() as failed:
+                status, message, _ = status_of(failed)
                 self.notes.append(f"error {status}: {message}")
             case Prefill(done, total) if now - self.progressed >= PROGRESS_EVERY and not self.done:
                 self.out(self._progress(done, total, now))

@@ -288,7 +288,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             **sampling_args(body.temperature, body.top_p), **fields,
         )  # fmt: skip
         if isinstance(first, Failed):
-            refused = status_of(first.error)
+            refused = status_of(first)
             return error(refused.status, refused.message, refused.headers())
         session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
@@ -410,7 +410,7 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                 yield _sse("message_stop", {})
                 break
             elif isinstance(event, Failed):
-                status, message, _ = status_of(event.error)
+                status, message, _ = status_of(event)
                 body = {"type": KINDS.get(status, "api_error"), "message": message}
                 yield _sse("error", {"error": body})
                 break

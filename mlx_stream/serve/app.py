@@ -407,7 +407,7 @@ def create_app(
             **body.sampling(), **agents, **make,
         )  # fmt: skip
         if isinstance(first, Failed):
-            refused = status_of(first.error)
+            refused = status_of(first)
             param = field_of(refused.message) if refused.status == 400 else None
             return error(refused.status, refused.message, param, headers=refused.headers())
         session_id = first.session_id
@@ -579,8 +579,8 @@ async def _sse(job: events.Job, cancelled: threading.Event, shape: _Shape, inclu
                     break
                 case events.Ping():  # a long prompt goes in: a comment keeps the line up
                     yield ": ping\n\n"
-                case Failed(exc):
-                    status, message, _ = status_of(exc)
+                case Failed() as failed:
+                    status, message, _ = status_of(failed)
                     yield _event(
                         {"error": {"message": message, "type": "server_error", "code": status}}
                     )

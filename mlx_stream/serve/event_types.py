@@ -68,9 +68,11 @@ class End:
 @dataclass(frozen=True)
 class Failed:
     """The request ended with ``error`` (a refusal of :mod:`~mlx_stream.serve.refusals`
-    or an unexpected exception); the server goes on."""
+    or an unexpected exception); ``crashed``: raised while it ran, not at its admission
+    (the server's fault, whatever the exception). The server goes on."""
 
     error: BaseException
+    crashed: bool = False
 
 
 Event = Started | Prefill | Delta | Reasoning | ToolCall | End | Failed

@@ -186,8 +186,8 @@ async def drain(job: Job, request: Any, http: Any = None) -> Reply:
                 case End(usage, finish):
                     reply.usage, reply.finish = usage, finish
                     break
-                case Failed(exc):
-                    reply.error = status_of(exc)[:2]
+                case Failed() as failed:
+                    reply.error = status_of(failed)[:2]
                     break
     except asyncio.CancelledError:
         request.cancelled.set()

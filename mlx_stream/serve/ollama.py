@@ -214,7 +214,7 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
         clock = {"start": time.perf_counter()}
         job, request, first = await events.start(engine, http=http, owner=owner_of(http), **fields)
         if isinstance(first, Failed):
-            return error(*status_of(first.error)[:2])
+            return error(*status_of(first)[:2])
         pieces = _pieces(job, request, {"model": body.model}, chat, clock, http)
         if body.stream:
             lines = (_line(p) async for p in pieces)
@@ -309,8 +309,8 @@ async def _pieces(job: events.Job, request: Any, head: dict, chat: bool, clock: 
                 case End(usage, finish):
                     yield {**piece(""), **_stats(usage, finish, clock)}
                     break
-                case Failed(exc):
-                    status, message, _ = status_of(exc)
+                case Failed() as failed:
+                    status, message, _ = status_of(failed)
                     yield {"error": message, "status": status}
                     break
     finally:

@@ -292,7 +292,7 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             **sampling_args(body.temperature, body.top_p),
         )  # fmt: skip
         if isinstance(first, Failed):
-            refused = status_of(first.error)
+            refused = status_of(first)
             return error(refused.status, refused.message, refused.headers())
         session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
@@ -416,7 +416,7 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                 yield sse(kind, response=response)
                 break
             elif isinstance(event, Failed):
-                status, message, _ = status_of(event.error)
+                status, message, _ = status_of(event)
                 yield sse("error", code=str(status), message=message, param=None)
                 break
     finally:

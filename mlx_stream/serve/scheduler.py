@@ -377,7 +377,7 @@ class Scheduler:
                 raise
             job.running = False
             self._end(job, rollback=True)
-            job.request.emit(Failed(exc))
+            job.request.emit(Failed(exc, crashed=True))
 
     def _advance(self, job: Job) -> None:
         """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row

@@ -1,9 +1,10 @@
 """The HTTP side's one table from the exception that ended a request to its status.
 
-Contract: :func:`status_of` turns the error of a
-:class:`~mlx_stream.serve.event_types.Failed` event into ``(status, message,
-retry_after)``; the routes answer with it in their API's error body. Nothing below the
-routes knows a status.
+Contract: :func:`status_of` turns a :class:`~mlx_stream.serve.event_types.Failed` event
+into ``(status, message, retry_after)``: a refusal's status by its exception, 500
+naming the exception's type for anything else or for a request that crashed while it
+ran. The routes answer with it in their API's error body. Nothing below the routes
+knows a status.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from mlx_stream.errors import RuntimeFailure, UserError
+from mlx_stream.serve.event_types import Failed
 from mlx_stream.serve.refusals import Busy, ShuttingDown, TooLarge, Unsaved
 
 # Most specific first: an Unsaved is a RuntimeFailure, a TooLarge a UserError.
@@ -36,9 +38,12 @@ class Status(NamedTuple):
         return {"Retry-After": str(self.retry_after)} if self.retry_after else None
 
 
-def status_of(exc: BaseException) -> Status:
-    """The status for ``exc``; an unexpected one is a 500 naming its type."""
-    for kind, status in STATUSES:
-        if isinstance(exc, kind):
-            return Status(status, str(exc), getattr(exc, "retry_after", None))
+def status_of(failed: Failed) -> Status:
+    """The status for ``failed``; an unexpected error, or any raised while the request
+    ran (``crashed``), is a 500 naming its type."""
+    exc = failed.error
+    if not failed.crashed:
+        for kind, status in STATUSES:
+            if isinstance(exc, kind):
+                return Status(status, str(exc), getattr(exc, "retry_after", None))
     return Status(500, f"{type(exc).__name__}: {exc}")

@@ -26,7 +26,7 @@ def make_engine(loaded, state_dir, settings=None, **kw):
 def refused(event: Failed) -> tuple:
     """A failed request as the HTTP side answers it: ``("error", status, message,
     retry_after)`` (:func:`~mlx_stream.serve.statuses.status_of`)."""
-    return ("error", *status_of(event.error))
+    return ("error", *status_of(event))
 
 
 def ask(engine, messages, timeout=120, **kw):
