@@ -1,6 +1,6 @@
 """A request planned for the serve worker is a new object: the caller's request keeps
 what it was built with; the copy has the server's defaults, bounds and the messages in
-the engine's shape. Each refusal maps to one HTTP status."""
+the engine's shape. Each refusal maps to one HTTP status, known only above the engine."""
 
 from __future__ import annotations
 
@@ -61,3 +61,25 @@ def test_each_refusal_maps_to_its_status():
     assert status_of(Failed(ShuttingDown())) == (503, "the server is shutting down", None)
     # raised while the request ran: the server's fault, whatever the exception
     assert status_of(Failed(UserError("bad"), crashed=True)) == (500, "UserError: bad", None)
+
+
+@pytest.mark.parametrize(
+    "part",
+    ["engine", "scheduler", "sessions", "admission", "store", "matching", "planning",
+     "marks", "refusals", "event_types"],
+)  # fmt: skip
+def test_below_the_routes_nothing_knows_a_status(part):
+    """The status table is the HTTP side's: the engine's parts never import it (a
+    failure reaches the routes as the exception a ``Failed`` event carries)."""
+    import ast
+
+    from tests.support.paths import REPO
+
+    tree = ast.parse((REPO / "mlx_stream" / "serve" / f"{part}.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names |= {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    assert not {"mlx_stream.serve.statuses", "mlx_stream.serve.app"} & names
