@@ -39,9 +39,11 @@ from mlx_stream.serve.sessions import Sessions
 
 
 class Engine:
-    """Sessions and the one MLX worker thread that runs them, admitted by bytes
-    (:class:`~mlx_stream.serve.admission.Admission`), saved to the state folder
-    (:class:`~mlx_stream.serve.store.SessionStore`).
+    """Sessions and the one MLX worker thread that runs them: owns the session table
+    (:attr:`sessions`, a :class:`~mlx_stream.serve.sessions.Sessions`: admitted by bytes,
+    saved to the state folder) and the worker (:attr:`scheduler`, a
+    :class:`~mlx_stream.serve.scheduler.Scheduler`); its other public names delegate to
+    them.
 
     Args:
         model, tokenizer: The loaded model.
