@@ -27,6 +27,7 @@ from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
 from mlx_stream.recall import RecallSpec
 from mlx_stream.serve.engine import Engine, Request
+from mlx_stream.serve.event_types import Delta, End, Failed
 from mlx_stream.serve.responses import function_tools, input_messages
 
 FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "agents" / "codex_first.json"
@@ -62,14 +63,14 @@ def ask(engine: Engine, messages: list[dict], tools: list[dict], max_tokens: int
     engine.submit(Request(emit=box.put, messages=messages, tools=tools, tool_choice="none",
                           max_tokens=max_tokens, temp=0.0))  # fmt: skip
     parts, first = [], None
-    while (event := box.get(timeout=3600))[0] not in ("end", "error"):
-        if event[0] == "text":
+    while not isinstance(event := box.get(timeout=3600), (End, Failed)):
+        if isinstance(event, Delta):
             first = first or time.perf_counter()
-            parts.append(event[1])
-    if event[0] == "error":
-        raise RuntimeError(f"request failed: {event}")
+            parts.append(event.text)
+    if isinstance(event, Failed):
+        raise RuntimeError(f"request failed: {event.error}") from event.error
     end = time.perf_counter()
-    usage = event[1]
+    usage = event.usage
     decode = usage["completion_tokens"] / (end - first) if first and end > first else 0.0
     return {"text": "".join(parts), "prompt_tokens": usage["prompt_tokens"],
             "seconds": round(end - tic, 2), "ttft_s": round((first or end) - tic, 2),

@@ -33,6 +33,7 @@ from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
 from mlx_stream.recall import RecallSpec
 from mlx_stream.serve.engine import Engine, Request
+from mlx_stream.serve.event_types import Delta, End, Failed
 
 
 def ask(engine: Engine, messages: list[dict], session_id: str) -> str:
@@ -40,11 +41,11 @@ def ask(engine: Engine, messages: list[dict], session_id: str) -> str:
     box: queue.Queue = queue.Queue()
     engine.submit(Request(emit=box.put, messages=messages, session_id=session_id))
     parts = []
-    while (event := box.get(timeout=3600))[0] not in ("end", "error"):
-        if event[0] == "text":
-            parts.append(event[1])
-    if event[0] == "error":
-        raise RuntimeError(f"request failed: {event}")
+    while not isinstance(event := box.get(timeout=3600), (End, Failed)):
+        if isinstance(event, Delta):
+            parts.append(event.text)
+    if isinstance(event, Failed):
+        raise RuntimeError(f"request failed: {event.error}") from event.error
     return "".join(parts)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 
+from mlx_stream.serve.event_types import Delta, End, Failed, Started
 from tests.support.engine import make_engine
 
 SYSTEM = {"role": "system", "content": "you are a coding agent; read files with the tool"}
@@ -23,13 +24,13 @@ def turn(engine, messages, **kw) -> dict:
     box: queue.Queue = queue.Queue()
     engine.submit(Request(emit=box.put, messages=messages, max_tokens=4, temp=0.0, **kw))
     out = {"text": ""}
-    while (event := box.get(timeout=120))[0] not in ("end", "error"):
-        if event[0] == "start":
-            out["start"] = event[1]
-        elif event[0] == "text":
-            out["text"] += event[1]
-    assert event[0] == "end", event
-    out["usage"] = event[1]
+    while not isinstance(event := box.get(timeout=120), (End, Failed)):
+        if isinstance(event, Started):
+            out["start"] = event
+        elif isinstance(event, Delta):
+            out["text"] += event.text
+    assert isinstance(event, End), event
+    out["usage"] = event.usage
     return out
 
 
@@ -58,7 +59,7 @@ def test_an_agent_session_is_edited_in_place_not_forked_every_step(loaded, tmp_p
     e = make_engine(loaded, tmp_path, settings={"window": 2048}, repair_tokens=128)
     try:
         rows = replay(e, 4, agent="claude-session-1")
-        ids = {r["start"]["session_id"] for r in rows}
+        ids = {r["start"].session_id for r in rows}
         assert len(ids) == 1 and sessions(e) == 1, ids
         for r in rows[1:]:  # the scripted reply is recomputed, the rest was kept
             assert r["usage"]["reused_tokens"] > 0
@@ -71,7 +72,7 @@ def test_without_an_agent_key_each_edit_forks_a_copy_as_before(loaded, tmp_path)
     e = make_engine(loaded, tmp_path, settings={"window": 2048}, repair_tokens=128)
     try:
         rows = replay(e, 3)
-        assert len({r["start"]["session_id"] for r in rows}) == 3 and sessions(e) == 3
+        assert len({r["start"].session_id for r in rows}) == 3 and sessions(e) == 3
     finally:
         e.stop()
 
@@ -83,7 +84,7 @@ def test_past_the_window_a_replaced_reply_resumes_from_the_last_prompt(loaded, t
     try:
         rows = replay(e, 4, agent="claude-session-2")
         for r in rows[2:]:
-            assert "resumed from the last turn's prompt" in r["start"]["note"], r["start"]
+            assert "resumed from the last turn's prompt" in r["start"].note, r["start"]
             usage = r["usage"]
             cached = usage["prompt_tokens_details"]["cached_tokens"]
             # only the scripted reply and the new result are fed (a rebuild feeds the
@@ -122,7 +123,7 @@ def test_past_the_window_a_fork_of_the_last_exchange_resumes_two_prompts_back(
         sent = sent_steps(e, 3, "claude-session-3")
         forked = sent[:-2] + OTHER  # the last exchange sent, replaced
         r = turn(e, forked, agent="claude-session-3")
-        assert "resumed from the prompt 2 turns back" in r["start"]["note"], r["start"]
+        assert "resumed from the prompt 2 turns back" in r["start"].note, r["start"]
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     finally:
         e.stop()
@@ -138,11 +139,11 @@ def test_an_edit_among_evicted_tokens_and_a_fork_resume_from_a_mark(loaded, tmp_
         other = OTHER
         pruned = [SYSTEM, {"role": "user", "content": "[cleared]"}] + sent[2:-2] + other
         r = turn(e, pruned, agent="claude-session-4")
-        assert "turns back" in r["start"]["note"], r["start"]
-        assert "edited only where its window had evicted" in r["start"]["note"]
+        assert "turns back" in r["start"].note, r["start"]
+        assert "edited only where its window had evicted" in r["start"].note
         recent = pruned[:-3] + [{"role": "user", "content": "[cleared]"}] + other
         r = turn(e, recent, agent="claude-session-4")
-        assert "resumed from" not in r["start"].get("note", ""), r["start"]
+        assert "resumed from" not in (r["start"].note or ""), r["start"]
     finally:
         e.stop()
 
@@ -159,7 +160,7 @@ def test_a_mark_serves_the_greedy_reply_of_a_rebuild(loaded, tmp_path):
             turn(e, messages, session_id="s")
             messages += [scripted(i), result(i + 1)]
         r = turn(e, messages, session_id="s")
-        assert "resumed from the last turn's prompt" in r["start"]["note"], r["start"]
+        assert "resumed from the last turn's prompt" in r["start"].note, r["start"]
         assert r["text"] == turn(fresh, messages)["text"]
     finally:
         e.stop()
@@ -217,7 +218,7 @@ def test_after_a_restart_an_agent_step_resumes_from_the_saved_mark(loaded, tmp_p
     again = make_engine(loaded, tmp_path, settings={"window": 48}, repair_tokens=128)
     try:
         r = turn(again, messages, agent="claude-session-5")
-        assert "resumed from the last turn's prompt" in r["start"]["note"], r["start"]
+        assert "resumed from the last turn's prompt" in r["start"].note, r["start"]
         assert sessions(again) == 1
     finally:
         again.stop()
@@ -236,7 +237,7 @@ def test_an_edit_deep_in_a_session_resumes_from_its_base_on_disk(loaded, tmp_pat
         assert list(tmp_path.glob("*.base.safetensors")), list(tmp_path.iterdir())
         edited = deep_edit(sent)
         r = turn(e, edited, agent="claude-session-6")
-        assert "base on disk" in r["start"]["note"], r["start"]
+        assert "base on disk" in r["start"].note, r["start"]
         kept = r["usage"]["prompt_tokens_details"]["cached_tokens"]
         rebuilt = turn(fresh, edited)
         assert kept > rebuilt["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -260,7 +261,7 @@ def test_a_damaged_base_is_a_rebuild_not_a_wrong_reply(loaded, tmp_path):
         (base,) = tmp_path.glob("*.base.safetensors")
         base.write_bytes(base.read_bytes()[:100])
         r = turn(e, edited, agent="claude-session-7")
-        assert "rebuilt" in r["start"]["note"], r["start"]
+        assert "rebuilt" in r["start"].note, r["start"]
         assert not list(tmp_path.glob("*.base.safetensors"))  # forgotten
         assert r["text"] == turn(fresh, edited)["text"]
     finally:
@@ -280,7 +281,7 @@ def test_the_base_outlives_a_restart(loaded, tmp_path):
     again = make_engine(loaded, tmp_path, settings={"window": 512}, repair_tokens=128)
     try:
         r = turn(again, edited, agent="claude-session-8")
-        assert "base on disk" in r["start"]["note"], r["start"]
+        assert "base on disk" in r["start"].note, r["start"]
     finally:
         again.stop()
 
@@ -313,7 +314,7 @@ def test_caches_that_cannot_be_cut_back_keep_no_base_and_rebuild_exactly(loaded,
         edited = deep_edit(sent_steps(e, 14, "claude-session-9"))
         assert not list(tmp_path.glob("*.base.safetensors"))
         r = turn(e, edited, agent="claude-session-9")
-        assert "base on disk" not in r["start"].get("note", ""), r["start"]
+        assert "base on disk" not in (r["start"].note or ""), r["start"]
         assert r["text"] == turn(fresh, edited)["text"]
     finally:
         e.stop()
@@ -338,7 +339,7 @@ def test_a_base_whose_tokens_disagree_with_its_caches_is_not_used(loaded, tmp_pa
         full = session.render(session.conversation(list(history) + new_messages(user)))
         entry.marks.base = encode_like_rebuild(session, full)  # what it does not hold
         r = turn(e, edited, agent="claude-session-10")
-        assert "base on disk" not in r["start"].get("note", ""), r["start"]
+        assert "base on disk" not in (r["start"].note or ""), r["start"]
         assert not list(tmp_path.glob("*.base.safetensors"))  # forgotten
         assert r["text"] == turn(fresh, edited)["text"]
     finally:

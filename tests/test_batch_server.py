@@ -8,6 +8,7 @@ import queue
 
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
+from mlx_stream.serve.event_types import Delta, End, Failed
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hello the sea"}],
@@ -26,11 +27,11 @@ def run_all(engine, conversations, **kw):
     texts = []
     for box in boxes:
         parts = []
-        while (event := box.get(timeout=60))[0] not in ("end", "error"):
-            if event[0] == "text":
-                parts.append(event[1])
-        assert event[0] == "end", event
-        texts.append(("".join(parts), event[1]["completion_tokens"]))
+        while not isinstance(event := box.get(timeout=60), (End, Failed)):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+        assert isinstance(event, End), event
+        texts.append(("".join(parts), event.usage["completion_tokens"]))
     return texts
 
 
@@ -136,7 +137,7 @@ def test_sessions_decoding_in_a_batch_report_their_device_bytes(loaded, tmp_path
 
         def watch(event, box=boxes[0]):
             box.put(event)
-            count[0] += event[0] == "text"
+            count[0] += isinstance(event, Delta)
             if count[0] == 10:  # mid-reply, on the worker thread: the rows are batched
                 e.publish()
                 busy = {s["id"]: s["device_bytes"] for s in e.stats["sessions"] if s["busy"]}
@@ -148,7 +149,7 @@ def test_sessions_decoding_in_a_batch_report_their_device_bytes(loaded, tmp_path
         for box, messages in zip(boxes[1:], CONVERSATIONS[1:], strict=True):
             e.submit(Request(emit=box.put, messages=messages, max_tokens=30))
         for box in boxes:
-            while box.get(timeout=60)[0] not in ("end", "error"):
+            while not isinstance(box.get(timeout=60), (End, Failed)):
                 pass
         stats = e.call(lambda: (e.publish(), e.stats)[1]).result()
     finally:

@@ -226,6 +226,7 @@ def test_served_sessions_report_their_policy(tiny_model_dir, tmp_path):
     from mlx_stream.generate.session import Settings
     from mlx_stream.models.loader import load
     from mlx_stream.serve.engine import Engine, Request
+    from mlx_stream.serve.event_types import End, Failed
 
     model, tokenizer = load(str(tiny_model_dir))
     e = Engine(model, tokenizer, Settings(CacheSpec(2, 24), max_tokens=4), "tiny",
@@ -236,9 +237,9 @@ def test_served_sessions_report_their_policy(tiny_model_dir, tmp_path):
         messages = [{"role": "system", "content": "you are a captain"},
                     {"role": "user", "content": "the sea"}]  # fmt: skip
         e.submit(Request(emit=box.put, messages=messages))
-        while (event := box.get(timeout=60))[0] not in ("end", "error"):
+        while not isinstance(event := box.get(timeout=60), (End, Failed)):
             pass
-        assert event[0] == "end", event
+        assert isinstance(event, End), event
         stats = e.call(lambda: (e.publish(), e.stats)[1]).result()
     finally:
         e.stop()

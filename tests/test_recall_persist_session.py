@@ -142,6 +142,7 @@ def test_the_server_evicts_a_recall_session_and_restores_it_after_a_restart(load
     import queue
 
     from mlx_stream.serve.engine import Engine, Request
+    from mlx_stream.serve.event_types import Delta, End, Failed
 
     def engine(state):
         cache = CacheSpec(sinks=2, window=24, recall=recall(tmp_path))
@@ -154,11 +155,11 @@ def test_the_server_evicts_a_recall_session_and_restores_it_after_a_restart(load
         box: queue.Queue = queue.Queue()
         e.submit(Request(emit=box.put, messages=messages, session_id="s"))
         parts = []
-        while (event := box.get(timeout=120))[0] not in ("end", "error"):
-            if event[0] == "text":
-                parts.append(event[1])
-        assert event[0] == "end", event
-        return "".join(parts), event[1]
+        while not isinstance(event := box.get(timeout=120), (End, Failed)):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+        assert isinstance(event, End), event
+        return "".join(parts), event.usage
 
     first = [{"role": "user", "content": LONG}]
     a, stayed = engine(tmp_path / "a"), engine(tmp_path / "b")

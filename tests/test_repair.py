@@ -14,6 +14,7 @@ from mlx_stream import blas
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate import repair as fix
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
+from mlx_stream.serve.event_types import End, Failed, Started
 from tests.support.engine import ask_turn, on_worker
 
 TURNS = ["hello there friend", "what is the sea", "tell me more about it", "and the ships"]
@@ -199,7 +200,7 @@ def test_a_cancelled_or_failed_turn_after_a_repair_goes_back_to_before(engine, m
     request = Request(emit=events.put, messages=edit_request(history), session_id="mine")
     request.cancelled.set()  # the client went away: nothing more is sent
     e.submit(request)
-    assert events.get(timeout=60)[0] == "start"
+    assert isinstance(events.get(timeout=60), Started)
     while e.call(lambda: entry.busy).result():
         pass
     s = entry.session
@@ -229,20 +230,20 @@ def edited_past_the_window(e, at: int) -> tuple[dict, tuple]:
     events: queue.Queue = queue.Queue()
     e.submit(Request(emit=events.put, messages=request + [{"role": "user", "content": "so"}]))
     start = events.get(timeout=60)
-    while (last := events.get(timeout=60))[0] not in ("end", "error"):
+    while not isinstance(last := events.get(timeout=60), (End, Failed)):
         pass
-    return start[1], last
+    return start, last
 
 
 def test_serve_resumes_an_edit_reaching_the_window_from_the_prompt_before_it(engine):
     # the reply before the last question, past the first eviction: no repair, but the
     # mark of the prompt before that reply (two turns back) encodes what comes before it
     start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -3)
-    assert last[0] == "end" and "repaired_tokens" not in last[1]
+    assert isinstance(last, End) and "repaired_tokens" not in last.usage
     # how it was served goes to the access log with the request
-    assert start["note"].startswith("resumed from the prompt 2 turns back ("), start
-    assert "tokens were evicted" in start["note"]
-    assert last[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert start.note.startswith("resumed from the prompt 2 turns back ("), start
+    assert "tokens were evicted" in start.note
+    assert last.usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_serve_resumes_an_edit_of_the_last_turn_past_its_first_eviction(engine):
@@ -250,18 +251,18 @@ def test_serve_resumes_an_edit_of_the_last_turn_past_its_first_eviction(engine):
     reply): the session goes back to it and feeds the rest, not the whole transcript
     again."""
     start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -1)
-    assert last[0] == "end", last
-    assert start["note"].startswith("resumed from the last turn's prompt ("), start
-    assert last[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert isinstance(last, End), last
+    assert start.note.startswith("resumed from the last turn's prompt ("), start
+    assert last.usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_serve_resumes_an_edit_of_the_last_question_from_the_turn_before(engine):
     """The last question edited: the checkpoint before its turn holds more of the
     transcript than the mark of the prompt before it, and serves."""
     start, last = edited_past_the_window(engine(window=24, repair_tokens=4), -2)
-    assert last[0] == "end" and last[1]["reused_tokens"] > 0, last
-    assert start["note"].startswith("edit resumed from the turn before, not repaired: ")
-    assert last[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert isinstance(last, End) and last.usage["reused_tokens"] > 0, last
+    assert start.note.startswith("edit resumed from the turn before, not repaired: ")
+    assert last.usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_serve_keeps_a_session_whose_edit_is_among_evicted_tokens(engine):

@@ -8,12 +8,14 @@ import asyncio
 import json
 import re
 import time
+from dataclasses import dataclass
 
 import pytest
 from fastapi import Request
 
 from mlx_stream.generate.session import Settings
 from mlx_stream.serve import accesslog, events
+from mlx_stream.serve.event_types import Delta, End, Prefill, Started
 
 SYSTEM = "you are a captain"
 LINE = re.compile(
@@ -184,16 +186,16 @@ def test_a_prompt_over_the_limit_is_413_on_every_route_before_the_engine(engine,
 def test_record_lines_and_prefill_progress():
     out: list[str] = []
     record = accesslog.Record("POST", "/v1/messages", started=100.0, out=out.append)
-    record.event(("start", {"session_id": "ab12cd"}), 100.0)
-    record.event(("prefill", 512, 18718), 101.0)  # too soon for a progress line
-    record.event(("prefill", 4096, 18718), 110.0)
-    record.event(("prefill", 8192, 18718), 115.0)
-    record.event(("prefill", 18718, 18718), 120.5)
-    record.event(("text", "a", None), 171.3)
-    record.event(("text", "b", None), 172.0)
+    record.event(Started("ab12cd"), 100.0)
+    record.event(Prefill(512, 18718), 101.0)  # too soon for a progress line
+    record.event(Prefill(4096, 18718), 110.0)
+    record.event(Prefill(8192, 18718), 115.0)
+    record.event(Prefill(18718, 18718), 120.5)
+    record.event(Delta("a"), 171.3)
+    record.event(Delta("b"), 172.0)
     usage = {"prompt_tokens": 18718, "completion_tokens": 42,
              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
-    record.event(("end", usage, "stop"), 174.0)
+    record.event(End(usage, "stop"), 174.0)
     record.status = 200
     record.finish(175.0)
     record.finish(176.0)  # once
@@ -212,6 +214,13 @@ def test_record_lines_and_prefill_progress():
 # ------------------------------------------------------------------ pings
 
 
+@dataclass(frozen=True)
+class Mystery:
+    """An event kind no consumer knows."""
+
+    n: int = 0
+
+
 class FakeLoop:
     """Runs what the worker thread hands over at once (no event loop needed)."""
 
@@ -222,22 +231,22 @@ class FakeLoop:
 def test_prefill_becomes_at_most_one_ping_per_ping_every():
     now = [0.0]
     job = events.Job(FakeLoop(), clock=lambda: now[0])
-    job.emit(("start", {"session_id": None}))
+    job.emit(Started(None))
     for t, done in [(0.0, 1), (1.0, 2), (4.9, 3), (5.0, 4), (7.0, 5), (9.9, 6), (10.5, 7)]:
         now[0] = t
-        job.emit(("prefill", done, 100))
-    job.emit(("mystery", 1))
-    job.emit(("text", "x", None))
+        job.emit(Prefill(done, 100))
+    job.emit(Mystery(1))
+    job.emit(Delta("x"))
     queued = []
     while not job.events.empty():
         queued.append(job.events.get_nowait())
     assert queued == [
-        ("start", {"session_id": None}),
-        ("ping", 1, 100),  # the first at once
-        ("ping", 4, 100),
-        ("ping", 7, 100),
-        ("mystery", 1),
-        ("text", "x", None),
+        Started(None),
+        events.Ping(1, 100),  # the first at once
+        events.Ping(4, 100),
+        events.Ping(7, 100),
+        Mystery(1),
+        Delta("x"),
     ]
     assert events.PING_EVERY == 5.0
 
@@ -246,11 +255,11 @@ def test_consumers_ignore_pings_and_unknown_events():
     from mlx_stream.serve.app import _Shape, _sse
 
     usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-    script = [("ping", 1, 9), ("text", "hi", None), ("mystery",), ("end", usage, "stop")]
+    script = [events.Ping(1, 9), Delta("hi"), Mystery(), End(usage, "stop")]
 
     class Engine:
         def submit(self, request):
-            for event in [("ping", 0, 9), ("start", {"session_id": "s"}), *script]:
+            for event in [events.Ping(0, 9), Started("s"), *script]:
                 request.emit(event)
 
     async def main():
@@ -264,7 +273,7 @@ def test_consumers_ignore_pings_and_unknown_events():
         return first, reply, sent
 
     first, reply, sent = asyncio.run(main())
-    assert first == ("start", {"session_id": "s"})
+    assert first == Started("s")
     assert (reply.text, reply.finish, reply.error) == ("hi", "stop", None)
     assert sent[1] == ": ping\n\n"
     assert sent[-1] == "data: [DONE]\n\n" and not any('"error"' in s for s in sent)
@@ -308,7 +317,7 @@ def test_drain_stops_a_reply_whose_client_left_and_the_session_rolls_back(engine
         job, request, first = await events.start(
             e, http=http, messages=messages, session_id="gone", **kw
         )
-        assert first[0] == "start", first
+        assert isinstance(first, Started), first
         return request, await events.drain(job, request, http)
 
     _, first = asyncio.run(ask(messages, max_tokens=4))

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from mlx_stream.serve.event_types import Delta, End, ToolCall
 from tests.support.agents import WEATHER, Answer
 from tests.support.server import Server, http
 
@@ -330,12 +331,12 @@ def test_tool_call_text_is_parsed_from_a_stream_of_pieces():
     stream = CallStream(plan, events.append)
     text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "days": 2}}\n</tool_call>'
     for i in range(0, len(text), 3):
-        stream(("text", text[i : i + 3], None))
-    stream(("end", {}, "stop"))
-    assert "".join(e[1] for e in events if e[0] == "text") == "Sure."
-    (call,) = [e[2] for e in events if e[0] == "tool_call"]
+        stream(Delta(text[i : i + 3]))
+    stream(End({}, "stop"))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "Sure."
+    (call,) = [e.call for e in events if isinstance(e, ToolCall)]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "rome", "days": 2}'}
-    assert events[-1] == ("end", {}, "tool_calls")
+    assert events[-1] == End({}, "tool_calls")
 
 
 def test_a_template_with_tool_support_gets_the_tools_and_its_own_parser(tiny_tools_model_dir):
@@ -436,11 +437,13 @@ def test_a_parsers_arguments_are_stored_as_their_echo_reads():
     plan.parser = lambda text, tools: {"name": "get_weather", "arguments": text.strip()}
     events = []
     stream = CallStream(plan, events.append)
-    stream(("text", '<tool_call>{ "city" :"rome",\n "days": 2 }</tool_call>', None))
-    stream(("text", "<tool_call>[1, 2]</tool_call>", None))  # not an object: text
-    stream(("end", {}, "stop"))
-    (call,) = [e[2] for e in events if e[0] == "tool_call"]
+    stream(Delta('<tool_call>{ "city" :"rome",\n "days": 2 }</tool_call>'))
+    stream(Delta("<tool_call>[1, 2]</tool_call>"))  # not an object: text
+    stream(End({}, "stop"))
+    (call,) = [e.call for e in events if isinstance(e, ToolCall)]
     echo = canonical_message({"role": "assistant", "tool_calls": [call]})
     assert call["function"]["arguments"] == '{"city": "rome", "days": 2}'
     assert echo["tool_calls"][0]["function"] == call["function"]
-    assert "".join(e[1] for e in events if e[0] == "text") == "<tool_call>[1, 2]</tool_call>"
+    assert (
+        "".join(e.text for e in events if isinstance(e, Delta)) == "<tool_call>[1, 2]</tool_call>"
+    )

@@ -191,6 +191,7 @@ def test_a_long_prefill_keeps_claude_codes_idle_timer_alive():
 
     from mlx_stream.serve import events
     from mlx_stream.serve.anthropic import _stream
+    from mlx_stream.serve.event_types import Delta, End
 
     class Cancel:
         cancelled = asyncio.Event()
@@ -206,10 +207,10 @@ def test_a_long_prefill_keeps_claude_codes_idle_timer_alive():
         chunks = asyncio.run(run())
         return [(c.split("\n")[0][7:], json.loads(c.split("\n")[1][6:])) for c in chunks]
 
-    end = ("end", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}, "stop")
-    short = replay([("ping", 1, 1), ("text", "hi"), end])
+    end = End({"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}, "stop")
+    short = replay([events.Ping(1, 1), Delta("hi"), end])
     assert [k for k, _ in short][:3] == ["message_start", "ping", "content_block_start"]
-    long = replay([("ping", 1, 9), ("ping", 5, 9), ("ping", 9, 9), ("text", "hi"), end])
+    long = replay([events.Ping(1, 9), events.Ping(5, 9), events.Ping(9, 9), Delta("hi"), end])
     kinds = [k for k, _ in long]
     assert kinds[:5] == ["message_start", "ping", "ping", "content_block_start",
                          "content_block_delta"]  # fmt: skip

@@ -19,6 +19,7 @@ import pytest
 
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import Settings
+from mlx_stream.serve.event_types import Delta, End, Failed, Started
 
 SYSTEM = "you are a captain"
 WORDS = "the old captain said sea was very long and ship sail on hello what".split()
@@ -66,20 +67,20 @@ def ask(engine, messages, session_id=None, owner="", cancel_after=None, **kw) ->
     engine.submit(request)
     parts, sid, seen = [], None, 0
     while True:
-        event = events.get(timeout=60)
-        if event[0] == "start":
-            sid = event[1]["session_id"]
-        elif event[0] == "text":
-            parts.append(event[1])
-            seen += 1
-            if cancel_after is not None and seen >= cancel_after:
-                request.cancelled.set()
-                wait_idle(engine)
-                return Reply(None, None, sid, error="cancelled")
-        elif event[0] == "end":
-            return Reply("".join(parts), event[1], sid)
-        else:
-            return Reply(None, None, sid, error=event)
+        match event := events.get(timeout=60):
+            case Started(session_id):
+                sid = session_id
+            case Delta(text):
+                parts.append(text)
+                seen += 1
+                if cancel_after is not None and seen >= cancel_after:
+                    request.cancelled.set()
+                    wait_idle(engine)
+                    return Reply(None, None, sid, error="cancelled")
+            case End(usage):
+                return Reply("".join(parts), usage, sid)
+            case _:
+                return Reply(None, None, sid, error=event)
 
 
 def wait_idle(engine, timeout: float = 30) -> None:
@@ -124,7 +125,7 @@ def test_a_cut_off_turn_leaves_nothing_for_the_next_conversation_on_that_id(engi
     if ending == "disconnect":
         assert ask(e, cut, session_id="victim-1", cancel_after=1).error == "cancelled"
     else:
-        assert ask(e, cut, session_id="victim-1", seed=-1).error[0] == "error"
+        assert isinstance(ask(e, cut, session_id="victim-1", seed=-1).error, Failed)
     other = conversation("what was very long")
     reply = ask(e, other, session_id="victim-1")
     assert reply.text == ref(other)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 
 from mlx_stream.generate.batch import DEFAULT_PREFILL_CHUNK
+from mlx_stream.serve.event_types import End, Failed, Prefill
 from tests.support.engine import ask, make_engine, on_worker
 
 SYSTEM = "you are a captain of the sea " * 60  # ~360 tokens: far over a 64-token window
@@ -116,12 +117,12 @@ def test_a_first_request_with_a_history_is_fed_whole(loaded, tmp_path):
 
         e.submit(Request(emit=events.put, messages=messages, max_tokens=2, progress=True))
         seen = []
-        while (event := events.get(timeout=120))[0] not in ("end", "error"):
+        while not isinstance(event := events.get(timeout=120), (End, Failed)):
             seen.append(event)
-        assert event[0] == "end", event
+        assert isinstance(event, End), event
         whole = rendered_tokens(e, messages)
-        assert event[1]["prompt_tokens"] == whole > 10 * 64
-        progress = [ev[1:] for ev in seen if ev[0] == "prefill"]
+        assert event.usage["prompt_tokens"] == whole > 10 * 64
+        progress = [(ev.done, ev.total) for ev in seen if isinstance(ev, Prefill)]
         assert progress and all(total == whole for _, total in progress)
         done = [d for d, _ in progress]
         assert done == sorted(done) and 0 < done[-1] <= whole

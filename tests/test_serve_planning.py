@@ -1,6 +1,6 @@
 """A request planned for the serve worker is a new object: the caller's request keeps
 what it was built with; the copy has the server's defaults, bounds and the messages in
-the engine's shape. Each refusal maps to one HTTP status."""
+the engine's shape. Each refusal maps to one HTTP status, known only above the engine."""
 
 from __future__ import annotations
 
@@ -47,13 +47,39 @@ def test_a_new_message_over_the_prompt_limit_is_too_large(loaded):
 
 def test_each_refusal_maps_to_its_status():
     from mlx_stream.errors import RuntimeFailure, UserError
-    from mlx_stream.serve.refusals import BadRequest, Busy, TooLarge, Unsaved
-    from mlx_stream.serve.statuses import error_event
+    from mlx_stream.serve.event_types import Failed
+    from mlx_stream.serve.refusals import BadRequest, Busy, ShuttingDown, TooLarge, Unsaved
+    from mlx_stream.serve.statuses import status_of
 
-    assert error_event(Busy("full", retry_after=3)) == ("error", 429, "full", 3)
-    assert error_event(Unsaved("disk")) == ("error", 507, "disk", None)
-    assert error_event(RuntimeFailure("save")) == ("error", 500, "save", None)
-    assert error_event(TooLarge("big")) == ("error", 413, "big", None)
-    assert error_event(BadRequest("bad")) == ("error", 400, "bad", None)
-    assert error_event(UserError("bad")) == ("error", 400, "bad", None)
-    assert error_event(KeyError("x")) == ("error", 500, "KeyError: 'x'", None)
+    assert status_of(Failed(Busy("full", retry_after=3))) == (429, "full", 3)
+    assert status_of(Failed(Unsaved("disk"))) == (507, "disk", None)
+    assert status_of(Failed(RuntimeFailure("save"))) == (500, "save", None)
+    assert status_of(Failed(TooLarge("big"))) == (413, "big", None)
+    assert status_of(Failed(BadRequest("bad"))) == (400, "bad", None)
+    assert status_of(Failed(UserError("bad"))) == (400, "bad", None)
+    assert status_of(Failed(KeyError("x"))) == (500, "KeyError: 'x'", None)
+    assert status_of(Failed(ShuttingDown())) == (503, "the server is shutting down", None)
+    # raised while the request ran: the server's fault, whatever the exception
+    assert status_of(Failed(UserError("bad"), crashed=True)) == (500, "UserError: bad", None)
+
+
+@pytest.mark.parametrize(
+    "part",
+    ["engine", "scheduler", "sessions", "admission", "store", "matching", "planning",
+     "marks", "refusals", "event_types"],
+)  # fmt: skip
+def test_below_the_routes_nothing_knows_a_status(part):
+    """The status table is the HTTP side's: the engine's parts never import it (a
+    failure reaches the routes as the exception a ``Failed`` event carries)."""
+    import ast
+
+    from tests.support.paths import REPO
+
+    tree = ast.parse((REPO / "mlx_stream" / "serve" / f"{part}.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names |= {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    assert not {"mlx_stream.serve.statuses", "mlx_stream.serve.app"} & names

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from mlx_stream.serve.event_types import Delta, End, Reasoning, Started, ToolCall
 from mlx_stream.serve.reasoning import ThinkStream, left_open, markers
 
 MARKS = ("<think>", "</think>")
@@ -21,14 +22,14 @@ USAGE = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
 
 
 def split(pieces: list[str], opened: bool = False) -> tuple[str, str, dict]:
-    out: list[tuple] = []
+    out: list = []
     stream = ThinkStream(MARKS, out.append, thinking=opened)
     for piece in pieces:
-        stream(("text", piece, None))
-    stream(("end", USAGE, "stop"))
-    thought = "".join(e[1] for e in out if e[0] == "reasoning")
-    answer = "".join(e[1] for e in out if e[0] == "text")
-    return thought, answer, out[-1][1]
+        stream(Delta(piece))
+    stream(End(USAGE, "stop"))
+    thought = "".join(e.text for e in out if isinstance(e, Reasoning))
+    answer = "".join(e.text for e in out if isinstance(e, Delta))
+    return thought, answer, out[-1].usage
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 100])
@@ -66,15 +67,15 @@ def test_a_tool_call_is_read_from_the_answer_not_the_thought(tiny_tools_model_di
 
     _, tokenizer = load(str(tiny_tools_model_dir))
     plan = ToolPlan.make([WEATHER], "auto", tokenizer)
-    out: list[tuple] = []
+    out: list = []
     stream = ThinkStream(MARKS, CallStream(plan, out.append))
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "days": 2}}\n</tool_call>'
     for piece in ["<think>maybe ", call, "</think>", call]:
-        stream(("text", piece, None))
-    stream(("end", USAGE, "stop"))
-    assert [e[0] for e in out] == ["reasoning", "reasoning", "tool_call", "end"]
-    assert call in "".join(e[1] for e in out if e[0] == "reasoning")
-    assert out[-1][2] == "tool_calls"
+        stream(Delta(piece))
+    stream(End(USAGE, "stop"))
+    assert [type(e) for e in out] == [Reasoning, Reasoning, ToolCall, End]
+    assert call in "".join(e.text for e in out if isinstance(e, Reasoning))
+    assert out[-1].finish_reason == "tool_calls"
     session = SimpleNamespace(messages=[{"role": "assistant", "content": "as generated"}])
     stream.settle(session)  # the transcript's reply in the canonical shape, as without a thought
     assert session.messages[-1]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -94,11 +95,11 @@ class Scripted:
 
     def submit(self, request):
         def run():
-            request.emit(("start", {"session_id": "s"}))
+            request.emit(Started("s"))
             stream = ThinkStream(MARKS, request.emit)
             for piece in self.RAW:
-                stream(("text", piece, None))
-            stream(("end", USAGE, "stop"))
+                stream(Delta(piece))
+            stream(End(USAGE, "stop"))
 
         threading.Thread(target=run).start()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_stream.generate.session import Settings
+from mlx_stream.serve.event_types import End, Failed, Started
 from tests.support.cli import assert_one_line_error
 from tests.support.engine import ask, on_worker
 
@@ -232,9 +233,9 @@ def test_a_plain_completion_on_a_recall_server_has_its_own_store_gone_at_its_end
     try:
         box: queue.Queue = queue.Queue()
         e.submit(Request(emit=box.put, prompt=text(300, 7), max_tokens=4))
-        while (event := box.get(timeout=120))[0] not in ("end", "error"):
+        while not isinstance(event := box.get(timeout=120), (End, Failed)):
             pass
-        assert event[0] == "end", event
+        assert isinstance(event, End), event
         assert list(recall_dir.iterdir()) == []  # the completion's store went with it
         assert sessions(e) == {}
     finally:
@@ -350,7 +351,7 @@ def test_a_turn_cancelled_mid_prefill_rewinds_the_recall_tier(loaded, tmp_path, 
         while not (long.cancelled.is_set() and on_worker(e, lambda: not e.running)):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert [ev[0] for ev in events.queue] == ["start"]  # cut off before a token
+        assert [type(ev) for ev in events.queue] == [Started]  # cut off before a token
         reply, _, err = ask(e, [*messages, {"role": "user", "content": other}], session_id="a")
         monkeypatch.setattr(type(model), "__call__", call)
         assert err is None and long.cancelled.is_set() and sum(calls[:12]) > 500

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tests.support.engine import ask, make_engine, on_worker
+from mlx_stream.serve.event_types import Delta, End, Failed, Started
+from tests.support.engine import ask, make_engine, on_worker, refused
 
 openai = pytest.importorskip("openai")
 
@@ -32,13 +33,13 @@ def test_a_long_prefill_lets_a_newcomer_finish_first(loaded, tmp_path, batching)
     from mlx_stream.serve.engine import Request
 
     e = make_engine(loaded, tmp_path, batching=batching, settings={"max_tokens": 4})
-    events: list[tuple[str, str]] = []
+    events: list[tuple[str, type]] = []
     lock = threading.Lock()
 
     def tagged(tag):
         def emit(event):
             with lock:
-                events.append((tag, event[0]))
+                events.append((tag, type(event)))
 
         return emit
 
@@ -50,15 +51,13 @@ def test_a_long_prefill_lets_a_newcomer_finish_first(loaded, tmp_path, batching)
         assert started.wait(60)
         e.submit(Request(emit=tagged("short"), messages=[{"role": "user", "content": "hi"}]))
         deadline = time.monotonic() + 120
-        while (
-            not {("long", "end"), ("short", "end")} <= set(events) and time.monotonic() < deadline
-        ):
+        while not {("long", End), ("short", End)} <= set(events) and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         e.stop()
-    assert ("long", "end") in events and ("short", "end") in events, events
+    assert ("long", End) in events and ("short", End) in events, events
     # logprobs=0: every token of the long reply is an event, even one without text.
-    assert events.index(("short", "end")) < events.index(("long", "text")), events
+    assert events.index(("short", End)) < events.index(("long", Delta)), events
 
 
 @pytest.mark.parametrize("batching", [True, False])
@@ -111,9 +110,10 @@ def test_prompts_over_the_limit_are_413_and_max_tokens_is_the_clients_under_a_ce
 
         box: queue.Queue = queue.Queue()
         e.submit(Request(emit=box.put, prompt="the sea " * 60))
-        while (event := box.get(timeout=60))[0] not in ("end", "error"):
+        while not isinstance(event := box.get(timeout=60), (End, Failed)):
             pass
-        assert event[0] == "error" and event[1] == 413 and "120" in event[2], event
+        assert isinstance(event, Failed), event
+        assert refused(event)[1] == 413 and "120" in refused(event)[2], event
         text, usage, error = ask(e, [{"role": "user", "content": "hello sea"}], max_tokens=500)
         assert error is None and usage["completion_tokens"] <= 9, usage  # the ceiling
         asked = []
@@ -140,15 +140,15 @@ def test_drain_ends_running_requests_and_refuses_new_ones(loaded, tmp_path):
     try:
         e.submit(Request(emit=streaming.put, messages=[{"role": "user", "content": "hi"}],
                          session_id="streamed"))  # fmt: skip
-        while streaming.get(timeout=60)[0] != "text":
+        while not isinstance(streaming.get(timeout=60), Delta):
             pass
         e.submit(Request(emit=prefilling.put, messages=[{"role": "user", "content": LONG}]))
-        assert prefilling.get(timeout=60)[0] == "start"
+        assert isinstance(prefilling.get(timeout=60), Started)
         e.drain()
-        while (event := streaming.get(timeout=60))[0] == "text":
+        while isinstance(event := streaming.get(timeout=60), Delta):
             pass
-        assert event[0] == "end" and event[2] == "length", event
-        assert prefilling.get(timeout=60)[:2] == ("error", 503)
+        assert isinstance(event, End) and event.finish_reason == "length", event
+        assert refused(prefilling.get(timeout=60))[:2] == ("error", 503)
         _, _, error = ask(e, [{"role": "user", "content": "hi"}])
         assert error[:2] == ("error", 503)
     finally:
@@ -175,13 +175,13 @@ def test_chats_with_different_system_prompts_all_fit_in_turn(loaded, tmp_path, r
         per = on_worker(e, lambda: e.session_bytes(sinks))
         e.budget = e.weights + int(room * (per + per // 2))
         used = []
-        original = e.publish
+        original = e.scheduler.refresh  # what the worker calls for the stats
 
-        def publish():
+        def refresh():
             original()
             used.append(e.stats["memory"]["used_bytes"])
 
-        e.publish = publish
+        e.scheduler.refresh = refresh
         for system in SYSTEMS:
             messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
             text, usage, error = ask(e, messages, max_tokens=3)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from mlx_stream.generate.model_config import Sampling
+from mlx_stream.serve.event_types import Delta, End, Failed
 
 MESSAGES = [{"role": "user", "content": "the cat sat on the mat and the dog"}]
 
@@ -31,10 +32,10 @@ def reply(loaded, tmp_path, batching, sampling=None, penalty=None, **request) ->
         box: queue.Queue = queue.Queue()
         engine.submit(Request(emit=box.put, messages=MESSAGES, **request))
         parts = []
-        while (event := box.get(timeout=120))[0] not in ("end", "error"):
-            if event[0] == "text":
-                parts.append(event[1])
-        assert event[0] == "end", event
+        while not isinstance(event := box.get(timeout=120), (End, Failed)):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+        assert isinstance(event, End), event
         return "".join(parts)
     finally:
         engine.stop()

@@ -10,6 +10,7 @@ import pytest
 
 from mlx_stream.cache.spec import CacheSpec
 from mlx_stream.generate.session import ChatSession, Settings, cache_count
+from mlx_stream.serve.event_types import Delta, Started
 from tests.support.engine import ask_turn
 
 
@@ -290,7 +291,7 @@ def test_engine_refuses_when_every_session_is_busy(engine):
     events: queue.Queue = queue.Queue()
     long = Request(emit=events.put, messages=[{"role": "user", "content": "hello"}], max_tokens=400)
     e.submit(long)
-    assert events.get(timeout=30)[0] == "start"
+    assert isinstance(events.get(timeout=30), Started)
     text, refusal = ask_turn(e, [{"role": "user", "content": "the sea"}])
     assert text is None and refusal[1] == 429 and refusal[3] > 0
     long.cancelled.set()
@@ -312,13 +313,13 @@ def test_engine_interleaves_a_short_reply_with_a_long_one(endless_model, tmp_pat
         long = Request(emit=events.put, messages=[{"role": "user", "content": "hello"}],
                        max_tokens=100_000)  # fmt: skip
         e.submit(long)
-        assert events.get(timeout=30)[0] == "start"
+        assert isinstance(events.get(timeout=30), Started)
         text, usage = ask_turn(e, [{"role": "user", "content": "the sea"}], max_tokens=5)
         assert usage["completion_tokens"] == 5
         long_texts = []
         while not events.empty():
             long_texts.append(events.get())
-        assert all(ev[0] == "text" for ev in long_texts)  # still streaming, not ended
+        assert all(isinstance(ev, Delta) for ev in long_texts)  # still streaming, not ended
         long.cancelled.set()
     finally:
         e.stop()

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from mlx_stream.serve.event_types import Delta, End, ToolCall
 from tests.support.agents import WEATHER
 
 CALL = {"name": "get_weather", "arguments": {"city": "rome", "days": 2}}
@@ -130,24 +131,21 @@ def tokenizer_with(tmp_path, chat_template: str):
     return load(tmp_path)
 
 
-def read(plan, reply: str, cut: int = 3) -> list[tuple]:
+def read(plan, reply: str, cut: int = 3) -> list:
     from mlx_stream.serve.tools import CallStream
 
-    out: list[tuple] = []
+    out: list = []
     stream = CallStream(plan, out.append)
     for i in range(0, len(reply), cut):
-        stream(("text", reply[i : i + cut], None))
+        stream(Delta(reply[i : i + cut]))
     usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-    stream(("end", usage, "stop"))
+    stream(End(usage, "stop"))
     return out
 
 
-def calls_of(events: list[tuple]) -> list[dict]:
-    return [
-        {"name": e[2]["function"]["name"], "arguments": json.loads(e[2]["function"]["arguments"])}
-        for e in events
-        if e[0] == "tool_call"
-    ]
+def calls_of(events: list) -> list[dict]:
+    calls = [e.call["function"] for e in events if isinstance(e, ToolCall)]
+    return [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -163,8 +161,8 @@ def test_each_familys_call_is_read_and_written_back(family, tmp_path):
     assert plan.toolset.native  # the template shows the tools and writes the calls
     events = read(plan, "Let me look. " + reply)
     assert calls_of(events) == [CALL]
-    assert "".join(e[1] for e in events if e[0] == "text").strip() == "Let me look."
-    assert events[-1] == ("end", events[-1][1], "tool_calls")
+    assert "".join(e.text for e in events if isinstance(e, Delta)).strip() == "Let me look."
+    assert events[-1] == End(events[-1].usage, "tool_calls")
     # the call as the template writes it into the next turn's prompt reads back the same
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps(CALL["arguments"])}}  # fmt: skip
@@ -211,4 +209,4 @@ def test_a_reply_that_only_looks_like_a_call_stays_text(tmp_path):
     reply = 'Write it as {"name": "Bob"} and stop.'
     events = read(plan, reply)
     assert calls_of(events) == []
-    assert "".join(e[1] for e in events if e[0] == "text") == reply
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == reply

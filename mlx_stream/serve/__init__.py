@@ -1,10 +1,10 @@
 """Serving: the OpenAI-compatible server behind ``mlx-stream serve``.
 
-Lives here: the engine (``engine``, composing ``scheduler``: the worker thread and its
-rounds, ``sessions``: their lifecycle, ``planning``: a request planned as a new object,
+Lives here: the engine (``engine``, owning ``scheduler``: the worker thread and its
+rounds, ``sessions``: the session table; ``planning``: a request planned as a new object,
 ``admission``: the byte budget, ``store``: the state folder, ``matching``: which session
-a request continues, ``refusals``: the errors), the HTTP routes (``app``: FastAPI,
-``statuses``: the status of each refusal) and token logprobs (``logprobs``); for agents, per-request
+a request continues, ``refusals``: the errors, ``event_types``: what a request is sent),
+the HTTP routes (``app``: FastAPI, ``statuses``: the status of each refusal) and token logprobs (``logprobs``); for agents, per-request
 sampling (``sampling``), llguidance constraints (``structured``), tool calls
 (``tools``) and the other APIs' translations into the engine's one request type (``anthropic``: Messages API, ``responses``: Responses API;
 ``fields``, ``events``: what they share).

@@ -4,8 +4,8 @@ Contract: :class:`AccessLog` (ASGI middleware, outermost) puts a :class:`Record`
 ``scope["state"]`` (``request.state`` in starlette) under :data:`KEY` and writes its
 line once the response's body ended (or the app returned without ending it: the client
 left, logged as 499). The engine side fills the record through
-:class:`~mlx_stream.serve.events.Job`: the session on ``start``, time to first token,
-usage on ``end``, prefill progress (a line of its own at most every
+:class:`~mlx_stream.serve.events.Job`: the session on ``Started``, time to first token,
+usage on ``End``, prefill progress (a line of its own at most every
 :data:`PROGRESS_EVERY` seconds while a prompt goes in). Route code adds notes with
 :func:`note`. Lines look like::
 
@@ -21,6 +21,9 @@ import time
 from typing import Any
 
 from starlette.requests import ClientDisconnect
+
+from mlx_stream.serve.event_types import Delta, End, Event, Failed, Prefill, Started, ToolCall
+from mlx_stream.serve.statuses import status_of
 
 KEY = "access"  # the record's name in scope["state"]
 PROGRESS_EVERY = 10.0  # seconds between prefill progress lines of one request
@@ -96,24 +99,25 @@ class Record:
             line += f" · {rate:,.0f} tok/s · ~{_eta((total - fed) / rate)} left"
         return line
 
-    def event(self, event: tuple, now: float) -> None:
+    def event(self, event: Event, now: float) -> None:
         """Take one engine event (on the event loop's thread)."""
-        kind = event[0]
-        if kind == "start":
-            self.engine, self.session = True, event[1].get("session_id")
-            if event[1].get("note"):
-                self.notes.append(event[1]["note"])
-        elif kind in ("text", "tool_call") and self.first is None:
-            self.first = now
-        elif kind == "end":
-            self.usage = event[1]
-            if event[2] == "loop":
-                self.notes.append(LOOP_NOTE)
-        elif kind == "error":
-            self.notes.append(f"error {event[1]}: {event[2]}")
-        elif kind == "prefill" and now - self.progressed >= PROGRESS_EVERY and not self.done:
-            self.out(self._progress(event[1], event[2], now))
-            self.progressed, self.fed = now, event[1]
+        match event:
+            case Started(session, note):
+                self.engine, self.session = True, session
+                if note:
+                    self.notes.append(note)
+            case Delta() | ToolCall() if self.first is None:
+                self.first = now
+            case End(usage, finish):
+                self.usage = usage
+                if finish == "loop":
+                    self.notes.append(LOOP_NOTE)
+            case Failed() as failed:
+                status, message, _ = status_of(failed)
+                self.notes.append(f"error {status}: {message}")
+            case Prefill(done, total) if now - self.progressed >= PROGRESS_EVERY and not self.done:
+                self.out(self._progress(done, total, now))
+                self.progressed, self.fed = now, done
 
     def line(self, now: float) -> str:
         parts = [_clock(), self.method, self.path, str(self.status or "-")]

@@ -3,19 +3,13 @@ to evict, least recently used first, so that they fit the memory budget.
 
 Contract: ``weights + snapshots + resident sessions x bytes <= budget`` (and at most
 ``max_sessions`` resident) holds after every :meth:`Admission.make_room`. A session
-costs its caches plus the checkpoint taken before its current turn plus the marks
-of its last turns' prompts (:data:`COPIES` times its caches, measured once per sink
-count from real caches) plus what it holds once
-whatever its checkpoints (``fixed``: a recall session's region and its store's host
-memory cap, :mod:`~mlx_stream.serve.recall`); a shared system-prompt snapshot costs
-its caches once. Room is made by evicting idle sessions (through the
-``evict`` callback: the engine saves them to its state folder) and snapshots (here),
-never a busy session, the one being admitted or the snapshot it starts from; when
-even all of that would not make room nothing is evicted and the request is refused:
-:class:`~mlx_stream.serve.refusals.Busy` (429) while a session is busy, else
-:class:`~mlx_stream.serve.refusals.BadRequest` (the budget can never hold it).
-Pure bookkeeping over the engine's entries: no MLX work here (measuring a session is
-the ``measure`` callback), no files.
+costs :data:`COPIES` times its caches (measured once per sink count) plus what it
+holds whatever its checkpoints (``fixed``); a snapshot its caches once. Room is made
+by evicting idle sessions (the ``evict`` callback) and snapshots, never a busy one;
+where even that would not make room nothing is evicted and the request is refused
+(:class:`~mlx_stream.serve.refusals.Busy` while a session is busy, else
+:class:`~mlx_stream.serve.refusals.BadRequest`). Pure bookkeeping: no MLX work, no
+files. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

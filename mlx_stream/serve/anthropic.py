@@ -3,32 +3,13 @@ and ``POST /v1/messages/count_tokens``, what Claude Code speaks.
 
 Contract: a request is translated into the engine's one request type (the same
 sessions, batching, admission by bytes and cancellation as chat completions) and its
-events back into Anthropic's shapes:
-- ``system`` (text or text blocks; Claude Code's per-run ``x-anthropic-billing-header``
-  block is dropped so its prompt stays one shared snapshot) -> a system message; ``{"role": "system"}``
-  messages inside ``messages`` stay at their place, except that one following a user
-  message goes just before it (the user's words stay next to the reply); ``text`` blocks -> content;
-  an assistant's ``tool_use`` blocks -> its tool calls (same ids); a user's
-  ``tool_result`` blocks (text or nested text blocks) -> tool messages, each answering
-  a ``tool_use`` of the assistant message before it (else 400 naming
-  ``messages.I.content.J.tool_use_id``). ``thinking`` / ``redacted_thinking`` and
-  hosted tools' blocks are left out of the prompt; an image or a document is a
-  one-line 400 (the model reads text only). ``cache_control``, ``metadata``,
-  ``thinking`` and other fields this server has no use for are ignored.
-- ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice``
-  (``auto``, ``any``, ``tool`` + ``name``, ``none``) -> function tools; hosted tools
-  (a ``type`` such as ``web_search_20250305``) cannot run here: left out, logged.
-- ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``max_tokens`` are read
-  from the body (recent SDKs send sampling fields as extra body fields).
-- Replies: ``content`` blocks (``thinking`` for a model that thinks, with an empty
-  ``signature``; ``text``, ``tool_use``), ``stop_reason`` (``end_turn``,
-  ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the one that matched),
-  ``usage`` (``input_tokens`` = tokens fed this turn, ``cache_read_input_tokens`` =
-  tokens the session's cache already held). Streamed:
-  ``message_start``, ``content_block_start`` / ``content_block_delta`` (``thinking_delta``,
-  ``text_delta``, ``input_json_delta``) / ``content_block_stop`` per block, ``message_delta`` with the
-  stop reason and usage, ``message_stop``.
-- Errors: ``{"type": "error", "error": {"type", "message"}}`` (:func:`error`).
+events back into Anthropic's shapes: ``system``, text, ``tool_use`` and
+``tool_result`` blocks become messages and tool calls (a result without its call is
+a 400 naming the field; images and documents are refused, hosted tools left out and
+logged); replies are ``thinking``, ``text`` and ``tool_use`` blocks with
+``stop_reason`` and ``usage``, streamed as Anthropic's event sequence (a long prefill
+keeps Claude Code's idle timer alive). Errors: ``{"type": "error", "error": {"type",
+"message"}}`` (:func:`error`). In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import owner_of, sampling_args, session_header
+from mlx_stream.serve.statuses import status_of
 
 PREFIX = "/v1/messages"
 KINDS = {
@@ -304,10 +287,10 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             top_k=body.top_k, stop=body.stop_sequences or None, owner=owner_of(http),
             **sampling_args(body.temperature, body.top_p), **fields,
         )  # fmt: skip
-        if first[0] == "error":
-            _, status, message, retry = first
-            return error(status, message, {"Retry-After": str(retry)} if retry else None)
-        session_id = first[1].get("session_id")
+        if isinstance(first, Failed):
+            refused = status_of(first)
+            return error(refused.status, refused.message, refused.headers())
+        session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
         ident = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
@@ -381,8 +364,8 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
         index, kind, pings = 0, None, 0  # kind: the open block's ("text", "thinking")
         while True:
             event = await job.events.get()
-            if event[0] in ("text", "reasoning") and event[1]:
-                want = "text" if event[0] == "text" else "thinking"
+            if isinstance(event, (Delta, Reasoning)) and event.text:
+                want = "text" if isinstance(event, Delta) else "thinking"
                 if kind not in (None, want):
                     yield _sse("content_block_stop", {"index": index})
                     index, kind = index + 1, None
@@ -392,22 +375,22 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                         block["signature"] = ""  # nothing signs a local model's thought
                     yield _sse("content_block_start", {"index": index, "content_block": block})
                     kind = want
-                delta = {"type": want + "_delta", want: event[1]}
+                delta = {"type": want + "_delta", want: event.text}
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
-            elif event[0] == "tool_call":
+            elif isinstance(event, ToolCall):
                 if kind is not None:
                     yield _sse("content_block_stop", {"index": index})
                     index, kind = index + 1, None
-                block = {**_tool_use(event[2]), "input": {}}
+                block = {**_tool_use(event.call), "input": {}}
                 yield _sse("content_block_start", {"index": index, "content_block": block})
                 delta = {
                     "type": "input_json_delta",
-                    "partial_json": event[2]["function"]["arguments"],
+                    "partial_json": event.call["function"]["arguments"],
                 }
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
                 yield _sse("content_block_stop", {"index": index})
                 index += 1
-            elif event[0] == "ping":  # a long prompt going in: keep the client waiting
+            elif isinstance(event, events.Ping):  # a long prompt going in: keep the client waiting
                 yield _sse("ping", {})
                 pings += 1
                 if pings == 1:
@@ -419,15 +402,16 @@ async def _stream(job: events.Job, request: Any, ident: str, model: str):
                     kind = "text"
                 delta = {"type": kind + "_delta", kind: ""}
                 yield _sse("content_block_delta", {"index": index, "delta": delta})
-            elif event[0] == "end":
+            elif isinstance(event, End):
                 if kind is not None:
                     yield _sse("content_block_stop", {"index": index})
-                delta = stop_fields(event[2], request)
-                yield _sse("message_delta", {"delta": delta, "usage": _usage(event[1])})
+                delta = stop_fields(event.finish_reason, request)
+                yield _sse("message_delta", {"delta": delta, "usage": _usage(event.usage)})
                 yield _sse("message_stop", {})
                 break
-            elif event[0] == "error":
-                body = {"type": KINDS.get(event[1], "api_error"), "message": event[2]}
+            elif isinstance(event, Failed):
+                status, message, _ = status_of(event)
+                body = {"type": KINDS.get(status, "api_error"), "message": message}
                 yield _sse("error", {"error": body})
                 break
     finally:

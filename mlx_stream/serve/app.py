@@ -26,6 +26,7 @@ from mlx_stream.errors import UserError
 from mlx_stream.serve import events
 from mlx_stream.serve.accesslog import AccessLog
 from mlx_stream.serve.engine import Engine
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import (
     field_of,
     openai_fields,
@@ -36,6 +37,7 @@ from mlx_stream.serve.fields import (
 )
 from mlx_stream.serve.guard import BrowserGuard, Browsers, JsonOnly
 from mlx_stream.serve.logprobs import MAX_TOP
+from mlx_stream.serve.statuses import status_of
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
 MAX_SEED = (1 << 63) - 1  # OpenAI's seed is an int64; mlx's random state takes 0..2^64-1
@@ -404,12 +406,11 @@ def create_app(
             engine, http=http, stop=stop or None, seed=body.seed, logprobs=body.alternatives(),
             **body.sampling(), **agents, **make,
         )  # fmt: skip
-        if first[0] == "error":
-            _, status, message, retry = first
-            headers = {"Retry-After": str(retry)} if retry else None
-            param = field_of(message) if status == 400 else None
-            return error(status, message, param, headers=headers)
-        session_id = first[1].get("session_id")
+        if isinstance(first, Failed):
+            refused = status_of(first)
+            param = field_of(refused.message) if refused.status == 400 else None
+            return error(refused.status, refused.message, param, headers=refused.headers())
+        session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -562,28 +563,28 @@ async def _sse(job: events.Job, cancelled: threading.Event, shape: _Shape, inclu
         yield _event(shape.chunk("", None, first=True))
         while True:
             event = await job.events.get()
-            if event[0] == "text":
-                yield _event(shape.chunk(event[1], None, logprob=event[2]))
-            elif event[0] == "tool_call":
-                yield _event(shape.call_chunk(event[1], event[2]))
-            elif event[0] == "reasoning":
-                chunk = shape.chunk(None, None)
-                chunk["choices"][0]["delta"]["reasoning_content"] = event[1]
-                yield _event(chunk)
-            elif event[0] == "end":
-                _, usage, finish = event
-                yield _event(shape.chunk(None, finish))
-                if include_usage:
-                    yield _event(shape.usage_chunk(usage))
-                break
-            elif event[0] == "ping":  # a long prompt goes in: a comment keeps the line up
-                yield ": ping\n\n"
-            elif event[0] == "error":
-                _, status, message, _retry = event
-                yield _event(
-                    {"error": {"message": message, "type": "server_error", "code": status}}
-                )
-                break
+            match event:
+                case Delta(text, logprob):
+                    yield _event(shape.chunk(text, None, logprob=logprob))
+                case ToolCall(index, call):
+                    yield _event(shape.call_chunk(index, call))
+                case Reasoning(text):
+                    chunk = shape.chunk(None, None)
+                    chunk["choices"][0]["delta"]["reasoning_content"] = text
+                    yield _event(chunk)
+                case End(usage, finish):
+                    yield _event(shape.chunk(None, finish))
+                    if include_usage:
+                        yield _event(shape.usage_chunk(usage))
+                    break
+                case events.Ping():  # a long prompt goes in: a comment keeps the line up
+                    yield ": ping\n\n"
+                case Failed() as failed:
+                    status, message, _ = status_of(failed)
+                    yield _event(
+                        {"error": {"message": message, "type": "server_error", "code": status}}
+                    )
+                    break
         yield "data: [DONE]\n\n"
     finally:
         cancelled.set()  # a no-op once the engine has finished the request

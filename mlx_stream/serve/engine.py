@@ -1,20 +1,18 @@
 """The engine of ``mlx-stream serve``: chat sessions in fixed memory, admitted by bytes,
 all model work on one MLX thread.
 
-Contract: :class:`Engine` composes its parts, one concern each: the worker and its
-rounds (:mod:`~mlx_stream.serve.scheduler`), the sessions' lifecycle
-(:mod:`~mlx_stream.serve.sessions`), a request planned as a new object
-(:mod:`~mlx_stream.serve.planning`), the byte budget (:mod:`~mlx_stream.serve.admission`),
-the state folder (:mod:`~mlx_stream.serve.store`), which session a request continues
-(:mod:`~mlx_stream.serve.matching`). It owns admitting a request and the stats; it
-re-exports the names the HTTP side imports. The design: ``docs/serve.md``.
+Contract: :class:`Engine` owns two parts with explicit dependencies: the session table
+(:class:`~mlx_stream.serve.sessions.Sessions`: lifecycle, eviction, the state folder,
+marks) and the worker (:class:`~mlx_stream.serve.scheduler.Scheduler`: thread, rounds,
+jobs). It admits a request (planned by :mod:`~mlx_stream.serve.planning`) onto its
+session, keeps the stats and re-exports the names the HTTP side imports. The design:
+``docs/serve.md``.
 """
 
 from __future__ import annotations
 
 import functools
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +23,7 @@ from mlx_stream.generate.session import ChatSession, Reply, Settings, cache_coun
 from mlx_stream.generate.steps import DecodeState
 from mlx_stream.serve import marks
 from mlx_stream.serve import recall as recalled
-from mlx_stream.serve.admission import COPIES, Admission, weights_bytes
-from mlx_stream.serve.logprobs import TokenLogprobs
+from mlx_stream.serve.admission import weights_bytes  # noqa: F401 - re-exported
 from mlx_stream.serve.matching import Entry, split_messages
 from mlx_stream.serve.planning import Planner
 from mlx_stream.serve.reasoning import ThinkStream
@@ -37,15 +34,16 @@ from mlx_stream.serve.refusals import (
     TooLarge,
     Unsaved,  # noqa: F401 - re-exported
 )
-from mlx_stream.serve.scheduler import DEFAULT_CHUNK, Job, Request, Scheduler
+from mlx_stream.serve.scheduler import DEFAULT_CHUNK, Request, Scheduler
 from mlx_stream.serve.sessions import Sessions
-from mlx_stream.serve.store import SessionStore
 
 
-class Engine(Scheduler, Sessions):
-    """Sessions and the one MLX worker thread that runs them, admitted by bytes
-    (:class:`~mlx_stream.serve.admission.Admission`), saved to the state folder
-    (:class:`~mlx_stream.serve.store.SessionStore`).
+class Engine:
+    """Sessions and the one MLX worker thread that runs them: owns the session table
+    (:attr:`sessions`, a :class:`~mlx_stream.serve.sessions.Sessions`: admitted by bytes,
+    saved to the state folder) and the worker (:attr:`scheduler`, a
+    :class:`~mlx_stream.serve.scheduler.Scheduler`); its other public names delegate to
+    them.
 
     Args:
         model, tokenizer: The loaded model.
@@ -58,7 +56,7 @@ class Engine(Scheduler, Sessions):
         state_dir (Path, optional): Where evicted sessions go, listed in its
             ``index.json`` (a restart with the same folder finds them again).
             Default: a temp folder.
-        max_prompt_tokens (int): Most tokens one request may feed (HTTP 413 over it).
+        max_prompt_tokens (int): Most tokens one request may feed (``TooLarge`` over it).
         pin (int, optional): Most tokens of a rendered system prompt kept as sinks
             (``keep_system``); the rest of it flows through the window. Default:
             ``DEFAULT_PIN_TOKENS`` or the window if smaller.
@@ -108,44 +106,30 @@ class Engine(Scheduler, Sessions):
         from mlx_stream.generate.model_config import Sampling
 
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.settings, self.model_id, self.cluster = settings, model_id, cluster
         self.sampling = sampling if sampling is not None else Sampling()  # greedy
-        self.prefixes, self.repair_tokens = prefix_store, repair_tokens
         self.planner = Planner(
             tokenizer, self.sampling, settings, draft=draft_model is not None,
             max_prompt_tokens=max_prompt_tokens, max_tokens_ceiling=max_tokens_ceiling,
         )  # fmt: skip
-        self.pin = min(DEFAULT_PIN_TOKENS, settings.cache.window) if pin is None else pin
-        self._closing = False  # draining: requests are refused (503)
-        self._logprobs = TokenLogprobs(tokenizer)
-        self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(settings.stop_tokens)
-        self.cluster, self._ids = cluster, None
+        pin = min(DEFAULT_PIN_TOKENS, settings.cache.window) if pin is None else pin
+        ids = None
         if cluster is not None:
-            self._ids = random.Random(cluster.share_int(random.getrandbits(62)))
+            ids = random.Random(cluster.share_int(random.getrandbits(62)))
             if state_dir is not None:  # ranks on one machine must not share files
                 state_dir = Path(state_dir) / f"rank-{cluster.rank}"
                 state_dir.mkdir(exist_ok=True)
-        self.settings, self.model_id, self.keep_system = settings, model_id, keep_system
-        weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
-        self.chunk, self.isolate = chunk, isolate
-        self.recall = settings.cache.recall  # a RecallSpec: each session its own store
-        recalled.remove_stale(self.recall)
-        self.store = SessionStore(state_dir, self.store_config)
-        self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
-        self.admission = Admission(
-            self.entries, weights, budget, max_sessions, measure=self.measure_cache, evict=self._evict,
-            fixed=lambda sinks: recalled.fixed_bytes(model, self.recall, sinks),
-            copies=2 if self.recall is not None else COPIES,  # marks only without recall
+        self.sessions = Sessions(
+            model, tokenizer, settings, model_id, draft_model=draft_model,
+            keep_system=keep_system, pin=pin, budget=budget, max_sessions=max_sessions,
+            state_dir=state_dir, isolate=isolate, prefixes=prefix_store,
+            repair_tokens=repair_tokens, ids=ids,
         )  # fmt: skip
-        self._dropped: set[tuple[str, str]] = set()  # caches dropped: rebuilt on next use
-        self._active: list[Job] = []
-        self._init_worker()
+        self.scheduler = Scheduler(
+            self.sessions, self._admit, self._refresh, model, tokenizer, settings,
+            drafting=draft_model is not None, chunk=chunk, batching=batching, cluster=cluster,
+        )  # fmt: skip
         self.stats: dict[str, Any] = {}
-        self._published = 0.0
-        self.evictions = self.restores = self.refusals = self.dropped = 0
-        self.batching, self._batch, self.batch_refusal = batching, None, "off (--no-batch)"
-        if cluster is not None:
-            self.batching = False
-            self.batch_refusal = "off (--distributed: one request at a time, on every rank)"
 
     # ----- lifecycle ------------------------------------------------------------------
 
@@ -153,9 +137,8 @@ class Engine(Scheduler, Sessions):
         """Start the worker; measure a session's bytes first and refuse a budget
         that cannot hold the weights and one session. Sessions the state folder's
         index lists (and whose files are intact) are found again."""
-        for entry in self.store.load(discard=self.cluster is not None):
-            self.entries[entry.key] = entry  # on disk: loaded on its next request
-        self._start_worker()
+        self.sessions.load(discard=self.cluster is not None)  # loaded on their next use
+        self.scheduler.start()
         self.call(self.make_batch).result()
         sinks = self.settings.cache.sinks
         need = self.call(lambda: self.weights + self.session_bytes(sinks)).result()
@@ -171,25 +154,19 @@ class Engine(Scheduler, Sessions):
 
     def stop(self) -> None:
         """Drain (see :meth:`drain`), then stop the worker."""
-        self._closing = True
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._stopping = True
-        for entry in self.entries.values():  # the worker is gone: their stores close
-            recalled.release(entry.session)
-        self.store.cleanup()
+        self.scheduler.stop()
+        self.sessions.close()  # the worker is gone: their stores close
 
     def drain(self) -> None:
-        """Stop taking requests (503 from now on) and end the running ones at the
+        """Stop taking requests (refused from now on) and end the running ones at the
         worker's next round (a stream gets its end, cut short); :meth:`stop` then
         saves the resident sessions. Any thread, a signal handler included: it only
         sets a flag (a lock taken here could be held by the code it interrupted)."""
-        self._closing = True
+        self.scheduler.drain()
 
     def precheck(self, request: Request) -> None:
         """The worker's size check, run by the HTTP side on its own thread before the
-        request is queued (a 4 MB prompt takes seconds to count: the worker serves
+        request is queued (a long prompt is slow to count: the worker serves
         the others meanwhile); :class:`TooLarge` over the limit. Without a fast
         tokenizer (not safe off the worker) the worker alone checks."""
         if self.planner.fast_core() is not None:
@@ -202,7 +179,7 @@ class Engine(Scheduler, Sessions):
 
     @property
     def max_prompt_tokens(self) -> int:
-        """Most tokens one request may feed (HTTP 413 over it)."""
+        """Most tokens one request may feed (refused over it)."""
         return self.planner.max_prompt_tokens
 
     @property
@@ -210,26 +187,118 @@ class Engine(Scheduler, Sessions):
         """The operator's cap on any request's ``max_tokens``."""
         return self.planner.max_tokens_ceiling
 
+    # ----- the worker's, delegated ----------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue a generation request (any thread)."""
+        self.scheduler.submit(request)
+
+    def call(self, fn: Any):
+        """Run ``fn`` on the worker thread; returns a ``concurrent.futures.Future``."""
+        return self.scheduler.call(fn)
+
+    def follow(self) -> None:
+        """A follower rank: run rank 0's requests until rank 0 stops."""
+        self.scheduler.follow()
+
+    def make_batch(self) -> None:
+        """The batch every session decodes in, or the reason there is none."""
+        self.scheduler.make_batch()
+
+    def publish(self) -> None:
+        """Refresh :attr:`stats` (read by other threads without locking); on the
+        worker thread (:meth:`call`)."""
+        self.scheduler.publish()
+
+    @property
+    def running(self) -> int:
+        """Requests running now; read on the worker thread."""
+        return self.scheduler.running
+
+    @property
+    def current_batch(self) -> Any:
+        """The batch every session decodes in (``None``: each decodes alone)."""
+        return self.scheduler.current_batch
+
+    @property
+    def batch_refusal(self) -> str | None:
+        """Why sessions do not decode in one batch (``None``: they do)."""
+        return self.scheduler.batch_refusal
+
+    # ----- the session table's, delegated ---------------------------------------------
+
+    entries = property(lambda self: self.sessions.entries, doc="Sessions by (owner, id).")
+    admission = property(lambda self: self.sessions.admission, doc="The byte budget.")
+    store = property(lambda self: self.sessions.store, doc="The state folder.")
+    snapshots = property(lambda self: self.sessions.snapshots, doc="Shared system prompts.")
+    weights = property(lambda self: self.sessions.weights, doc="Bytes of the weights.")
+    recall = property(lambda self: self.sessions.recall, doc="The recall tier's spec.")
+    pin = property(lambda self: self.sessions.pin, doc="Most system-prompt tokens as sinks.")
+    keep_system = property(lambda self: self.sessions.keep_system)
+    evictions = property(lambda self: self.sessions.evictions, doc="Sessions saved to disk.")
+    restores = property(lambda self: self.sessions.restores, doc="Sessions loaded back.")
+    dropped = property(lambda self: self.sessions.dropped, doc="Caches dropped (rebuilt).")
+    refusals = property(lambda self: self.scheduler.refusals, doc="Requests refused busy.")
+
+    @property
+    def budget(self) -> int:
+        """The memory budget in bytes (settable)."""
+        return self.sessions.budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.sessions.budget = value
+
+    def session_bytes(self, sinks: int) -> int:
+        """Bytes of one resident session with ``sinks`` sinks (caches and checkpoint)."""
+        return self.sessions.session_bytes(sinks)
+
+    def used_bytes(self) -> int:
+        """Weights + snapshots + resident sessions."""
+        return self.sessions.used_bytes()
+
+    def measure_cache(self, sinks: int) -> int:
+        """Bytes of one session's caches with ``sinks`` sinks, measured."""
+        return self.sessions.measure_cache(sinks)
+
+    def store_config(self) -> dict[str, Any]:
+        """What saved caches depend on (:meth:`Sessions.store_config`)."""
+        return self.sessions.store_config()
+
+    def evict(self, entry: Entry) -> Path | None:
+        """Save ``entry``'s idle session to the state folder now; on the worker thread."""
+        return self.sessions.evict(entry)
+
+    def drop(self, entry: Entry) -> None:
+        """Forget ``entry``: its caches released, its saved files removed."""
+        self.sessions.drop(entry)
+
+    def sinks_for(self, system: str | None) -> int:
+        """The sinks a new session with the system prompt ``system`` gets."""
+        return self.sessions.sinks_for(system)
+
     # ----- requests -------------------------------------------------------------------
 
-    def _admit(self, request: Request, origin: Request | None = None) -> None:
-        """Start ``request`` (bounded by the planner; ``origin``: the caller's, which
-        learns the stop string that ended it) on its session."""
+    def _admit(self, origin: Request) -> None:
+        """Start the caller's request ``origin`` (which learns the stop string that ended
+        it), bounded by the planner, on its session; on the worker thread."""
+        request = self.planner.bound(origin)
         if request.messages is None:
             self._admit_completion(request, origin)
             return
         planned = self.planner.plan(request)
         request, toolset, extra = planned.request, planned.toolset, planned.extra
         system, history, user = split_messages(request.messages)
-        entry, mode, repaired = self._place(request, toolset, system, history, user)
+        sessions = self.sessions
+        entry, mode, repaired = sessions.place(request, toolset, system, history, user)
         note = f"edit rebuilt, not repaired: {repaired}" if isinstance(repaired, str) else None
         resumed = repaired if isinstance(repaired, marks.Resumed) else None
         repaired = None if note or resumed else repaired
         note = note or getattr(resumed or repaired, "note", None)
         session = entry.session
-        head = self._unfed_head(session)
-        if head and self.recall is None and head in self.admission.snapshots:
-            self._restore_head(session, head)  # a fork or rebuild of a shared prompt
+        head = sessions.unfed_head(session)
+        if head and self.recall is None and head in self.snapshots:
+            sessions.restore_head(session, head)  # a fork or rebuild of a shared prompt
             head = ""
         # with an unfed head: the head too
         turn = resumed.turn if resumed is not None else session.turn_tokens(user)
@@ -237,7 +306,7 @@ class Engine(Scheduler, Sessions):
             request.emit.prompt(turn[1])  # a thought the prompt opened
         if len(turn[0]) > self.max_prompt_tokens:
             if mode in ("rebuild", "new"):  # its caches would not encode its transcript
-                self.drop(entry)
+                sessions.drop(entry)
             raise TooLarge(
                 f"the prompt has {len(turn[0]):,} tokens to feed; this server takes at most "
                 f"{self.max_prompt_tokens:,} per request (--max-prompt-tokens)"
@@ -252,24 +321,27 @@ class Engine(Scheduler, Sessions):
         tokens = session.stream(
             user, turn=None if head else turn, max_tokens=request.max_tokens,
             temp=request.temp, top_p=request.top_p, stop=request.stop, seed=request.seed,
-            steps=self._steps(request, box), **extra,
+            steps=self.scheduler.steps(request, box), **extra,
         )  # fmt: skip
         prefilled, entry.prefilled = min(entry.prefilled, cached), 0  # computed, not cached
-        job = self._start(request, entry, tokens, cached - prefilled, self._batch is not None, note)
+        job = self.scheduler.start_job(request, entry, tokens, cached - prefilled, note)
         job.prompt, job.repaired, job.origin = len(turn[0]), repaired, origin
         job.head += prefilled
         if head:
-            job.tokens = self._head_first(job, session, head, tokens)
+            job.tokens = sessions.head_first(job, session, head, tokens)
         box.append(job)
 
-    def _admit_completion(self, request: Request, origin: Request | None = None) -> None:
+    def _admit_completion(self, request: Request, origin: Request) -> None:
+        """Start a plain completion on a transient session of its own."""
+        sessions = self.sessions
         entry = Entry(
-            id="completion-" + self._new_id(12), system=None, transient=True, owner=request.owner
-        )
-        self._add(entry)
+            id="completion-" + sessions.new_id(12), system=None, transient=True,
+            owner=request.owner,
+        )  # fmt: skip
+        sessions.add(entry)
         try:
             self.admission.make_room(self.admission.single_bytes(self.settings.cache.sinks), entry)
-            settings = self._settings(keep_system=False)
+            settings = sessions.settings_for(keep_system=False)
             session = ChatSession(
                 self.model, self.tokenizer, settings, draft_model=self.draft_model
             )
@@ -288,9 +360,9 @@ class Engine(Scheduler, Sessions):
             self.drop(entry)
             raise
         request = planned.request
-        steps = self._steps(request, box)
+        steps = self.scheduler.steps(request, box)
         generator = self._completion(session, tokens, request, steps, planned.extra)
-        job = self._start(request, entry, generator, 0, batched=self._batch is not None)
+        job = self.scheduler.start_job(request, entry, generator, 0)
         job.prompt, job.origin = len(tokens), origin
         box.append(job)
 
@@ -320,27 +392,13 @@ class Engine(Scheduler, Sessions):
                 finish_reason=getattr(last, "finish_reason", None),
             )
 
-    def _start(
-        self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int, batched: bool,
-        note: str | None = None,
-    ) -> Job:  # fmt: skip
-        """Run ``request``'s ``tokens``; its start event carries ``note`` for the log."""
-        entry.busy = True
-        entry.last_used = time.monotonic()
-        job = Job(request, entry, tokens, cached, batched=batched)
-        self._active.append(job)
-        info = {"session_id": None if entry.transient else entry.id}
-        request.emit(("start", {**info, "note": note} if note else info))
-        return job
-
     # ----- inspection -------------------------------------------------------------------
 
-    def publish(self) -> None:
-        """Refresh :attr:`stats` (read by other threads without locking); on the
-        worker thread (:meth:`call`)."""
+    def _refresh(self) -> None:
+        """Build :attr:`stats` (the scheduler's :meth:`~Scheduler.publish`)."""
         import mlx.core as mx
 
-        now = self._published = time.monotonic()
+        now = self.scheduler.published
         sessions = []
         totals = dict.fromkeys(recalled.TOTALS, 0)
         for e in self.entries.values():
@@ -380,6 +438,7 @@ class Engine(Scheduler, Sessions):
         if self.recall is not None:
             recall = {**recalled.config(self.recall), "folder": self.recall.folder,
                       "ram_bytes_per_session": self.recall.ram_bytes}  # fmt: skip
+        batch = self.scheduler.current_batch
         self.stats = {
             "sessions": sessions,
             "memory": {
@@ -394,24 +453,24 @@ class Engine(Scheduler, Sessions):
                 "recall": recall,
             },
             "batch": {
-                "enabled": self._batch is not None,
+                "enabled": batch is not None,
                 "reason": self.batch_refusal,
-                "rows": len(self._batch.rows) if self._batch is not None else 0,
-                "steps": self._batch.steps if self._batch is not None else 0,
+                "rows": len(batch.rows) if batch is not None else 0,
+                "steps": batch.steps if batch is not None else 0,
             },
             "counters": {
                 "evictions": self.evictions,
                 "restores": self.restores,
                 "refusals": self.refusals,
                 "dropped": self.dropped,
-                "active": len(self._active),
+                "active": self.scheduler.running,
             },
             "prefix_store": self._prefix_stats(),
         }
 
     def _prefix_stats(self) -> dict[str, Any] | None:
         """The prefix store's folder and counters (``None`` without one)."""
-        p = self.prefixes
+        p = self.sessions.prefixes
         if p is None:
             return None
         return {"folder": str(p.root), "enabled": p.enabled, "max_bytes": p.max_bytes,

@@ -1,15 +1,15 @@
 """The HTTP side of one engine request, shared by the APIs of :mod:`mlx_stream.serve`.
 
 Contract: :func:`start` builds an engine :class:`~mlx_stream.serve.engine.Request` whose
-events (emitted on the engine's worker thread) arrive on an asyncio queue, submits it
-and waits for the first event: ``("start", info)`` or ``("error", status, message,
-retry_after)``. Given the starlette request (``http``), it takes the caller's owner
-from it and feeds its access-log record (:mod:`mlx_stream.serve.accesslog`).
-The engine's ``("prefill", done, total)`` events never reach the queue: they become
-at most one ``("ping", done, total)`` per :data:`PING_EVERY` seconds (a streaming
-reply's keepalive). Consumers ignore event kinds they do not know.
-:func:`drain` collects a whole reply (and stops it when its client leaves); a caller
-streaming the events itself sets ``request.cancelled`` when its client goes away.
+events (:mod:`~mlx_stream.serve.event_types`, emitted on the engine's worker thread)
+arrive on an asyncio queue, submits it and waits for the first event: ``Started`` or
+``Failed``. Given the starlette request (``http``), it takes the caller's owner from it
+and feeds its access-log record (:mod:`mlx_stream.serve.accesslog`). The engine's
+``Prefill`` events never reach the queue: they become at most one :class:`Ping` per
+:data:`PING_EVERY` seconds (a streaming reply's keepalive). Consumers ignore event
+kinds they do not know. :func:`drain` collects a whole reply (and stops it when its
+client leaves); a caller streaming the events itself sets ``request.cancelled`` when
+its client goes away.
 """
 
 from __future__ import annotations
@@ -20,19 +20,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_stream.serve import accesslog
+from mlx_stream.serve.event_types import (
+    Delta,
+    End,
+    Event,
+    Failed,
+    Prefill,
+    Reasoning,
+    Started,
+    ToolCall,
+)
 from mlx_stream.serve.fields import session_header
+from mlx_stream.serve.statuses import status_of
 
 PING_EVERY = 5.0  # seconds between keepalive pings while a prompt goes in
 POLL_EVERY = 0.25  # seconds between checks that a whole reply's client is still there
-CORE = (
-    "start",
-    "text",
-    "reasoning",
-    "tool_call",
-    "end",
-    "error",
-)  # what the engine's contract names
+CORE = (Started, Delta, Reasoning, ToolCall, End, Failed)  # what the engine's contract names
 GONE = (499, "the client closed the connection")
+
+
+@dataclass(frozen=True)
+class Ping:
+    """A prompt is going in: ``done`` of its ``total`` tokens (a keepalive)."""
+
+    done: int
+    total: int
 
 
 class Job:
@@ -47,22 +59,22 @@ class Job:
         self.pinged: float | None = None
         self.checked = clock()  # when its client was last seen connected (drain)
 
-    def emit(self, event: tuple) -> None:
+    def emit(self, event: Event) -> None:
         """Hand ``event`` to the event loop (any thread)."""
         try:
             self.loop.call_soon_threadsafe(self.take, event)
         except RuntimeError:  # the event loop is gone (shutting down)
             pass
 
-    def take(self, event: tuple) -> None:
+    def take(self, event: Event) -> None:
         """Queue ``event`` (on the loop's thread); prefill progress becomes pings."""
         now = self.clock()
         if self.record is not None:
             self.record.event(event, now)
-        if event[0] == "prefill":
+        if isinstance(event, Prefill):
             if self.pinged is None or now - self.pinged >= PING_EVERY:
                 self.pinged = now
-                self.events.put_nowait(("ping", event[1], event[2]))
+                self.events.put_nowait(Ping(event.done, event.total))
             return
         self.events.put_nowait(event)
 
@@ -80,14 +92,13 @@ def agent_key(headers: Any) -> str:
     return ""
 
 
-async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any, tuple]:
+async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any, Event]:
     """Submit an engine request with ``fields``; returns (job, request, first event).
 
     ``http``: the starlette request; its owner is the default ``owner`` and its
     access-log record follows the events. A prompt over the engine's limit is refused
-    here (``("error", 413, ...)``), counted off the event loop and the worker."""
+    here (``Failed`` with ``TooLarge``), counted off the event loop and the worker."""
     from mlx_stream.serve.engine import Request, TooLarge
-    from mlx_stream.serve.statuses import error_event
 
     if http is not None:
         fields.setdefault("owner", (http.scope.get("state") or {}).get("owner", ""))
@@ -102,12 +113,12 @@ async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any,
         try:
             await asyncio.to_thread(precheck, request)
         except TooLarge as exc:
-            first = error_event(exc)
+            first = Failed(exc)
             if job.record is not None:
                 job.record.event(first, job.clock())
             return job, request, first
     engine.submit(request)
-    while (first := await job.events.get())[0] not in CORE:
+    while not isinstance(first := await job.events.get(), CORE):
         pass  # a ping before the start says nothing yet
     return job, request, first
 
@@ -117,7 +128,7 @@ def note(http: Any, text: str) -> None:
     accesslog.note(http, text)
 
 
-async def next_event(job: Job, http: Any = None) -> tuple | None:
+async def next_event(job: Job, http: Any = None) -> Event | Ping | None:
     """The job's next event, or ``None`` once ``http``'s client has gone away (a plain
     response's handler is not cancelled when its client leaves: ask every
     :data:`POLL_EVERY` seconds, however fast the events come)."""
@@ -163,20 +174,21 @@ async def drain(job: Job, request: Any, http: Any = None) -> Reply:
                 request.cancelled.set()
                 reply.error = GONE
                 break
-            if event[0] == "text":
-                texts.append(event[1])
-                if event[2] is not None:
-                    reply.logprobs.append((event[1], event[2]))
-            elif event[0] == "reasoning":
-                thoughts.append(event[1])
-            elif event[0] == "tool_call":
-                reply.calls.append(event[2])
-            elif event[0] == "end":
-                reply.usage, reply.finish = event[1], event[2]
-                break
-            elif event[0] == "error":
-                reply.error = (event[1], event[2])
-                break
+            match event:
+                case Delta(text, logprob):
+                    texts.append(text)
+                    if logprob is not None:
+                        reply.logprobs.append((text, logprob))
+                case Reasoning(text):
+                    thoughts.append(text)
+                case ToolCall(_, call):
+                    reply.calls.append(call)
+                case End(usage, finish):
+                    reply.usage, reply.finish = usage, finish
+                    break
+                case Failed() as failed:
+                    reply.error = status_of(failed)[:2]
+                    break
     except asyncio.CancelledError:
         request.cancelled.set()
         raise

@@ -1,25 +1,15 @@
 """Turn marks: a session's caches with the whole prompt of one of its last turns fed
 but the prompt's last token, so that a request keeping that prompt and replacing what
-came after it resumes there instead of being rebuilt, after the window has evicted
-what a repair would need. Agents send such requests at most steps: the reply they
-resend differs from the one generated (a tool call's arguments re-serialized, thinking
-dropped), a fork replaces the last exchange, a regeneration resends the same prompt.
+came after it resumes there instead of being rebuilt (an agent's resent reply, a fork
+of the last exchange, a regeneration), after the window has evicted what a repair
+would need.
 
-Contract: a mark's caches encode exactly its ``tokens`` (the prompt's tokens but the
-last, as the session fed them); it serves a request only when a rebuild would feed
-those same tokens first (checked token for token), and the rest of the request's
-tokens then go in as a turn: the caches are those of the session had it been sent
-the new request's tokens from the start. A session keeps the marks of its last
-:data:`MARKS` turns (each a copy of its caches: counted by admission); none with a
-recall tier (a copy would share its store).
-
-Its base: the newest mark whose caches still hold every token (taken before the window
-first overwrote a slot), written to disk when it leaves the last :data:`MARKS` and no
-newer whole mark extends it (once per session, as its window first fills: no memory).
-Such caches cut back to any of their tokens are exactly those tokens' caches, so a
-request that shares any prefix with the base, such as an edit deep in a long session
-(a tool result pruned, then the last exchange replaced), resumes at the longest one
-instead of being rebuilt from its system prompt.
+Contract: a mark's caches encode exactly its ``tokens``; it serves a request only when
+a rebuild would feed those same tokens first (checked token for token), the rest then
+going in as a turn. A session keeps the marks of its last :data:`MARKS` turns (none
+with a recall tier). Its base, the newest mark whose caches still hold every token, is
+written to disk once and serves any request sharing a prefix with it, resumed at the
+longest one. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

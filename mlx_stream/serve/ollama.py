@@ -4,33 +4,13 @@ front ends, editors and scripts written for ollama speak.
 
 Contract: a request is translated into the engine's one request type (the same
 sessions, batching, admission by bytes and cancellation as chat completions) and its
-events back into ollama's shapes:
-- ``/api/chat``: ``messages`` (``role`` system / user / assistant / tool, ``content``,
-  an assistant's ``tool_calls`` with ``arguments`` as an object, a tool result after
-  them: given the ids of the calls it answers, in order), ``tools`` (OpenAI's function
-  shape, as ollama takes them), ``format`` (``"json"`` or a JSON schema: the same
-  constraint as ``response_format``). ``/api/generate``: ``prompt`` (and ``system``) as
-  one user turn under the chat template, ``raw`` as a plain completion. An empty
-  ``messages`` / ``prompt`` answers at once with ``done_reason: "load"`` (the model is
-  always loaded here), as ollama does to preload a model.
-- ``options``: ``temperature``, ``top_p``, ``top_k``, ``num_predict`` (``-1``/``-2``:
-  the server's default), ``stop``, ``seed``, ``repeat_penalty``; ``num_ctx`` is noted
-  in the access log when it is less than a session keeps (sessions here have the
-  server's fixed window: more context than asked, never less); other options (threads,
-  GPU layers, mirostat off) change nothing here and are ignored, as ollama ignores
-  unknown ones. ``keep_alive``: the one model stays loaded. A model that thinks has its
-  thought apart in ``thinking``; ``think`` sets the template's ``enable_thinking``
-  (left out: its default); ``think: true`` for a model that does not think is
-  refused, ``images``, ``suffix``, ``template`` and ``context`` too, each in one line
-  naming the field.
-- Replies: streamed (the default) as newline-delimited JSON, a line per piece of text
-  (``message.content`` / ``response``), a tool call as ``message.tool_calls`` with its
-  arguments as an object, then a ``done: true`` line with ``done_reason`` (``stop``,
-  ``length``) and ollama's counts and nanosecond durations (``prompt_eval_count`` = the
-  prompt's tokens, ``eval_count``, ``prompt_eval_duration`` = time to the first token);
-  ``stream: false``: one object with the whole message and the same fields.
-- Errors: ``{"error": "..."}`` with the HTTP status; mid-stream, a last line holding
-  ``error``.
+events back into ollama's shapes: ``messages`` / ``prompt`` (``raw``: a plain
+completion), ``tools``, ``format``, the ``options`` ollama defines that apply here
+(the rest ignored, as ollama ignores unknown ones; fields that cannot be served are
+refused in one line naming them). Replies stream as newline-delimited JSON, a line
+per piece, then a ``done`` line with ollama's counts and durations (``stream: false``:
+one object). Errors: ``{"error": "..."}`` with the HTTP side's status; mid-stream, a
+last line holding ``error``. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -45,8 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events, ollama_models, reasoning
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import owner_of, sampling_args
 from mlx_stream.serve.ollama_models import error, not_found, now
+from mlx_stream.serve.statuses import status_of
 from mlx_stream.serve.structured import response_format_grammar
 
 PREFIX = "/api/"
@@ -231,8 +213,8 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
             return error(400, str(exc))
         clock = {"start": time.perf_counter()}
         job, request, first = await events.start(engine, http=http, owner=owner_of(http), **fields)
-        if first[0] == "error":
-            return error(first[1], first[2])
+        if isinstance(first, Failed):
+            return error(*status_of(first)[:2])
         pieces = _pieces(job, request, {"model": body.model}, chat, clock, http)
         if body.stream:
             lines = (_line(p) async for p in pieces)
@@ -313,21 +295,23 @@ async def _pieces(job: events.Job, request: Any, head: dict, chat: bool, clock: 
             event = await events.next_event(job, http)
             if event is None:  # the client left
                 break
-            if event[0] in ("text", "reasoning", "tool_call"):
+            if isinstance(event, (Delta, Reasoning, ToolCall)):
                 clock.setdefault("first", time.perf_counter())
-            if event[0] == "text" and event[1]:
-                yield piece(event[1])
-            elif event[0] == "reasoning":  # the thought apart, as ollama's ``thinking``
-                out = piece("")
-                (out["message"] if chat else out)["thinking"] = event[1]
-                yield out
-            elif event[0] == "tool_call":
-                yield piece("", [_call(event[2])])
-            elif event[0] == "end":
-                yield {**piece(""), **_stats(event[1], event[2], clock)}
-                break
-            elif event[0] == "error":
-                yield {"error": event[2], "status": event[1]}
-                break
+            match event:
+                case Delta(text) if text:
+                    yield piece(text)
+                case Reasoning(text):  # the thought apart, as ollama's ``thinking``
+                    out = piece("")
+                    (out["message"] if chat else out)["thinking"] = text
+                    yield out
+                case ToolCall(_, call):
+                    yield piece("", [_call(call)])
+                case End(usage, finish):
+                    yield {**piece(""), **_stats(usage, finish, clock)}
+                    break
+                case Failed() as failed:
+                    status, message, _ = status_of(failed)
+                    yield {"error": message, "status": status}
+                    break
     finally:
         request.cancelled.set()  # a no-op once the engine has finished the request

@@ -2,13 +2,13 @@
 
 Contract: for a tokenizer that marks thinking (mlx-lm's ``TokenizerWrapper`` infers the
 markers: ``<think>``/``</think>`` for DeepSeek-R1, Qwen3, QwQ and the like, and the
-other pairs it knows), a chat request's ``("text", ...)`` events are split by a
+other pairs it knows), a chat request's ``Delta`` events are split by a
 :class:`ThinkStream`: text between the start and the end marker, or from the reply's
 first token when the prompt left a thought open (a template that ends its generation
-prompt with the start marker), becomes ``("reasoning", text)`` events; the markers
+prompt with the start marker), becomes ``Reasoning`` events; the markers
 themselves go nowhere; the rest stays text (one thought per reply: a start marker
 after it is the answer's text). Tool calls are read from the answer only
-(the stream sits before :class:`~mlx_stream.serve.tools.CallStream`). The ``end``
+(the stream sits before :class:`~mlx_stream.serve.tools.CallStream`). The ``End``
 event's usage gains ``completion_tokens_details.reasoning_tokens``: the segments
 (one per sampled token) that gave the thought text, the markers' own not counted. A model without markers gets no stream.
 The session's transcript keeps the reply as generated (its caches hold the thought);
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_stream.serve.event_types import Delta, End, Reasoning
 from mlx_stream.serve.tools import hold_back
 
 
@@ -38,7 +39,7 @@ def left_open(prompt: str, marks: tuple[str, str]) -> bool:
 
 @dataclass
 class ThinkStream:
-    """A request's event callback that routes its thought to ``("reasoning", text)``."""
+    """A request's event callback that routes its thought to ``Reasoning`` events."""
 
     # By hand: mlx-lm splits thinking inside its server's generation loop (a token
     # state machine), not in a function it exports.
@@ -56,15 +57,15 @@ class ThinkStream:
         """The rendered prompt the reply follows: whether it opened a thought."""
         self.thinking = left_open(text, self.marks)
 
-    def __call__(self, event: tuple) -> None:
-        if event[0] == "text":
-            self._feed(event[1], event[2])
-        elif event[0] == "end":
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, Delta):
+            self._feed(event.text, event.logprob)
+        elif isinstance(event, End):
             self._flush()
-            usage = dict(event[1])
+            usage = dict(event.usage)
             details = dict(usage.get("completion_tokens_details") or {})
             usage["completion_tokens_details"] = {**details, "reasoning_tokens": self.tokens}
-            self.emit(("end", usage, *event[2:]))
+            self.emit(End(usage, event.finish_reason))
         else:
             self.emit(event)
 
@@ -99,13 +100,13 @@ class ThinkStream:
             if text:
                 self.tokens += not self.counted
                 self.counted = True
-                self.emit(("reasoning", text))
+                self.emit(Reasoning(text))
             return
         if self.strip:
             text = text.lstrip("\n")
             self.strip = not text
         if text or logprob is not None:
-            self.emit(("text", text, logprob))
+            self.emit(Delta(text, logprob))
 
     def _flush(self) -> None:
         held, self.held = self.held, ""

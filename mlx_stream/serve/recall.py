@@ -1,27 +1,13 @@
 """The recall tier of ``serve``'s sessions (``serve --recall``): one store per session,
 in a folder of its own, rewound with the session's checkpoints, counted by bytes.
 
-Contract:
-- **One store per session.** Every session's caches get their own recall tier
-  (:func:`for_session`): with ``--recall-dir`` its spilled blocks go to a subfolder
-  ``serve-<hex>`` of it, made for that session and removed by :func:`release` when the
-  session is forgotten, evicted or replaced (subfolders a killed run left are removed
-  at start, :func:`remove_stale`); without it, a temporary folder of its own. Recall
-  serves one sequence per cache, so a server with ``--recall`` decodes every session
-  alone, interleaved (no batched rows).
-- **Checkpoints.** ``ChatSession.checkpoint``/``restore`` keep and rewind the shared
-  tier themselves (``Recall.mark``/``Recall.rewind``), for chat and serve alike.
-  A checkpoint is never restored into
-  another session (a fork of a recall session is rebuilt from the client's history
-  instead).
-- **Bytes.** Device (flat): the caches (ring, with the slack recall raises) plus the
-  retrieval region (``sinks + blocks x 64`` slots per layer). Store (growing): the
-  blocks and their index (the block summaries) in host memory up to ``ram_bytes`` per
-  session together (the index up to a quarter of it), then files on disk.
-  On Apple silicon host memory *is* the device's (unified), so admission counts a
-  recall session as its caches, its checkpoint's copy of them, its region and its
-  whole ``ram_bytes`` (the most host memory its store and index take); what spills
-  to disk is not counted (:func:`fixed_bytes`).
+Contract: every session's caches get their own tier (:func:`for_session`), its folder
+removed by :func:`release` when the session goes (a killed run's, by
+:func:`remove_stale` at start); such sessions decode alone, interleaved. A checkpoint
+rewinds the tier with the caches and is never restored into another session (a fork
+is rebuilt). Admission counts a recall session's caches, its checkpoint's copy, its
+retrieval region and its whole ``ram_bytes`` (:func:`fixed_bytes`); what spills to
+disk is not counted. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

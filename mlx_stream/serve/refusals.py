@@ -1,10 +1,9 @@
-"""The ways the serving engine refuses one request (their HTTP statuses: ``statuses``).
+"""The ways the serving engine refuses one request.
 
 Contract: raised by the engine's parts (:mod:`~mlx_stream.serve.admission`,
-:mod:`~mlx_stream.serve.store`, :mod:`~mlx_stream.serve.matching`) and turned into an
-``("error", status, message, retry_after)`` event by the worker
-(:mod:`~mlx_stream.serve.scheduler`, with :mod:`~mlx_stream.serve.statuses`); the server
-goes on. Imports nothing from the engine, so every part can raise them.
+:mod:`~mlx_stream.serve.store`, :mod:`~mlx_stream.serve.matching`) and carried to the
+request by the worker in a :class:`~mlx_stream.serve.event_types.Failed` event; the
+server goes on. Imports nothing from the engine, so every part can raise them.
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ DEFAULT_RETRY_AFTER = 2  # seconds a refused client is told to wait
 
 
 class Busy(Exception):
-    """No memory for another session now: every resident session is busy (HTTP 429)."""
+    """No memory for another session now: every resident session is busy; the client
+    may ask again after ``retry_after`` seconds."""
 
     def __init__(self, message: str, retry_after: int = DEFAULT_RETRY_AFTER):
         super().__init__(message)
@@ -23,13 +23,24 @@ class Busy(Exception):
 
 
 class BadRequest(UserError):
-    """A request the engine cannot serve as asked (HTTP 400), with one line saying why."""
+    """A request the engine cannot serve as asked, with one line saying why."""
 
 
 class TooLarge(BadRequest):
-    """A prompt over ``--max-prompt-tokens`` (HTTP 413), refused before any prefill."""
+    """A prompt over ``--max-prompt-tokens``, refused before any prefill."""
 
 
 class Unsaved(RuntimeFailure):
-    """The state folder is full or cannot be written (HTTP 507): the session that could
+    """The state folder is full or cannot be written: the session that could
     not be saved stays resident, only the request that needed its room is refused."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining: a request queued or still prefilling does not run."""
+
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(message)
+
+
+# A request's refusal, never a rank's loss (a sharded server goes on after one).
+REFUSALS = (Busy, RuntimeFailure, UserError)  # Unsaved, TooLarge, BadRequest among them

@@ -2,30 +2,13 @@
 ``GET /v1/responses/{id}``, what Codex speaks.
 
 Contract: a request is translated into the engine's one request type and its events
-back into Responses shapes; nothing here runs the model.
-- ``input``: text (one user message) or items: messages (``role`` + text or
-  ``input_text`` / ``output_text`` parts), ``function_call`` items (joined to the
-  assistant message before them as its tool calls) and ``function_call_output`` items
-  (tool results, each answering a ``function_call`` before it, else a 400 naming
-  ``input.I.call_id``). ``instructions`` is the system message (not carried over
-  from a previous response, as OpenAI defines it).
-- ``previous_response_id``: the conversation of that response (kept here, in memory,
-  the newest :data:`MAX_STORED`, unless it was made with ``store: false``) followed
-  by the new input, on the same engine
-  session: the session's cache goes on and only the new input is fed.
-- ``tools`` (function tools, flat: ``name``, ``parameters``), ``tool_choice``,
-  ``text.format`` (``json_object`` / ``json_schema``: structured output),
-  ``temperature``, ``top_p``, ``max_output_tokens``.
-- Output: a ``reasoning`` item first for a model that thinks (``reasoning_text``
-  content; streamed as ``response.reasoning_text.delta``), a ``message`` item with
-  ``output_text`` and one ``function_call`` item per
-  call; usage with ``input_tokens_details.cached_tokens``; ``status`` ``incomplete``
-  when ``max_output_tokens`` ended it. Streamed: ``response.created``,
-  ``response.in_progress``, ``response.output_item.added``,
-  ``response.content_part.added``, ``response.output_text.delta`` / ``.done``,
-  ``response.function_call_arguments.delta`` / ``.done``,
-  ``response.output_item.done``, ``response.completed``, each with its
-  ``sequence_number``.
+back into Responses shapes; nothing here runs the model. ``input`` (text or items:
+messages, ``function_call`` and ``function_call_output``) and ``instructions``
+become the transcript; ``previous_response_id`` continues a response kept here (in
+memory, the newest :data:`MAX_STORED`, unless made with ``store: false``) on the same
+session. Output: a ``reasoning`` item for a model that thinks, a ``message`` item and
+a ``function_call`` item per call, streamed as the Responses event sequence with
+``sequence_number``. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_stream.errors import UserError
 from mlx_stream.serve import events
+from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import field_of, owner_of, sampling_args, session_header, thinking_of
+from mlx_stream.serve.statuses import status_of
 from mlx_stream.serve.structured import json_schema_grammar, response_format_grammar
 from mlx_stream.serve.tools import canonical_messages
 
@@ -306,10 +291,10 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
             thinking=thinking_of({"reasoning_effort": (body.reasoning or {}).get("effort")}),
             **sampling_args(body.temperature, body.top_p),
         )  # fmt: skip
-        if first[0] == "error":
-            _, status, message, retry = first
-            return error(status, message, {"Retry-After": str(retry)} if retry else None)
-        session_id = first[1].get("session_id")
+        if isinstance(first, Failed):
+            refused = status_of(first)
+            return error(refused.status, refused.message, refused.headers())
+        session_id = first.session_id
         headers = {"X-Session-ID": session_id} if session_id else None
         shape = _Shape(body, engine.model_id, namespaces)
 
@@ -367,23 +352,23 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
         index, text_open = 0, False
         while True:
             event = await job.events.get()
-            if event[0] == "ping":  # a long prompt going in: a real event keeps it alive
+            if isinstance(event, events.Ping):  # a long prompt: an event keeps it alive
                 yield sse("response.in_progress", response=shape.response("in_progress"))
-            if event[0] == "reasoning":
+            if isinstance(event, Reasoning):
                 if not shape.reasoning:
                     item = {**shape.reasoning_item("in_progress"), "content": []}
                     yield sse("response.output_item.added", output_index=index, item=item)
-                shape.reasoning += event[1]
+                shape.reasoning += event.text
                 yield sse("response.reasoning_text.delta", item_id=shape.reasoning_id,
-                          output_index=index, content_index=0, delta=event[1])  # fmt: skip
+                          output_index=index, content_index=0, delta=event.text)  # fmt: skip
                 continue
-            if shape.reasoning and index == 0 and event[0] in ("text", "tool_call", "end"):
+            if shape.reasoning and index == 0 and isinstance(event, (Delta, ToolCall, End)):
                 yield sse("response.reasoning_text.done", item_id=shape.reasoning_id,
                           output_index=index, content_index=0, text=shape.reasoning)  # fmt: skip
                 yield sse("response.output_item.done", output_index=index,
                           item=shape.reasoning_item())  # fmt: skip
                 index += 1
-            if event[0] == "text" and event[1]:
+            if isinstance(event, Delta) and event.text:
                 if not text_open:
                     item = {**shape.message_item("in_progress"), "content": []}
                     yield sse("response.output_item.added", output_index=index, item=item)
@@ -391,10 +376,10 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                     yield sse("response.content_part.added", item_id=shape.message_id,
                               output_index=index, content_index=0, part=part)  # fmt: skip
                     text_open = True
-                shape.text += event[1]
+                shape.text += event.text
                 yield sse("response.output_text.delta", item_id=shape.message_id,
-                          output_index=index, content_index=0, delta=event[1])  # fmt: skip
-            elif event[0] in ("tool_call", "end") and text_open:
+                          output_index=index, content_index=0, delta=event.text)  # fmt: skip
+            elif isinstance(event, (ToolCall, End)) and text_open:
                 yield sse("response.output_text.done", item_id=shape.message_id,
                           output_index=index, content_index=0, text=shape.text)  # fmt: skip
                 part = {"type": "output_text", "text": shape.text, "annotations": []}
@@ -404,8 +389,8 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                     "response.output_item.done", output_index=index, item=shape.message_item()
                 )
                 index, text_open = index + 1, False
-            if event[0] == "tool_call":
-                call = event[2]
+            if isinstance(event, ToolCall):
+                call = event.call
                 shape.calls.append(call)
                 item = shape.call_item(call, "in_progress")
                 yield sse(
@@ -420,8 +405,8 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                     "response.output_item.done", output_index=index, item=shape.call_item(call)
                 )
                 index += 1
-            elif event[0] == "end":
-                shape.usage, shape.finish = event[1], event[2]
+            elif isinstance(event, End):
+                shape.usage, shape.finish = event.usage, event.finish_reason
                 response = keep()
                 kind = (
                     "response.incomplete"
@@ -430,8 +415,9 @@ async def _stream(job: events.Job, request: Any, shape: _Shape, keep):
                 )
                 yield sse(kind, response=response)
                 break
-            elif event[0] == "error":
-                yield sse("error", code=str(event[1]), message=event[2], param=None)
+            elif isinstance(event, Failed):
+                status, message, _ = status_of(event)
+                yield sse("error", code=str(status), message=message, param=None)
                 break
     finally:
         request.cancelled.set()  # a no-op once the engine has finished the request

@@ -1,23 +1,13 @@
 """Per-request sampling for ``serve``, with OpenAI's meanings.
 
-Contract: each function returns mlx-lm style pieces that the decode loop and the batch
-rows already take: a sampler ``logprobs -> token`` and logits processors ``(tokens,
-logits) -> logits``. Processors here are made for ONE reply and keep state: the first
-call of a reply sees no reply token yet, each later call's ``tokens[-1]`` is the token
-the call before sampled (what :func:`mlx_stream.generate.decode.generate_step` and
-:class:`mlx_stream.generate.batch.Batch` hand them).
-
-- ``logit_bias``: mlx-lm's own processor (``make_logits_processors``), token ids checked
-  against the vocabulary.
-- ``presence_penalty`` / ``frequency_penalty``: counted over the whole reply, as OpenAI
-  defines them (mlx-lm's look back 20 tokens of the whole history, prompt included).
-- Defaults (:func:`resolve`): a request that names a temperature gets exactly the
-  sampling it names (top-p 1 and top-k off where it names none, no repetition penalty);
-  one that names none gets the server's defaults (the model's ``generation_config.json``,
-  else mlx-stream's, or the ``serve`` options) under what it does name.
-- ``seed``: a sampler with its own random key, so a seeded request draws the same
-  tokens whatever else the server runs (never the process's global random state); it
-  splits its key exactly as a batch row does, so batched and alone agree.
+Contract: each function returns mlx-lm style pieces the decode loop and the batch rows
+take: a sampler ``logprobs -> token`` and logits processors ``(tokens, logits) ->
+logits``, made for ONE reply and keeping state (each call's ``tokens[-1]`` is the
+token the call before sampled). ``logit_bias`` is mlx-lm's processor; presence and
+frequency penalties count over the whole reply; :func:`resolve` gives a request that
+names a temperature exactly what it names, one that names none the server's defaults
+under what it names; a ``seed`` gives a sampler its own key, split as a batch row
+splits it, so batched and alone agree. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations

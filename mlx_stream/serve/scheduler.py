@@ -1,12 +1,13 @@
 """The worker of :class:`~mlx_stream.serve.engine.Engine`: one thread runs every MLX call,
-fed by a queue, in scheduler rounds.
+fed by a queue, in scheduler rounds (:class:`Scheduler`, owned by the engine).
 
 Contract: each round, newcomers' prompts go in a chunk at a time, every session with
 decode work steps together in one batched model call, then each request takes its
 tokens (unbatched: at most ``chunk`` each, fair interleaving). A cancelled request stops
-at its next token or prefill chunk and its session goes back to its checkpoint. The
-sessions' lifecycle is in :mod:`~mlx_stream.serve.sessions`, admitting a request in the
-engine.
+at its next token or prefill chunk and its session goes back to its checkpoint. A
+request's events (:mod:`~mlx_stream.serve.event_types`) reach its ``emit``; one that
+fails gets the exception (``Failed``) and the server goes on. Admitting a request is
+the engine's (the ``admit`` it is given), a session's lifecycle the session table's.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_stream.errors import UserError
 from mlx_stream.generate.session import cache_count
+from mlx_stream.serve.event_types import Delta, End, Failed, Prefill, Started
 from mlx_stream.serve.matching import Entry
-from mlx_stream.serve.refusals import Busy, Unsaved
-from mlx_stream.serve.statuses import REFUSALS, SHUTTING_DOWN, error_event
+from mlx_stream.serve.refusals import REFUSALS, Busy, ShuttingDown
 
 DEFAULT_CHUNK = 8  # tokens a request advances per scheduler round
 PUBLISH_EVERY = 0.25  # seconds between refreshes of the stats while requests run
@@ -37,15 +37,13 @@ class Request:
 
     ``messages`` (chat) or ``prompt`` (plain completion). ``owner`` names the caller's
     namespace of sessions (a hash of its API key; ``""`` without keys): a request only
-    ever sees and continues sessions of its own owner. Events reach ``emit`` from the
-    worker thread: ``("start", info)``, ``("text", str, logprob)`` per segment (the
-    token's entry from :class:`~mlx_stream.serve.logprobs.TokenLogprobs` when ``logprobs``
-    is set, else ``None``), then ``("end", usage, finish_reason)`` or ``("error",
-    status, message, retry_after)``. Setting ``cancelled`` stops the request at its
-    next token. ``logprobs``: ``None`` for none, else how many alternatives per token.
+    ever sees and continues sessions of its own owner. Events
+    (:mod:`~mlx_stream.serve.event_types`) reach ``emit`` from the worker thread.
+    Setting ``cancelled`` stops the request at its next token. ``logprobs``: ``None``
+    for none, else how many alternatives per token.
     """
 
-    emit: Callable[[tuple], None]
+    emit: Callable[[Any], None]
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     session_id: str | None = None
@@ -60,8 +58,8 @@ class Request:
     # Codex's session-id header): a transcript it edits is repaired in place, not forked.
     agent: str = ""
     # Agents (mlx_stream.serve): OpenAI's sampling fields, a grammar the reply must
-    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as
-    # ("tool_call", index, call) and ends the reply with finish_reason "tool_calls".
+    # match (llguidance), tools and tool_choice; a tool call reaches ``emit`` as a
+    # ToolCall event and ends the reply with finish_reason "tool_calls".
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -72,7 +70,7 @@ class Request:
     repetition_penalty: float | None = None  # mlx-lm's, over the last 20 tokens (ollama's)
     thinking: bool | None = None  # the template's enable_thinking (None: its default)
     matched_stop: str | None = None  # set by the engine: the stop string that ended it
-    progress: bool = False  # also emit ("prefill", done, total) while its prompt goes in
+    progress: bool = False  # also emit Prefill events while its prompt goes in
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -113,27 +111,79 @@ def fed_so_far(job: Job) -> int:
 
 
 class Scheduler:
-    """The worker thread and its rounds, a part of :class:`~mlx_stream.serve.engine.Engine`
-    (which admits requests: ``_admit``, and owns the sessions)."""
+    """The worker thread and its rounds: it admits each queued request through
+    ``admit`` and runs the jobs admitted, ending each on its session.
+
+    Args:
+        sessions (Sessions): The session table (:mod:`~mlx_stream.serve.sessions`): a
+            job's end goes back to it (``end_turn``), a drain saves it (``save_all``).
+        admit (Callable): Start one queued :class:`Request` (on the worker), raising
+            the refusal that ends it.
+        refresh (Callable): Refresh the engine's stats (:meth:`publish`).
+        model, tokenizer: The loaded model.
+        settings (Settings): Session defaults (the batch's constraints, stop tokens).
+        drafting (bool): A draft model decodes with the model.
+        chunk (int): Tokens a request advances per round when not batched.
+        batching (bool): Decode sessions together in one batched call per round.
+        cluster (distributed.Cluster, optional): The ranks a sharded model runs on.
+    """
+
+    def __init__(
+        self, sessions: Any, admit: Callable[[Request], None], refresh: Callable[[], None],
+        model: Any, tokenizer: Any, settings: Any, *, drafting: bool = False,
+        chunk: int = DEFAULT_CHUNK, batching: bool = True, cluster: Any = None,
+    ):  # fmt: skip
+        from mlx_stream.serve.logprobs import TokenLogprobs
+
+        self.sessions, self.admit, self.refresh = sessions, admit, refresh
+        self.model, self.settings, self.drafting = model, settings, drafting
+        self.chunk, self.cluster = chunk, cluster
+        self._logprobs = TokenLogprobs(tokenizer)
+        self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(settings.stop_tokens)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.closing = False  # draining: requests are refused
+        self._active: list[Job] = []
+        self.published = 0.0  # when the stats were last refreshed
+        self.refusals = 0
+        self.batching, self._batch, self.batch_refusal = batching, None, "off (--no-batch)"
+        if cluster is not None:
+            self.batching = False
+            self.batch_refusal = "off (--distributed: one request at a time, on every rank)"
 
     @property
     def running(self) -> int:
         """Requests running now (started, not ended); read on the worker thread."""
         return len(self._active)
 
-    def _init_worker(self) -> None:
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def _start_worker(self) -> None:
+    def start(self) -> None:
+        """Start the worker thread."""
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._thread.start()
 
+    def stop(self) -> None:
+        """Drain, save the sessions (:meth:`_drain`), then end the worker thread."""
+        self.closing = True
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._stopping = True
+
+    def drain(self) -> None:
+        """Stop taking requests and end the running ones at the next round. Any thread,
+        a signal handler included: it only sets a flag."""
+        self.closing = True
+
+    def publish(self) -> None:
+        """Refresh the stats now (on the worker thread)."""
+        self.published = time.monotonic()
+        self.refresh()
+
     def submit(self, request: Request) -> None:
         """Queue a generation request (any thread)."""
-        if self._closing:
-            request.emit(SHUTTING_DOWN)
+        if self.closing:
+            request.emit(Failed(ShuttingDown()))
             return
         self._queue.put(request)
 
@@ -162,11 +212,11 @@ class Scheduler:
 
         if not self.batching:
             return
-        if self.draft_model is not None:
+        if self.drafting:
             self.batch_refusal = "a draft model: each request decodes alone, interleaved"
         elif self.settings.cache.kv_bits is not None:
             self.batch_refusal = "quantized KV caches (kv_bits) are not batched"
-        elif self.recall is not None:
+        elif self.settings.cache.recall is not None:
             self.batch_refusal = "--recall: each session keeps its own store and decodes alone"
         else:
             try:
@@ -174,7 +224,20 @@ class Scheduler:
             except Unsupported as exc:
                 self.batch_refusal = str(exc)
 
-    def _steps(self, request: Request, box: list) -> Any:
+    def start_job(
+        self, request: Request, entry: Entry, tokens: Iterator[Any], cached: int,
+        note: str | None = None,
+    ) -> Job:  # fmt: skip
+        """Run ``request``'s ``tokens`` on ``entry`` from the next round (batched where
+        there is a batch); its :class:`Started` event carries ``note`` for the log."""
+        entry.busy = True
+        entry.last_used = time.monotonic()
+        job = Job(request, entry, tokens, cached, batched=self._batch is not None)
+        self._active.append(job)
+        request.emit(Started(None if entry.transient else entry.id, note))
+        return job
+
+    def steps(self, request: Request, box: list) -> Any:
         """The token source of a request, polled: it yields ``None`` while its prompt
         goes in (a chunk per round, between the other requests' tokens and the
         newcomers' admission). Batched, its row is recorded on the job in ``box``."""
@@ -215,7 +278,7 @@ class Scheduler:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     item = False
-            if self._closing:
+            if self.closing:
                 self._end_all()
             self._round()
 
@@ -280,16 +343,16 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
             return
-        if self._closing:
-            item.emit(SHUTTING_DOWN)
+        if self.closing:
+            item.emit(Failed(ShuttingDown()))
             return
         try:
-            self._admit(self.planner.bound(item), origin=item)
+            self.admit(item)
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
             if not isinstance(exc, REFUSALS) and self._fatal(exc):
                 raise
             self.refusals += isinstance(exc, Busy)
-            item.emit(error_event(exc))
+            item.emit(Failed(exc))
         self.publish()
 
     def _round(self) -> None:
@@ -303,7 +366,7 @@ class Scheduler:
         for job in list(self._active):
             if job in self._active and not job.running:
                 self._advance_safely(job)
-        if self._active and time.monotonic() - self._published > PUBLISH_EVERY:
+        if self._active and time.monotonic() - self.published > PUBLISH_EVERY:
             self.publish()
 
     def _advance_safely(self, job: Job) -> None:
@@ -314,7 +377,7 @@ class Scheduler:
                 raise
             job.running = False
             self._end(job, rollback=True)
-            job.request.emit(("error", 500, f"{type(exc).__name__}: {exc}", None))
+            job.request.emit(Failed(exc, crashed=True))
 
     def _advance(self, job: Job) -> None:
         """Emit up to ``chunk`` tokens of ``job`` (a batched one: the tokens its row
@@ -328,7 +391,7 @@ class Scheduler:
             if job.batched and job.row is not None and not job.row.inbox and not ending:
                 if not job.row.joined and job.request.progress:  # still prefilling
                     job.fed = fed_so_far(job)
-                    job.request.emit(("prefill", job.fed, job.prompt))
+                    job.request.emit(Prefill(job.fed, job.prompt))
                 break  # its next token comes with the next batch step
             try:
                 response = next(job.tokens)
@@ -339,7 +402,7 @@ class Scheduler:
             if response is None:  # a prefill chunk went in (or not yet): the others' turn
                 job.fed = fed_so_far(job)
                 if job.request.progress:
-                    job.request.emit(("prefill", job.fed, job.prompt))
+                    job.request.emit(Prefill(job.fed, job.prompt))
                 break
             job.sent += 1
             ending = response.finish_reason is not None
@@ -352,7 +415,7 @@ class Scheduler:
             if top is not None and not (ending and response.token in self._eos):
                 logprob = self._logprobs.entry(response.token, response.logprobs, top)
             if response.text or logprob is not None:
-                job.request.emit(("text", response.text, logprob))
+                job.request.emit(Delta(response.text, logprob))
         job.running = False
 
     def _cancelled(self, job: Job, first: bool) -> bool:
@@ -385,53 +448,34 @@ class Scheduler:
             usage["repaired_tokens"] = job.repaired.recomputed
             usage["reused_tokens"] = job.repaired.reused
         self.publish()
-        job.request.emit(("end", usage, finish or "stop"))
+        job.request.emit(End(usage, finish or "stop"))
 
     def _drain(self) -> None:
         """End every running request (:meth:`_end_all`), then save every resident
         session to the state folder."""
         self._end_all()
-        if self.store.temporary or self.cluster is not None:
-            return  # a temporary folder outlives nothing; ranks save only in step
-        for entry in [e for e in self.entries.values() if e.session and not e.transient]:
-            try:
-                self._evict(entry, drop=False)
-            except (UserError, Unsaved) as exc:  # UserError: a session save refused
-                import sys
-
-                sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
+        if self.cluster is None:  # ranks save only in step
+            self.sessions.save_all()
 
     def _end_all(self) -> None:
         """End every running request: one that has sent tokens keeps its reply so far
         (its stream ends with ``length``), one still prefilling goes back to its
-        checkpoint (503); queued ones are refused as they come."""
-        self._closing = True
+        checkpoint (``ShuttingDown``); queued ones are refused as they come."""
+        self.closing = True
         for job in list(self._active):
             if job.sent:
                 job.tokens.close()  # the reply so far joins the transcript and cache
                 self._finish(job, cut=True)
             else:
                 self._end(job, rollback=True)
-                job.request.emit(SHUTTING_DOWN)
+                job.request.emit(Failed(ShuttingDown()))
 
     def _end(self, job: Job, rollback: bool) -> None:
-        """Close the request's generator; on ``rollback`` its session goes back to the
-        checkpoint from before the turn."""
+        """Close the request's generator; its session ends the turn
+        (:meth:`Sessions.end_turn`), back to its checkpoint on ``rollback``."""
         if job in self._active:
             self._active.remove(job)
         job.tokens.close()
-        entry = job.entry
-        entry.busy = False
-        entry.last_used = time.monotonic()
-        if entry.transient:
-            self.drop(entry)
-            return
-        if rollback and entry.checkpoint is not None:
-            entry.session.restore(entry.checkpoint)  # its recall tier too
-        elif entry.repaired is not None:  # the turn went through: the edit stays
-            entry.checkpoint = entry.repaired
-        entry.repaired = None
-        entry.messages = [dict(m) for m in entry.session.messages]
-        entry.tokens_seen = cache_count(entry.session.caches)
-        if rollback:
+        self.sessions.end_turn(job.entry, rollback)
+        if rollback and not job.entry.transient:
             self.publish()

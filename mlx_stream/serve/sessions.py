@@ -1,6 +1,7 @@
-"""The sessions of :class:`~mlx_stream.serve.engine.Engine`: made resident (loaded from
-the state folder or new), evicted, dropped, rebuilt from a client's history, started
-from a shared system-prompt snapshot, repaired after an edit.
+"""The session table of :class:`~mlx_stream.serve.engine.Engine` (:class:`Sessions`, owned
+by the engine): sessions made resident (loaded from the state folder or new), evicted,
+dropped, rebuilt from a client's history, started from a shared system-prompt
+snapshot, repaired after an edit, saved on a drain.
 
 Contract: a session's caches always encode exactly the transcript its entry records;
 its checkpoint encodes the transcript one turn shorter. Room is made by
@@ -10,6 +11,9 @@ its checkpoint encodes the transcript one turn shorter. Room is made by
 from __future__ import annotations
 
 import dataclasses
+import random
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,14 +23,102 @@ from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.generate.session import ChatSession, Checkpoint, Settings, cache_count
 from mlx_stream.serve import marks, matching
 from mlx_stream.serve import recall as recalled
+from mlx_stream.serve.admission import COPIES, Admission, weights_bytes
 from mlx_stream.serve.matching import Entry
+from mlx_stream.serve.refusals import Unsaved
 from mlx_stream.serve.scheduler import Job
-from mlx_stream.serve.store import MAX_STORED
+from mlx_stream.serve.store import MAX_STORED, SessionStore
 
 
 class Sessions:
-    """The sessions' lifecycle, a part of :class:`~mlx_stream.serve.engine.Engine` (which
-    holds ``entries``, ``admission``, ``store`` and the model)."""
+    """The session table: entries by ``(owner, id)``, resident or saved in the state
+    folder, admitted by bytes. Used on the worker thread only.
+
+    Args:
+        model, tokenizer: The loaded model.
+        settings (Settings): Session defaults.
+        model_id (str): The name the model is served under (saved sessions record it).
+        draft_model: A draft model for speculative decoding.
+        keep_system (bool): Make the rendered system prompt the sinks.
+        pin (int): Most tokens of a rendered system prompt kept as sinks.
+        budget (int, optional): Memory budget in bytes (:class:`Admission`).
+        max_sessions (int, optional): Most resident sessions.
+        state_dir (Path, optional): The state folder (:class:`SessionStore`).
+        isolate (bool): Never match a request without a session id to a session.
+        prefixes (PrefixStore, optional): System prompts' caches on disk.
+        repair_tokens (int): Tokens after an edit computed again (0: rebuilt).
+        ids (random.Random, optional): Where new ids come from (the same on every
+            rank of a cluster). Default: ``uuid4``.
+    """
+
+    def __init__(
+        self, model: Any, tokenizer: Any, settings: Settings, model_id: str, *,
+        draft_model: Any = None, keep_system: bool = True, pin: int, budget: int | None = None,
+        max_sessions: int | None = None, state_dir: str | Path | None = None,
+        isolate: bool = False, prefixes: Any = None, repair_tokens: int = 0,
+        ids: random.Random | None = None,
+    ):  # fmt: skip
+        self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.settings, self.model_id, self.keep_system, self.pin = (
+            settings, model_id, keep_system, pin
+        )  # fmt: skip
+        self.isolate, self.prefixes, self.repair_tokens, self._ids = (
+            isolate, prefixes, repair_tokens, ids
+        )  # fmt: skip
+        self.recall = settings.cache.recall  # a RecallSpec: each session its own store
+        recalled.remove_stale(self.recall)
+        weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model else 0)
+        self.store = SessionStore(state_dir, self.store_config)
+        self.entries: dict[tuple[str, str], Entry] = {}  # by (owner, id)
+        self.admission = Admission(
+            self.entries, weights, budget, max_sessions, measure=self.measure_cache, evict=self._evict,
+            fixed=lambda sinks: recalled.fixed_bytes(model, self.recall, sinks),
+            copies=2 if self.recall is not None else COPIES,  # marks only without recall
+        )  # fmt: skip
+        self._dropped: set[tuple[str, str]] = set()  # caches dropped: rebuilt on next use
+        self.evictions = self.restores = self.dropped = 0
+
+    def load(self, discard: bool = False) -> None:
+        """Find the sessions the state folder's index lists (and whose files are
+        intact) again: on disk, each loaded on its next request; ``discard``: drop
+        them instead (:meth:`SessionStore.load`)."""
+        for entry in self.store.load(discard=discard):
+            self.entries[entry.key] = entry
+
+    def close(self) -> None:
+        """Release every session's recall store and the state folder (the worker is
+        gone)."""
+        for entry in self.entries.values():
+            recalled.release(entry.session)
+        self.store.cleanup()
+
+    def end_turn(self, entry: Entry, rollback: bool) -> None:
+        """The request on ``entry`` ended: a transient one is dropped; on ``rollback``
+        its session goes back to the checkpoint from before the turn, else an edit's
+        repair stays; its record follows its session."""
+        entry.busy = False
+        entry.last_used = time.monotonic()
+        if entry.transient:
+            self.drop(entry)
+            return
+        if rollback and entry.checkpoint is not None:
+            entry.session.restore(entry.checkpoint)  # its recall tier too
+        elif entry.repaired is not None:  # the turn went through: the edit stays
+            entry.checkpoint = entry.repaired
+        entry.repaired = None
+        entry.messages = [dict(m) for m in entry.session.messages]
+        entry.tokens_seen = cache_count(entry.session.caches)
+
+    def save_all(self) -> None:
+        """Save every resident session to the state folder (a temporary one outlives
+        nothing: none); one that cannot be saved is reported on stderr."""
+        if self.store.temporary:
+            return
+        for entry in [e for e in self.entries.values() if e.session and not e.transient]:
+            try:
+                self._evict(entry, drop=False)
+            except (UserError, Unsaved) as exc:  # UserError: a session save refused
+                sys.stderr.write(f"Error: session {entry.id} not saved: {exc}\n")
 
     @property
     def budget(self) -> int:
@@ -61,7 +153,7 @@ class Sessions:
         their one allocation)."""
         import mlx.core as mx
 
-        settings = self._settings(sinks=sinks)
+        settings = self.settings_for(sinks=sinks)
         probe = ChatSession(
             self.model, self.tokenizer, settings, draft_model=self.draft_model
         )  # fmt: skip
@@ -72,7 +164,7 @@ class Sessions:
         finally:
             recalled.release(probe)
 
-    def _settings(self, sinks: int | None = None, **changes: Any) -> Settings:
+    def settings_for(self, sinks: int | None = None, **changes: Any) -> Settings:
         """The engine's settings for one new session: its own recall store (a folder
         of its own), ``sinks`` if given, and ``changes``."""
         policy = self.settings.cache.replace(recall=recalled.for_session(self.recall))
@@ -89,7 +181,7 @@ class Sessions:
         the error is raised."""
         try:
             path, record = self.store.save(entry)
-        except RuntimeFailure:  # Unsaved (507): the folder, not the session
+        except RuntimeFailure:  # Unsaved: the folder, not the session
             raise
         except UserError:
             if not drop:
@@ -136,7 +228,7 @@ class Sessions:
 
     def _new_session(self, system: str | None, tools: Any = None) -> ChatSession:
         """A session for ``system`` (and ``tools``) whose caches are not allocated yet."""
-        settings = self._settings(keep_system=self.keep_system, pin_limit=self.pin)
+        settings = self.settings_for(keep_system=self.keep_system, pin_limit=self.pin)
         kw = {"system": system, "draft_model": self.draft_model, "tools": tools}
         try:
             session = ChatSession(self.model, self.tokenizer, settings, **kw)
@@ -151,14 +243,14 @@ class Sessions:
         too (the session itself, not counted yet). Without room for a shared copy
         (or none is busy to free it), the session prefills its own. A system prompt
         longer than the pin is left unfed: the turn feeds it a chunk per round
-        (:meth:`_head_first`), then shares it."""
+        (:meth:`head_first`), then shares it."""
         admission = self.admission
         head = session.system_text() if session.settings.keep_system else ""
         if not head:
             admission.make_room(extra, keep)
             return
         snap = admission.snapshots.get(head) if self.recall is None else None
-        if snap is None and self._unfed_head(session):
+        if snap is None and self.unfed_head(session):
             admission.make_room(extra, keep)
             return
         if self.recall is not None:  # a snapshot's copy would share its tier
@@ -167,7 +259,7 @@ class Sessions:
             return
         if snap is not None:
             admission.make_room(extra, keep, head)
-            self._restore_head(session, head)
+            self.restore_head(session, head)
         else:
             size = admission.cache_bytes(session.sinks)
             shared = admission.fits(extra + size, keep, head)
@@ -182,7 +274,7 @@ class Sessions:
             if shared:
                 admission.add_snapshot(head, session.checkpoint(), size)
 
-    def _unfed_head(self, session: ChatSession) -> str:
+    def unfed_head(self, session: ChatSession) -> str:
         """The rendered system prompt of a session whose caches do not hold it yet,
         when it is longer than the pin (fed a chunk per round); else ``""``."""
         if session.fed_text or not session.settings.keep_system:
@@ -190,14 +282,14 @@ class Sessions:
         head = session.system_text()
         return head if head and len(session.encode(head)) > session.sinks else ""
 
-    def _restore_head(self, session: ChatSession, head: str) -> None:
+    def restore_head(self, session: ChatSession, head: str) -> None:
         """``session``'s caches from ``head``'s shared snapshot, its transcript kept."""
         messages = session.messages
         session.restore(self.admission.snapshots[head][0])
         session.messages = messages
         self.admission.touch_snapshot(head)
 
-    def _head_first(
+    def head_first(
         self, job: Job, session: ChatSession, head: str, turn: Iterator[Any]
     ) -> Iterator[Any]:
         """``turn``'s token source, after ``head`` goes into ``session``'s empty caches a
@@ -267,13 +359,13 @@ class Sessions:
             "draft_model": self.draft_model is not None,
         }  # fmt: skip
 
-    def _new_id(self, n: int) -> str:
+    def new_id(self, n: int) -> str:
         """A fresh ``n``-hex-digit id (the same on every rank of a cluster)."""
         if self._ids is None:
             return uuid.uuid4().hex[:n]
         return f"{self._ids.getrandbits(4 * n):0{n}x}"
 
-    def _place(
+    def place(
         self, request: Any, toolset: Any, system: str | None, history: list, user: Any
     ) -> tuple[Entry, str, Any]:
         """The session ``request`` continues (:func:`~mlx_stream.serve.matching.find`),
@@ -283,7 +375,7 @@ class Sessions:
         repairs = self.repair_tokens > 0 and self.recall is None and self.draft_model is None
         entry, mode, source = matching.find(
             self.entries, request, system, history, toolset,
-            isolate=self.isolate, new_id=self._new_id, repair=repairs,
+            isolate=self.isolate, new_id=self.new_id, repair=repairs,
         )  # fmt: skip
         checkpoint = source.checkpoint if source is not None else None  # room may evict it
         if mode == "repair" and source is not entry:  # a fork: a copy of the source
@@ -397,7 +489,7 @@ class Sessions:
         entry.tools = tools
         entry.checkpoint = session.checkpoint()
 
-    def _add(self, entry: Entry) -> Entry:
+    def add(self, entry: Entry) -> Entry:
         self.entries[entry.key] = entry
         return entry
 

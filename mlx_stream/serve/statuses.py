@@ -1,33 +1,49 @@
-"""The HTTP status each refusal of a request maps to, beside :mod:`~mlx_stream.serve.app`.
+"""The HTTP side's one table from the exception that ended a request to its status.
 
-Contract: :func:`error_event` turns an exception that ended one request into the
-worker's ``("error", status, message, retry_after)`` event; the HTTP side answers with
-that status. Imports only the refusals, so the worker uses it without reaching up to
-the routes.
+Contract: :func:`status_of` turns a :class:`~mlx_stream.serve.event_types.Failed` event
+into ``(status, message, retry_after)``: a refusal's status by its exception, 500
+naming the exception's type for anything else or for a request that crashed while it
+ran. The routes answer with it in their API's error body. Nothing below the routes
+knows a status.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from mlx_stream.errors import RuntimeFailure, UserError
-from mlx_stream.serve.refusals import Busy, TooLarge, Unsaved
+from mlx_stream.serve.event_types import Failed
+from mlx_stream.serve.refusals import Busy, ShuttingDown, TooLarge, Unsaved
 
 # Most specific first: an Unsaved is a RuntimeFailure, a TooLarge a UserError.
 STATUSES: tuple[tuple[type[BaseException], int], ...] = (
     (Busy, 429),  # no memory for another session now: try again after Retry-After
+    (ShuttingDown, 503),
     (Unsaved, 507),  # the state folder is full: only this request is refused
     (RuntimeFailure, 500),  # the server's fault (a session it could not save)
     (TooLarge, 413),
     (UserError, 400),
 )
 
-REFUSALS = tuple(kind for kind, _ in STATUSES)  # a request's refusal, never a rank's loss
-SHUTTING_DOWN = ("error", 503, "the server is shutting down", None)
+
+class Status(NamedTuple):
+    """What a failed request's response says."""
+
+    status: int
+    message: str
+    retry_after: int | None = None
+
+    def headers(self) -> dict[str, str] | None:
+        """``Retry-After`` where the client should wait and ask again."""
+        return {"Retry-After": str(self.retry_after)} if self.retry_after else None
 
 
-def error_event(exc: BaseException) -> tuple:
-    """The ``("error", status, message, retry_after)`` event for ``exc``; an
-    unexpected one is a 500 naming its type."""
-    for kind, status in STATUSES:
-        if isinstance(exc, kind):
-            return ("error", status, str(exc), getattr(exc, "retry_after", None))
-    return ("error", 500, f"{type(exc).__name__}: {exc}", None)
+def status_of(failed: Failed) -> Status:
+    """The status for ``failed``; an unexpected error, or any raised while the request
+    ran (``crashed``), is a 500 naming its type."""
+    exc = failed.error
+    if not failed.crashed:
+        for kind, status in STATUSES:
+            if isinstance(exc, kind):
+                return Status(status, str(exc), getattr(exc, "retry_after", None))
+    return Status(500, f"{type(exc).__name__}: {exc}")

@@ -1,21 +1,15 @@
 """Structured output for ``serve``: replies constrained by llguidance grammars.
 
-Contract: the HTTP side turns ``response_format`` (and tool calls, see
-:mod:`mlx_stream.serve.tools`) into an llguidance grammar string with
-:func:`json_schema_grammar` / :func:`response_format_grammar`, which refuse a schema
-llguidance cannot compile with a :class:`~mlx_stream.errors.UserError` naming the field
-(HTTP 400); a tool's arguments are held to :func:`tool_arguments_schema`, which
-loosens what llguidance cannot enforce instead. The engine makes one
-:class:`Constraint` per reply from :class:`Grammars` (one per tokenizer; its
-``LLTokenizer`` is built once, lazily): an mlx-lm style logits processor that sets
-every token the grammar does not allow next to ``-inf``, so the row's own sampler
-(greedy, temperature, top-p) only ever draws allowed tokens. It runs per row inside
-batched decoding like any other processor.
-Once the grammar is complete only an end-of-sequence token is allowed.
-
-JSON is written without free whitespace, with ``", "`` and ``": "`` separators: what
-Python's ``json.dumps`` writes, so a tool call's JSON renders back to the same text.
-The bitmask is computed with llguidance's numpy path (its MLX kernel needs Metal).
+Contract: :func:`json_schema_grammar` / :func:`response_format_grammar` turn
+``response_format`` (and tool calls, :mod:`mlx_stream.serve.tools`) into a grammar,
+refusing a schema llguidance cannot compile with a
+:class:`~mlx_stream.errors.UserError` naming the field; a tool's arguments are held to
+:func:`tool_arguments_schema`, which loosens what llguidance cannot enforce. The
+engine makes one :class:`Constraint` per reply from :class:`Grammars`: an mlx-lm
+style logits processor that sets every token the grammar does not allow next to
+``-inf`` (per row inside batched decoding too); once complete, only end of sequence.
+JSON is written as ``json.dumps`` writes it, so a call renders back to the same text.
+In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -119,7 +113,7 @@ _SAYS = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "one
 _OBJECT = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _ONE = ("additionalProperties", "items", "additionalItems", "contains", "unevaluatedItems")
-# llguidance's words for a schema that is not one (HTTP 400); anything else it
+# llguidance's words for a schema that is not one (a UserError); anything else it
 # refuses is a feature it cannot enforce, which loosens that tool's arguments.
 _MALFORMED = ("must be", "Expected", "Expecting", "Invalid", "does not exist")
 

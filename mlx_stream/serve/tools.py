@@ -1,34 +1,16 @@
 """Tool calls for ``serve``, in OpenAI's shape, shared by every API the server speaks.
 
-Contract:
-- Messages reach the engine in one canonical shape (:func:`canonical_message`):
-  ``{"role", "content"}``, plus ``tool_calls`` (``[{"id", "type": "function",
-  "function": {"name", "arguments"}}]``, arguments a JSON string) on an assistant
-  message and ``tool_call_id`` on a ``tool`` message. A reply that called tools is
-  written into the session's transcript in that same shape, so a follow-up that echoes
-  it with the tool results matches the session and feeds only the results.
-- :class:`ToolSet` (the tool definitions of a session) renders the transcript for the
-  chat template: a template that supports tools (mlx-lm's ``has_tool_calling``) gets
-  ``tools=`` and the messages as mlx-lm's server hands them over (arguments as
-  objects); any other template gets the definitions and the calling convention
-  appended to the system prompt, calls as ``<tool_call>`` JSON in the assistant's
-  text and results as ``<tool_response>`` user turns (Qwen2.5's and Hermes' format).
-- :class:`ToolPlan` (one request) adds ``tool_choice``: ``auto`` (parse calls the
-  model writes; where calls are JSON between markers, ours or a ``json_tools``
-  template's, the reply is constrained to free text or text then valid calls),
-  ``none`` (no parsing), ``required`` or a named function (the reply is constrained
-  by llguidance to one call's JSON between the markers). A call's arguments are held
-  to its tool's schema, closed to the keys it lists (:func:`arguments_schema`).
-- :class:`CallStream` wraps a request's event callback: text inside the markers is
-  held back and becomes ``("tool_call", index, call)`` events, parsed with mlx-lm's
-  parser for the template, or :mod:`~mlx_stream.serve.call_formats`' for families it
-  has none for (``json_tools`` for ours and for a forced call, whose JSON the grammar
-  wrote); a format without an end marker reads the call at the reply's end; the end
-  event's finish reason becomes
-  ``tool_calls``; :meth:`CallStream.settle` rewrites the transcript's reply.
-Bad input (a ``tool_choice`` naming a missing tool, a tool result without its call)
-is a :class:`~mlx_stream.errors.UserError` naming the field, raised before any
-session is touched.
+Contract: messages reach the engine in one canonical shape
+(:func:`canonical_message`), and a reply that called tools is written into the
+session's transcript in it, so a follow-up echoing it matches the session.
+:class:`ToolSet` renders the transcript for the chat template (``tools=`` where the
+template supports tools, else the definitions and our ``<tool_call>`` convention in
+the system prompt); :class:`ToolPlan` adds ``tool_choice`` (constrained by llguidance
+where calls are JSON); :class:`CallStream` wraps a request's event callback, turning
+text inside the markers into :class:`~mlx_stream.serve.event_types.ToolCall` events
+and the finish reason into ``tool_calls``. Bad input is a
+:class:`~mlx_stream.errors.UserError` naming the field, raised before any session is
+touched. In full: ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +23,7 @@ from typing import Any
 
 from mlx_stream.errors import UserError
 from mlx_stream.mlxlm import hf_tokenizer
+from mlx_stream.serve.event_types import Delta, End, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 SYSTEM_BLOCK = (
@@ -359,18 +342,18 @@ class CallStream:
     held: str = ""  # text that may begin a start marker
     inside: str | None = None  # text of an open call
 
-    def __call__(self, event: tuple) -> None:
-        if event[0] == "text" and self.plan.choice != "none":
-            self._feed(event[1], event[2])
-        elif event[0] == "end":
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, Delta) and self.plan.choice != "none":
+            self._feed(event.text, event.logprob)
+        elif isinstance(event, End):
             self._flush()
-            usage, finish = event[1], event[2]
+            finish = event.finish_reason
             if self.calls and finish == "stop":
                 finish = "tool_calls"
-            self.emit(("end", usage, finish))
+            self.emit(End(event.usage, finish))
         else:
-            if event[0] == "text":
-                self.text.append(event[1])
+            if isinstance(event, Delta):
+                self.text.append(event.text)
             self.emit(event)
 
     def _feed(self, text: str, logprob: Any) -> None:
@@ -400,7 +383,7 @@ class CallStream:
 
     def _text(self, text: str, logprob: Any) -> None:
         self.text.append(text)
-        self.emit(("text", text, logprob))
+        self.emit(Delta(text, logprob))
 
     def _call(self, body: str) -> None:
         try:
@@ -417,7 +400,7 @@ class CallStream:
             call = {"id": "call_" + digest.hexdigest()[:24], "type": "function",
                     "function": {"name": name, "arguments": args}}  # fmt: skip
             self.calls.append(call)
-            self.emit(("tool_call", index, call))
+            self.emit(ToolCall(index, call))
 
     def _flush(self) -> None:
         if self.inside is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import queue
 
 from mlx_stream.generate.session import Settings
+from mlx_stream.serve.event_types import Delta, End, Failed
+from mlx_stream.serve.statuses import status_of
 
 
 def make_engine(loaded, state_dir, settings=None, **kw):
@@ -21,19 +23,26 @@ def make_engine(loaded, state_dir, settings=None, **kw):
     return e
 
 
+def refused(event: Failed) -> tuple:
+    """A failed request as the HTTP side answers it: ``("error", status, message,
+    retry_after)`` (:func:`~mlx_stream.serve.statuses.status_of`)."""
+    return ("error", *status_of(event))
+
+
 def ask(engine, messages, timeout=120, **kw):
-    """One request to the end: ``(text, usage or None, error event or None)``."""
+    """One request to the end: ``(text, usage or None, error or None)``; the error as
+    :func:`refused` gives it."""
     from mlx_stream.serve.engine import Request
 
     box: queue.Queue = queue.Queue()
     engine.submit(Request(emit=box.put, messages=messages, **kw))
     parts = []
-    while (event := box.get(timeout=timeout))[0] not in ("end", "error"):
-        if event[0] == "text":
-            parts.append(event[1])
-    if event[0] == "error":
-        return None, None, event
-    return "".join(parts), event[1], None
+    while not isinstance(event := box.get(timeout=timeout), (End, Failed)):
+        if isinstance(event, Delta):
+            parts.append(event.text)
+    if isinstance(event, Failed):
+        return None, None, refused(event)
+    return "".join(parts), event.usage, None
 
 
 def on_worker(engine, fn):
@@ -48,10 +57,10 @@ def ask_turn(engine, messages, session_id=None, **kw):
     engine.submit(Request(emit=events.put, messages=messages, session_id=session_id, **kw))
     text = []
     while True:
-        event = events.get(timeout=60)
-        if event[0] == "text":
-            text.append(event[1])
-        elif event[0] == "end":
-            return "".join(text), event[1]
-        elif event[0] == "error":
-            return None, event
+        match events.get(timeout=60):
+            case Delta(piece):
+                text.append(piece)
+            case End(usage):
+                return "".join(text), usage
+            case Failed() as event:
+                return None, refused(event)
