@@ -483,6 +483,7 @@ NOT_THE_DEFAULT = {
     ("mlx_stream/generate/session.py", "stop_loops"): "off in the library; chat asks",
     ("mlx_stream/generate/decode.py", "stop_loops"): "off in the library; chat asks",
     ("mlx_stream/serve/engine.py", "repair_tokens"): "off in the library; serve asks",
+    ("mlx_stream/serve/sessions.py", "repair_tokens"): "the engine's, off in the library",
     ("mlx_stream/generate/session.py", "sinks"): "a session's state: the sinks pinned",
     ("mlx_stream/serve/matching.py", "sinks"): "an entry's state: the sinks pinned",
 }

@@ -1,18 +1,13 @@
 """Reasoning kept apart from the answer, for models that think before they reply.
 
-Contract: for a tokenizer that marks thinking (mlx-lm's ``TokenizerWrapper`` infers the
-markers: ``<think>``/``</think>`` for DeepSeek-R1, Qwen3, QwQ and the like, and the
-other pairs it knows), a chat request's ``Delta`` events are split by a
-:class:`ThinkStream`: text between the start and the end marker, or from the reply's
-first token when the prompt left a thought open (a template that ends its generation
-prompt with the start marker), becomes ``Reasoning`` events; the markers
-themselves go nowhere; the rest stays text (one thought per reply: a start marker
-after it is the answer's text). Tool calls are read from the answer only
-(the stream sits before :class:`~mlx_stream.serve.tools.CallStream`). The ``End``
-event's usage gains ``completion_tokens_details.reasoning_tokens``: the segments
-(one per sampled token) that gave the thought text, the markers' own not counted. A model without markers gets no stream.
-The session's transcript keeps the reply as generated (its caches hold the thought);
-a client that resends the reply without it is an edit like any other.
+Contract: for a tokenizer whose markers of a thought mlx-lm infers (``<think>`` /
+``</think>``: DeepSeek-R1, Qwen3, QwQ ...), a :class:`ThinkStream` splits a chat
+request's ``Delta`` events: the thought (between the markers, or from the first token
+when the prompt left one open) becomes ``Reasoning`` events, the markers go nowhere, the
+rest stays text (one thought per reply). Tool calls are read from the answer only. The
+``End`` event's usage gains ``completion_tokens_details.reasoning_tokens``. A model
+without markers gets no stream; the transcript keeps the reply as generated. In full:
+docs/serve.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The state folder: where ``serve`` keeps the sessions it evicted, across restarts.
 
-Contract: a saved session is its files (``session-<hash>.safetensors``, ``.json``,
-``.draft.safetensors``, and with recall the folder ``.recall/`` of its store; named by
-a hash of owner and id, so no client id reads as a path out of the folder) plus one
-record in ``index.json``, written atomically, with the sha256 and size of each file
-(of a recall folder: its ``manifest.json``, which holds the sha256 of every other file
-there, checked when the session loads) and the ``config`` the caches depend on (model,
-cache spec, ...). :meth:`SessionStore.load` finds a previous run's sessions again:
-each record whose files are there with their sizes and whose config is this run's
-(checksums are checked on the session's next load, :meth:`SessionStore.check`);
-whatever else the store wrote and no record names is removed. :meth:`SessionStore.save`
-writes a resident session or raises :class:`~mlx_stream.serve.refusals.Unsaved` (the
-folder is full or unwritable; the previous record stays). No MLX scheduling and no
-memory accounting here: the engine decides what to save and when.
+Contract: a saved session is its files (``session-<hash>.*``, named by a hash of owner
+and id, and with recall its store's folder) plus one record in ``index.json``, written
+atomically, with each file's sha256 and size and the ``config`` its caches depend on.
+:meth:`SessionStore.load` finds a previous run's sessions again (records whose files
+are there and whose config is this run's; checksums checked at the session's next
+load) and removes what no record names. :meth:`SessionStore.save` writes a session or
+raises :class:`~mlx_stream.serve.refusals.Unsaved` (the previous record stays). The
+engine decides what to save and when. In full: docs/serve.md.
 """
 
 from __future__ import annotations
