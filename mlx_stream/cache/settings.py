@@ -119,22 +119,7 @@ def checked(
     return s
 
 
-def validate_sizes(
-    sinks: int,
-    window: int,
-    slack: int | None = DEFAULT_SLACK,
-    stride: int = DEFAULT_STRIDE,
-    positions: str = "cache",
-    kv_bits: int | None = None,
-    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
-    key_bits: int | None = None,
-) -> None:
+def validate_sizes(sinks: int, window: int, *settings, **named) -> None:
     """Raise Unsupported (a ValueError), saying what to change, for sizes a SinkCache
-    cannot have (the checks of :class:`~mlx_stream.cache.spec.CacheSpec`)."""
-    slack = DEFAULT_SLACK if slack is None else slack
-    s = SimpleNamespace(sinks=sinks, window=window, slack=slack, stride=stride,
-                        positions=positions, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                        key_bits=key_bits)  # fmt: skip
-    found = refusal(s)
-    if found is not None:
-        raise CacheSettingError(*found)
+    cannot have (:func:`checked`, the checks of :class:`~mlx_stream.cache.spec.CacheSpec`)."""
+    checked(sinks, window, *settings, **named)
