@@ -487,7 +487,8 @@ def serve(
         return sources.get(name) or (name if servable(name) else None)
 
     def opener(name: str):
-        engine, aliases, _, _ = open_model(name, False, models.budget, turns)
+        again = name == model.model  # the first model, unloaded: its folder, its draft
+        engine, aliases, _, _ = open_model(name, again, models.budget, turns)
         return engine, aliases
 
     import uvicorn

@@ -184,7 +184,8 @@ class Models:
             if slot is None:
                 return None
             self._touch(model_id, slot)
-            return slot.engine
+        self.rebalance(slot.engine)
+        return slot.engine
 
     def resolve(self, name: str | None) -> str:
         """The id ``name`` is served under (loaded or not).
@@ -321,19 +322,20 @@ class Models:
             gc.collect()
             mx.clear_cache()
 
-    def rebalance(self) -> None:
-        """Each loaded engine's budget: its bytes now and an equal share of the room
-        the others leave (one model: the whole budget)."""
+    def rebalance(self, engine: Any = None) -> None:
+        """A loaded engine's budget (``engine``'s, else every one's): the budget less
+        what the other loaded models hold now (one model: the whole budget); set at
+        each request, so one model's sessions grow into the room the others leave."""
         if self.budget is None:
             return
         with self._cond:
             slots = list(self.slots.values())
-        if not slots:
-            return
-        used = [s.used_bytes() for s in slots]
-        share = max(0, self.budget - sum(used)) // len(slots)
-        for slot, mine in zip(slots, used, strict=True):
-            slot.engine.budget = self.budget if len(slots) == 1 else mine + share
+        used = {id(s.engine): s.used_bytes() for s in slots}
+        total = sum(used.values())
+        for slot in slots:
+            if engine is None or slot.engine is engine:
+                others = total - used[id(slot.engine)]
+                slot.engine.budget = max(slot.need_bytes(), self.budget - others)
 
     def _touch(self, model_id: str, slot: Slot) -> None:
         slot.last_used = time.monotonic()
