@@ -151,7 +151,10 @@ class Models:
         self.slots: dict[str, Slot] = {}  # by model id, least recently used first
         self._cond = threading.Condition()
         self._loading: set[str] = set()
+        self.needs: dict[str, int] = {}  # bytes each model loaded before needs to serve
         self._load_lock = threading.Lock()  # one load at a time
+        self._unload_lock = threading.Lock()  # one unload at a time (a stopped worker
+        # answers no call: the second of two unloads of one model must find it gone)
         self._add(first, aliases, keep_alive)
         self._ticker: threading.Thread | None = None
         self._closed = False
@@ -248,6 +251,8 @@ class Models:
     # ----- loading and unloading -----------------------------------------------------
 
     def _load(self, key: str, asked: str | None) -> Any:
+        if key in self.needs:  # loaded before: its room made before its weights are read
+            self._make_room(self.needs[key])
         try:
             with self.turns or contextlib.nullcontext():
                 engine, aliases = self.opener(key)
@@ -260,8 +265,8 @@ class Models:
             engine.start()
         except UserError as exc:
             raise LoadFailed(f"model {key!r} cannot be loaded: {exc}") from None
-        slot = Slot(engine, set())
-        if not self._make_room(slot.need_bytes()):
+        self.needs[key] = need = Slot(engine, set()).need_bytes()
+        if not self._make_room(need):
             self._stop(engine)
             raise NoRoom(
                 f"no room to load model {key!r}: every loaded model is busy (ask again "
@@ -292,23 +297,24 @@ class Models:
     def unload(self, model_id: str) -> bool:
         """Unload ``model_id`` if it is idle: its sessions saved to its state folder,
         its memory freed; whether it was."""
-        with self._cond:
-            slot = self.slots.get(model_id)
-        if slot is None:
-            return False
-        engine = slot.engine
-
-        def close_if_idle() -> bool:  # on its worker: no request can slip in between
-            if engine.running:
+        with self._unload_lock:
+            with self._cond:
+                slot = self.slots.get(model_id)
+            if slot is None:
                 return False
-            engine.drain()
-            return True
+            engine = slot.engine
 
-        if not engine.call(close_if_idle).result():
-            return False
-        with self._cond:
-            self.slots.pop(model_id, None)
-        self._stop(engine)
+            def close_if_idle() -> bool:  # on its worker: no request slips in between
+                if engine.running:
+                    return False
+                engine.drain()
+                return True
+
+            if not engine.call(close_if_idle).result():
+                return False
+            with self._cond:
+                self.slots.pop(model_id, None)
+            self._stop(engine)
         self.rebalance()
         return True
 
