@@ -479,7 +479,8 @@ def serve(
     turns = Turns() if cluster is None else None
     engine, aliases, policy, sample = open_model(model.model, True, budget, turns)
     models = Models(engine, aliases)
-    sources = {engine.model_id: model.model}
+    first_id = engine.model_id
+    sources = {first_id: model.model or first_id}  # no -m: the registry's default
     for name in add_model or ():
         sources[served_id(name)] = sources[name] = name
 
@@ -487,8 +488,10 @@ def serve(
         return sources.get(name) or (name if servable(name) else None)
 
     def opener(name: str):
-        again = name == model.model  # the first model, unloaded: its folder, its draft
-        engine, aliases, _, _ = open_model(name, again, models.budget, turns)
+        # the first model again: its folder, its draft and its window as first sized
+        again = name == sources[first_id]
+        sized = budget if again else models.budget  # the same window: its saved sessions fit
+        engine, aliases, _, _ = open_model(name, again, sized, turns)
         return engine, aliases
 
     import uvicorn
