@@ -358,6 +358,12 @@ def serve(
     (--quiet: none). SIGTERM ends running requests, saves the sessions to --state-dir
     and exits.
 
+    A request's model picks the model (-m's for none): one given with --add-model, a
+    pulled registry model or a Hugging Face id in the local caches is loaded on first
+    use; --memory-budget counts every loaded model, and an idle one is unloaded (least
+    recently used first, its sessions saved to its folder of --state-dir) when another
+    needs the room or after --keep-alive.
+
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
 
