@@ -315,8 +315,8 @@ def create_app(
     OpenAI's routes; with ``api_keys``, every route but ``/health`` answers only
     requests that carry ``Authorization: Bearer KEY`` for one of them, and each key sees
     only its own sessions. A request's ``model`` may be the served id, ``default`` or
-    one of ``aliases`` (the model's registry name and Hugging Face id). Unless ``quiet``, each request writes a line to stderr
-    (:mod:`mlx_stream.serve.accesslog`). With ``ui``, ``GET /`` is the chat page
+    one of ``aliases`` (the model's registry name and Hugging Face id). Unless
+    ``quiet``, each request writes a line to stderr (:mod:`mlx_stream.serve.accesslog`). With ``ui``, ``GET /`` is the chat page
     (:mod:`mlx_stream.serve.page`, open without a key: it asks for one). With
     ``browsers``, a request from another site or to another ``Host`` is refused
     (:mod:`mlx_stream.serve.guard`; the CLI always gives one)."""
