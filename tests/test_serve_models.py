@@ -148,6 +148,9 @@ def test_unknown_and_broken_models_are_one_error_and_the_others_serve_on(server)
     failed = http("POST", server.url + "/v1/chat/completions", json.dumps(body).encode())
     message = failed.json()["error"]["message"]
     assert failed.status_code == 500 and "broken" in message and "\n" not in message
+    codex = {"model": "nowhere", "input": "hi"}
+    refused = http("POST", server.url + "/v1/responses", json.dumps(codex).encode())
+    assert (refused.status_code, refused.json()["error"]["type"]) == (404, "not_found_error")
     with pytest.raises(anthropic.NotFoundError):
         server.claude.messages.create(model="nowhere", max_tokens=4, messages=body["messages"])
     with pytest.raises(ollama.ResponseError) as raised:

@@ -4,7 +4,7 @@ recently used when the memory budget needs room or after its keep-alive.
 
 Contract: :class:`Models` maps a request's ``model`` to a started engine
 (:meth:`Models.get`), loading it through the opener it is given (one load at a time;
-requests for the model being loaded wait for it). Before a new model starts, idle
+requests for the model being loaded wait for it). Before a new model serves, idle
 models are unloaded, least recently used first, until the loaded ones' bytes (weights
 and sessions, as each engine counts them) and the new one's weights and one session fit
 the budget; when only busy ones are left it is refused (:class:`NoRoom`). Unloading a

@@ -259,8 +259,11 @@ def register(app: FastAPI, models: Any) -> None:
             return error(400, bad_id)
         owner = owner_of(http)
         engine, refused = await events.engine_for(models, body.model)
-        if refused is not None:
-            return error(refused.status, refused.message, refused.headers())
+        if refused is not None:  # OpenAI's shape for a model, as the chat route's
+            said = {"error": {"message": refused.message, "param": "model", "code": None,
+                              "type": "not_found_error" if refused.status == 404
+                              else "server_error"}}  # fmt: skip
+            return JSONResponse(said, status_code=refused.status, headers=refused.headers())
         session_id, history, open_ids = x_session_id, [], set()
         if body.previous_response_id is not None:
             previous = store.get(body.previous_response_id, owner)
