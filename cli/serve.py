@@ -33,6 +33,7 @@ from .groups import Only, grouped
 
 # serve's own help panels, after its common options and the shared groups
 SESSIONS, REQUESTS, ACCESS, CONNECTIONS = "Sessions", "Requests", "Access", "Connections"
+MODELS = "Several models"
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
          "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
@@ -210,6 +211,49 @@ MaxPromptTokens = Annotated[
 ]
 
 
+AddModel = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--add-model",
+        metavar="MODEL",
+        help="Another model a request's 'model' may name, listed in /v1/models and loaded "
+        "on first use (a registry name, Hugging Face id, folder or .gguf, as -m takes; "
+        "repeatable). A request may also name any pulled registry model or Hugging Face "
+        "id in the local caches. Each model has its own sessions, saved to its own "
+        "subfolder of --state-dir when it is unloaded.",
+        rich_help_panel=MODELS,
+    ),
+]
+KeepAlive = Annotated[
+    str,
+    typer.Option(
+        "--keep-alive",
+        help="How long a model stays loaded after its last request (ollama's: 5m, 1h, "
+        "30s; 0: unloaded right after; -1: until the memory budget needs its room). A "
+        "request's keep_alive (ollama's API) sets it for its model.",
+        rich_help_panel=MODELS,
+    ),
+]
+
+
+def parse_keep_alive_flag(text: str) -> float | None:
+    """``--keep-alive`` in seconds (``None``: forever); else a one-line error."""
+    from mlx_stream.errors import UserError
+    from mlx_stream.serve.models import parse_keep_alive
+
+    try:
+        return parse_keep_alive(text)
+    except UserError:
+        fail(f"--keep-alive must be a duration like 5m, 1h, 30s, 0 or -1 (got {text!r})")
+
+
+def served_id(name: str) -> str:
+    """The id a model given on the command line is served under before it is loaded
+    (a folder's or file's name; a registry name or Hugging Face id as given)."""
+    path = Path(name).expanduser()
+    return path.name if path.exists() else name
+
+
 def check_listen(host: str, port: int) -> None:
     """One-line error, before the model loads, unless ``host:port`` can be listened on."""
     import socket
@@ -299,6 +343,8 @@ def serve(
     allowed_host: AllowedHost = None,
     max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
     header_timeout: HeaderTimeout = DEFAULT_HEADER_TIMEOUT,
+    add_model: AddModel = None,
+    keep_alive: KeepAlive = "-1",
 ) -> None:
     """Serve the OpenAI API (chat, completions, models, Responses) and Anthropic's
     Messages API with fixed memory per session: Claude Code and Codex run on it.
@@ -311,6 +357,12 @@ def serve(
     is idle the request gets 429 with Retry-After. One line per request on stderr
     (--quiet: none). SIGTERM ends running requests, saves the sessions to --state-dir
     and exits.
+
+    A request's model picks the model (-m's for none): one given with --add-model, a
+    pulled registry model or a Hugging Face id in the local caches is loaded on first
+    use; --memory-budget counts every loaded model, and an idle one is unloaded (least
+    recently used first, its sessions saved to its folder of --state-dir) when another
+    needs the room or after --keep-alive.
 
     Under mlx.launch the model is sharded over the ranks: rank 0 serves HTTP and
     hands each request to the others (one request at a time, not batched).
@@ -375,52 +427,97 @@ def serve(
         fail("--recall is not available with --distributed")
     if cluster is None or cluster.is_root:
         check_listen(host, port)
-    target, tokenizer, spec, policy, path = model.load(cache, cluster)
-    sample = sampling.sampling(path)
-    prefixes = prefixes and prefixes.bind(path)  # entries keyed by the model's folder
-    drafter = draft.load(model.dtype)
-    model_id = spec.name if spec is not None else Path(model.model or "default").name
-    aliases: tuple[str, ...] = ()
-    if spec is not None:
-        from mlx_stream.models import hub, registry
+    keep_alive_s = parse_keep_alive_flag(keep_alive)
+    if add_model and cluster is not None:
+        fail("--add-model is not available with --distributed (one model over the ranks)")
+    root = state_dir
+    scratch = None
+    if state_dir is None and cluster is None:  # an unloaded model's sessions outlive it
+        import tempfile
 
-        aliases = tuple(sorted(hub.aliases(spec, registry.load_registry()) - {model_id}))
+        scratch = tempfile.TemporaryDirectory(prefix="mlx-stream-sessions-")
+        root = Path(scratch.name)
+
+    def open_model(name: str | None, first: bool, budget: int | None, turns=None):
+        """The model ``name`` loaded and its engine built, not started; the first
+        model's budget is sized here (``auto``)."""
+        from mlx_stream.generate.model_config import end_of_turn_tokens
+        from mlx_stream.generate.session import Settings
+        from mlx_stream.serve.admission import auto_budget, window_for
+        from mlx_stream.serve.engine import Engine
+
+        options = model if first else dataclasses.replace(model, model=name)
+        target, tokenizer, spec, policy, path = options.load(cache, cluster)
+        sample = sampling.sampling(path)
+        store = prefixes if first else prefix_store.open()
+        store = store and store.bind(path)  # entries keyed by the model's folder
+        drafter = draft.load(model.dtype) if first else None  # the draft fits -m's tokenizer
+        model_id = spec.name if spec is not None else Path(options.model or "default").name
+        aliases: tuple[str, ...] = ()
+        if spec is not None:
+            from mlx_stream.models import hub, registry
+
+            aliases = tuple(sorted(hub.aliases(spec, registry.load_registry()) - {model_id}))
+        if cache.window is None:  # from the model's context and the budget, not the registry's
+            context = getattr(spec, "context", None)
+            policy = policy.replace(window=window_for(target, context, policy, budget))
+        if budget is None and recall_policy is None and cluster is None:
+            budget = auto_budget(target, policy)  # a few sessions, not the whole machine
+        policy = policy.replace(recall=recall_policy)
+        folder = root if first or root is None else root / model_id.replace("/", "--")
+        if folder is not None:
+            folder.mkdir(exist_ok=True)
+        settings = Settings(cache=policy, max_tokens=reply.max_tokens,
+                            num_draft_tokens=draft.num_draft_tokens,
+                            stop_tokens=end_of_turn_tokens(tokenizer),
+                            stop_loops=stop_loops)  # fmt: skip
+        engine = Engine(
+            target, tokenizer, settings, model_id, draft_model=drafter,
+            keep_system=keep_system, budget=budget, max_sessions=max_sessions,
+            state_dir=folder, batching=batch, cluster=cluster, isolate=isolate,
+            max_prompt_tokens=max_prompt_tokens, max_tokens_ceiling=max_tokens_ceiling,
+            prefix_store=store, sampling=sample, repair_tokens=repair_tokens, turns=turns,
+        )  # fmt: skip
+        return engine, aliases, policy, sample
+
+    from mlx_stream.serve.models import Models, Turns, servable
+
+    turns = Turns() if cluster is None else None
+    engine, aliases, policy, sample = open_model(model.model, True, budget, turns)
+    models = Models(engine, aliases)
+    first_id = engine.model_id
+    sources = {first_id: model.model or first_id}  # no -m: the registry's default
+    for name in add_model or ():
+        sources[served_id(name)] = sources[name] = name
+
+    def find(name: str) -> str | None:
+        return sources.get(name) or (name if servable(name) else None)
+
+    def opener(name: str):
+        # the first model again: its folder, its draft and its window as first sized
+        again = name == sources[first_id]
+        sized = budget if again else models.budget  # the same window: its saved sessions fit
+        engine, aliases, _, _ = open_model(name, again, sized, turns)
+        return engine, aliases
 
     import uvicorn
 
-    from mlx_stream.generate.session import Settings
-    from mlx_stream.serve.admission import auto_budget, window_for
-    from mlx_stream.serve.app import create_app
-    from mlx_stream.serve.engine import Engine
-
-    if cache.window is None:  # from the model's context and the budget, not the registry's
-        context = getattr(spec, "context", None)
-        policy = policy.replace(window=window_for(target, context, policy, budget))
-    if budget is None and recall_policy is None and cluster is None:
-        budget = auto_budget(target, policy)  # a few sessions, not the whole machine
-    policy = policy.replace(recall=recall_policy)
-    from mlx_stream.generate.model_config import end_of_turn_tokens
-
-    settings = Settings(cache=policy, max_tokens=reply.max_tokens,
-                        num_draft_tokens=draft.num_draft_tokens,
-                        stop_tokens=end_of_turn_tokens(tokenizer),
-                        stop_loops=stop_loops)  # fmt: skip
-    engine = Engine(
-        target, tokenizer, settings, model_id, draft_model=drafter, keep_system=keep_system,
-        budget=budget, max_sessions=max_sessions, state_dir=state_dir, batching=batch,
-        cluster=cluster, isolate=isolate, max_prompt_tokens=max_prompt_tokens,
-        max_tokens_ceiling=max_tokens_ceiling, prefix_store=prefixes, sampling=sample,
-        repair_tokens=repair_tokens,
-    )  # fmt: skip
     engine.start()
     if cluster is not None and not cluster.is_root:
         engine.follow()  # until rank 0 stops
         return
+    if cluster is None:
+        models = Models(
+            engine, aliases, opener=opener, find=find,
+            offered=tuple(served_id(n) for n in add_model or ()), budget=engine.budget,
+            keep_alive=keep_alive_s, turns=turns,
+        )  # fmt: skip
+        models.start()
     try:
         memory = engine.stats.get("memory", {})
         per = memory.get("session_bytes") or 0
         stderr_console().print(
-            f"mlx-stream serve · {model_id} · window {policy.window} · system prompts pinned "
+            f"mlx-stream serve · {engine.model_id} · window {policy.window} · system prompts pinned "
             f"up to {engine.pin} tokens · "
             + (f"max_tokens ceiling {max_tokens_ceiling} · " if max_tokens_ceiling else "")
             + (f"{cluster.strategy} over {cluster.size} ranks · " if cluster else "")
@@ -435,9 +532,10 @@ def serve(
             highlight=False,
             soft_wrap=True,
         )
+        from mlx_stream.serve.app import create_app
         from mlx_stream.serve.transport import protocol
 
-        app = create_app(engine, api_keys=keys, aliases=aliases, quiet=quiet, ui=not no_ui,
+        app = create_app(models, api_keys=keys, quiet=quiet, ui=not no_ui,
                          browsers=browsers)  # fmt: skip
         config = uvicorn.Config(
             app,
@@ -452,12 +550,14 @@ def serve(
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                engine.drain()  # running requests end at once: their streams get their end
+                models.drain()  # running requests end at once: their streams get their end
                 super().handle_exit(sig, frame)
 
         # uvicorn raises the signal again once it has stopped: handled here, it lets
         # engine.stop() save the sessions and the process exit 0.
-        signal.signal(signal.SIGTERM, lambda sig, frame: engine.drain())
+        signal.signal(signal.SIGTERM, lambda sig, frame: models.drain())
         Server(config).run()
     finally:
-        engine.stop()
+        models.close(save=scratch is None)  # saved to --state-dir, if one was given
+        if scratch is not None:
+            scratch.cleanup()

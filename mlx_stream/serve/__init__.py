@@ -3,7 +3,8 @@
 Lives here: the engine (``engine``, owning ``scheduler``: the worker thread and its
 rounds, ``sessions``: the session table; ``planning``: a request planned as a new object,
 ``admission``: the byte budget, ``store``: the state folder, ``matching``: which session
-a request continues, ``refusals``: the errors, ``event_types``: what a request is sent),
+a request continues, ``refusals``: the errors, ``event_types``: what a request is sent;
+``models``: several models, an engine each, loaded on first use),
 the HTTP routes (``app``: FastAPI, ``statuses``: the status of each refusal) and token logprobs (``logprobs``); for agents, per-request
 sampling (``sampling``), llguidance constraints (``structured``), tool calls
 (``tools``) and the other APIs' translations into the engine's one request type (``anthropic``: Messages API, ``responses``: Responses API;

@@ -261,8 +261,9 @@ def _tool_use(call: dict) -> dict[str, Any]:
     }
 
 
-def register(app: FastAPI, engine: Any, check_model) -> None:
-    """Add the Messages API routes to ``app`` (served by ``engine``)."""
+def register(app: FastAPI, models: Any) -> None:
+    """Add the Messages API routes to ``app`` (served by the engine of the body's
+    ``model`` in ``models``, a :class:`~mlx_stream.serve.models.Models`)."""
 
     @app.post(PREFIX)
     async def messages(
@@ -271,8 +272,9 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         bad_id = session_header(x_session_id)
         if bad_id is not None:
             return error(400, bad_id)
-        if check_model(body.model) is not None:
-            return error(404, f"model {body.model!r} is not served here ({engine.model_id!r} is)")
+        engine, refused = await events.engine_for(models, body.model)
+        if refused is not None:
+            return error(refused.status, refused.message, refused.headers())
         try:
             fields = to_engine(body)
         except UserError as exc:
@@ -315,6 +317,9 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
     async def count_tokens(body: CountRequest):
         try:
             fields = to_engine(body)
+            engine, refused = await events.engine_for(models, body.model)
+            if refused is not None:
+                return error(refused.status, refused.message, refused.headers())
             # a few MB of text take seconds: off the event loop, one count at a time
             n = await asyncio.to_thread(count_alone, engine, fields["messages"], fields["tools"])
             return {"input_tokens": n}

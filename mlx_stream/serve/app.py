@@ -37,6 +37,7 @@ from mlx_stream.serve.fields import (
 )
 from mlx_stream.serve.guard import BrowserGuard, Browsers, JsonOnly
 from mlx_stream.serve.logprobs import MAX_TOP
+from mlx_stream.serve.models import Models
 from mlx_stream.serve.statuses import status_of
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body
@@ -301,7 +302,7 @@ class AddHeader:
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | Models,
     max_body: int = DEFAULT_MAX_BODY,
     api_keys: list[str] | None = None,
     aliases: tuple[str, ...] = (),
@@ -309,15 +310,18 @@ def create_app(
     ui: bool = True,
     browsers: Browsers | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` under OpenAI's routes; with ``api_keys``, every
-    route but ``/health`` answers only requests that carry ``Authorization: Bearer KEY``
-    for one of them, and each key sees only its own sessions. A request's ``model`` may
-    be the served id, ``default`` or one of ``aliases`` (the model's registry name and
-    Hugging Face id). Unless ``quiet``, each request writes a line to stderr
-    (:mod:`mlx_stream.serve.accesslog`). With ``ui``, ``GET /`` is the chat page
+    """The FastAPI app serving ``engine`` (or several models: a
+    :class:`~mlx_stream.serve.models.Models`, the request's ``model`` picks one) under
+    OpenAI's routes; with ``api_keys``, every route but ``/health`` answers only
+    requests that carry ``Authorization: Bearer KEY`` for one of them, and each key sees
+    only its own sessions. A request's ``model`` may be the served id, ``default`` or
+    one of ``aliases`` (the model's registry name and Hugging Face id). Unless
+    ``quiet``, each request writes a line to stderr (:mod:`mlx_stream.serve.accesslog`). With ``ui``, ``GET /`` is the chat page
     (:mod:`mlx_stream.serve.page`, open without a key: it asks for one). With
     ``browsers``, a request from another site or to another ``Host`` is refused
     (:mod:`mlx_stream.serve.guard`; the CLI always gives one)."""
+    models = engine if isinstance(engine, Models) else Models(engine, aliases)
+    engine = models.first
     app = FastAPI(title="mlx-stream", docs_url=None, redoc_url=None)
     app.add_middleware(JsonOnly, refuse=error_at)
     app.add_middleware(BodyLimit, limit=max_body)
@@ -334,10 +338,9 @@ def create_app(
         app.add_middleware(BrowserGuard, browsers=browsers, refuse=error_at)
     from mlx_stream.serve.metrics import CONTENT_TYPE, Metrics
 
-    metrics = Metrics(engine)
+    metrics = Metrics(models)
     # last: outermost, so the refusals above are logged (and counted) too
     app.add_middleware(AccessLog, quiet=quiet, observe=metrics.observe)
-    names = {engine.model_id, "default", *aliases}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -348,14 +351,6 @@ def create_app(
     async def _http(request: Request, exc: StarletteHTTPException):
         return error_at(request.url.path, exc.status_code, str(exc.detail))
 
-    def check_model(name: str | None) -> JSONResponse | None:
-        if name is None or name in names:
-            return None
-        return error(
-            404, f"model {name!r} is not served here (this server serves {engine.model_id!r})",
-            "model",
-        )  # fmt: skip
-
     @app.head("/")  # Claude Code's connectivity check before its first request
     async def root():
         return JSONResponse(None)
@@ -364,16 +359,23 @@ def create_app(
     async def health(http: Request):
         if api_keys and "owner" not in (http.scope.get("state") or {}):
             return {"status": "ok"}  # the model and the memory only to a key's holder
-        return {"status": "ok", "model": engine.model_id, **engine.stats.get("memory", {})}
+        first = models.first
+        memory = first.stats.get("memory", {}) if first is not None else {}
+        return {"status": "ok", "model": models.default, **memory}
 
     @app.get("/v1/models")
-    async def models():
-        card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-stream"}
-        return {"object": "list", "data": [card]}
+    async def listed():
+        return {"object": "list", "data": [
+            {"id": m["id"], "object": "model", "created": 0, "owned_by": "mlx-stream",
+             "loaded": m["loaded"]} for m in models.listing()
+        ]}  # fmt: skip
 
     @app.get("/v1/sessions")
-    async def sessions(http: Request):
-        stats, owner = engine.stats, owner_of(http)
+    async def sessions(http: Request, model: str | None = None):
+        picked = models.ready(model)  # a model's own sessions (default: the first's)
+        if picked is None:
+            return error(404, f"model {model!r} is not loaded here", "model")
+        stats, owner = picked.stats, owner_of(http)
         mine = [
             {k: v for k, v in s.items() if k != "owner"}
             for s in stats.get("sessions", [])
@@ -391,9 +393,10 @@ def create_app(
         }
 
     async def run(body: Sampling, make: dict[str, Any], kind: str, http: Request):
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
+        engine, refused = await events.engine_for(models, body.model)
+        if refused is not None:
+            param = "model" if refused.status == 404 else None
+            return error(refused.status, refused.message, param, refused.headers())
         field = body.unsupported()
         if field is not None:
             return error(400, f"{field}: not supported by this server (leave it out)", field)
@@ -455,9 +458,9 @@ def create_app(
 
     from mlx_stream.serve import anthropic, ollama, responses
 
-    anthropic.register(app, engine, check_model)  # POST /v1/messages (Claude Code)
-    responses.register(app, engine, check_model)  # POST /v1/responses (Codex)
-    ollama.register(app, engine, check_model, tuple(aliases))  # /api/... (ollama's clients)
+    anthropic.register(app, models)  # POST /v1/messages (Claude Code)
+    responses.register(app, models)  # POST /v1/responses (Codex)
+    ollama.register(app, models)  # /api/... (ollama's clients)
 
     @app.get("/metrics")
     async def prometheus():

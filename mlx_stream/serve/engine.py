@@ -78,6 +78,9 @@ class Engine:
         repair_tokens (int): Tokens after an edit in the middle of a transcript computed
             again (:mod:`~mlx_stream.generate.repair`); 0: such a request is rebuilt.
             Default: 0.
+        turns (optional): The lock the worker holds around each round, shared by
+            several models' engines (:class:`~mlx_stream.serve.models.Turns`): one
+            computes at a time. Default: none.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Engine:
         prefix_store: Any = None,
         sampling: Any = None,
         repair_tokens: int = 0,
+        turns: Any = None,
     ):
         from mlx_stream.generate.model_config import Sampling
 
@@ -128,6 +132,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.sessions, self._admit, self._refresh, model, tokenizer, settings,
             drafting=draft_model is not None, chunk=chunk, batching=batching, cluster=cluster,
+            turns=turns,
         )  # fmt: skip
         self.stats: dict[str, Any] = {}
 

@@ -123,6 +123,22 @@ async def start(engine: Any, http: Any = None, **fields: Any) -> tuple[Job, Any,
     return job, request, first
 
 
+async def engine_for(models: Any, name: str | None) -> tuple[Any, Any]:
+    """``(engine, None)`` of the model ``name`` names (loaded first, off the event
+    loop, if needed), else ``(None, status)``: the refusal's
+    :class:`~mlx_stream.serve.statuses.Status` (404 not served, 503 no room, 500 a
+    load that failed)."""
+    from mlx_stream.serve.models import LoadFailed, NoRoom, NotServed
+
+    engine = models.ready(name)
+    if engine is not None:
+        return engine, None
+    try:
+        return await asyncio.to_thread(models.get, name), None
+    except (NotServed, NoRoom, LoadFailed) as exc:
+        return None, status_of(Failed(exc))
+
+
 def note(http: Any, text: str) -> None:
     """Add ``text`` to the request's access-log line."""
     accesslog.note(http, text)

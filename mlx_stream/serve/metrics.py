@@ -7,7 +7,8 @@ held them, ``repaired``: computed again after an edit, ``generated``) and observ
 time to first token and time per output token. Gauges are read from the engine's
 published stats at each scrape: sessions resident and on disk, bytes per session,
 memory used and budgeted, weights, MLX's active memory, the prefix store's hits and
-misses, models loaded. Each app has its own registry (no process-wide state). Behind
+misses, models loaded (summed over the loaded models; ``model_loaded`` and
+``model_memory_used_bytes`` per model, labelled). Each app has its own registry (no process-wide state). Behind
 the API key when one is set (it is not ``/health``).
 """
 
@@ -24,10 +25,11 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
 class Metrics:
-    """The metrics of one app serving ``engine``; :meth:`observe` takes each finished
+    """The metrics of one app serving ``models`` (a
+    :class:`~mlx_stream.serve.models.Models`); :meth:`observe` takes each finished
     request's access record (:class:`~mlx_stream.serve.accesslog.Record`)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, models: Any):
         self.registry = CollectorRegistry()
         self.routes: set[str] = set()  # the app's paths (set once its routes exist)
         kw = {"registry": self.registry, "namespace": "mlx_stream"}
@@ -38,7 +40,7 @@ class Metrics:
                               buckets=TTFT_BUCKETS, **kw)  # fmt: skip
         self.tpot = Histogram("time_per_output_token_seconds", "Time per token after the first",
                               buckets=TPOT_BUCKETS, **kw)  # fmt: skip
-        self.registry.register(_Engine(engine))
+        self.registry.register(_Engines(models))
 
     def observe(self, record: Any, now: float) -> None:
         route = record.path if record.path in self.routes else "other"
@@ -61,21 +63,45 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _Engine:
-    """Gauges read from the engine's stats at each scrape."""
+class _Engines:
+    """Gauges read from the loaded engines' stats at each scrape."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, models: Any):
+        self.models = models
 
     def collect(self):
-        stats = self.engine.stats
-        memory, sessions = stats.get("memory") or {}, stats.get("sessions") or []
+        listing = self.models.listing()
+        loaded = [m for m in listing if m["loaded"]]
+        stats = [m["engine"].stats for m in loaded]
+        sessions = [s for st in stats for s in st.get("sessions") or []]
         resident = sum(1 for s in sessions if s.get("resident"))
+        memories = [st.get("memory") or {} for st in stats]
+
+        def total(key: str) -> int:
+            return sum(int(m.get(key) or 0) for m in memories)
+
+        memory = {k: total(k) for k in ("used_bytes", "budget_bytes", "weights_bytes")}
+        if self.models.budget is not None:
+            memory["budget_bytes"] = self.models.budget
+        memory["session_bytes"] = memories[0].get("session_bytes") if memories else 0
+        memory["mlx_active_bytes"] = max((m.get("mlx_active_bytes") or 0 for m in memories),
+                                         default=0)  # fmt: skip
 
         def gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
             return GaugeMetricFamily("mlx_stream_" + name, doc, value=float(value or 0))
 
-        yield gauge("models_loaded", "Models loaded", 1)
+        yield gauge("models_loaded", "Models loaded", len(loaded))
+        per = GaugeMetricFamily("mlx_stream_model_loaded", "Whether a model is loaded",
+                                labels=["model"])  # fmt: skip
+        used = GaugeMetricFamily("mlx_stream_model_memory_used_bytes",
+                                 "A loaded model's weights and sessions", labels=["model"])  # fmt: skip
+        for m in listing:
+            per.add_metric([m["id"]], float(m["loaded"]))
+            if m["loaded"]:
+                mem = m["engine"].stats.get("memory") or {}
+                used.add_metric([m["id"]], float(mem.get("used_bytes") or 0))
+        yield per
+        yield used
         yield gauge("sessions_resident", "Sessions in memory", resident)
         yield gauge(
             "sessions_on_disk", "Sessions saved to the state folder", len(sessions) - resident
@@ -91,10 +117,10 @@ class _Engine:
         yield gauge("memory_budget_bytes", "The memory budget", memory.get("budget_bytes"))
         yield gauge("weights_bytes", "Bytes of the weights", memory.get("weights_bytes"))
         yield gauge("mlx_active_bytes", "MLX's active memory", memory.get("mlx_active_bytes"))
-        store = stats.get("prefix_store") or {}
+        stores = [st.get("prefix_store") or {} for st in stats]
         family = CounterMetricFamily(
             "mlx_stream_prefix_store", "Prefix-store lookups", labels=["result"]
         )
         for result in ("hits", "misses"):
-            family.add_metric([result], float(store.get(result, 0)))
+            family.add_metric([result], float(sum(s.get(result, 0) for s in stores)))
         yield family

@@ -15,6 +15,7 @@ last line holding ``error``. In full: ``docs/serve.md``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, Literal
@@ -27,7 +28,8 @@ from mlx_stream.errors import UserError
 from mlx_stream.serve import events, ollama_models, reasoning
 from mlx_stream.serve.event_types import Delta, End, Failed, Reasoning, ToolCall
 from mlx_stream.serve.fields import owner_of, sampling_args
-from mlx_stream.serve.ollama_models import error, not_found, now
+from mlx_stream.serve.models import parse_keep_alive
+from mlx_stream.serve.ollama_models import error, now
 from mlx_stream.serve.statuses import status_of
 from mlx_stream.serve.structured import response_format_grammar
 
@@ -199,12 +201,25 @@ def _stats(usage: dict, finish: str | None, clock: dict[str, float]) -> dict[str
     }
 
 
-def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()) -> None:
-    """Add ollama's routes to ``app`` (served by ``engine`` under its id and ``names``)."""
+def register(app: FastAPI, models: Any) -> None:
+    """Add ollama's routes to ``app`` (served by the engine of the body's ``model`` in
+    ``models``, a :class:`~mlx_stream.serve.models.Models`; its ``keep_alive`` keeps
+    that model loaded so long after its requests)."""
 
-    async def answer(body: Body, http: Request, chat: bool, fields: dict[str, Any]):
-        if check_model(body.model) is not None:
-            return not_found(body.model, engine)
+    async def pick(body: Body) -> Any:
+        """The body's model's engine (its keep_alive applied), or the error response."""
+        try:
+            keep = None if body.keep_alive is None else parse_keep_alive(body.keep_alive)
+        except UserError as exc:
+            return error(400, str(exc))
+        engine, refused = await events.engine_for(models, body.model)
+        if refused is not None:
+            return error(refused.status, refused.message, refused.headers())
+        if body.keep_alive is not None:
+            models.keep(engine, keep)
+        return engine
+
+    async def answer(body: Body, http: Request, chat: bool, fields: dict[str, Any], engine):
         try:
             fields |= sampling(body.options, http, engine.settings.cache.window)
             fields["thinking"] = think_of(body.think)
@@ -238,11 +253,13 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
                 whole = p
         return JSONResponse(whole)
 
-    def loaded(body: Body, chat: bool) -> JSONResponse:
-        """An empty request: ollama's way to load a model, answered at once."""
-        if check_model(body.model) is not None:
-            return not_found(body.model, engine)
-        out = {"model": body.model, "created_at": now(), "done": True, "done_reason": "load"}
+    def loaded(body: Body, chat: bool, engine: Any) -> JSONResponse:
+        """An empty request: ollama's way to load a model (``keep_alive`` 0: to unload
+        it), answered once it is done."""
+        reason = "load"
+        if body.keep_alive is not None and parse_keep_alive(body.keep_alive) == 0:
+            reason = "unload" if models.unload(engine.model_id) else reason
+        out = {"model": body.model, "created_at": now(), "done": True, "done_reason": reason}
         if chat:
             out["message"] = {"role": "assistant", "content": ""}
         else:
@@ -251,31 +268,37 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
 
     @app.post(PREFIX + "chat")
     async def chat(body: ChatBody, http: Request):
+        engine = await pick(body)
+        if isinstance(engine, JSONResponse):
+            return engine
         try:
             _refuse(body, (), engine)
             if not body.messages:
-                return loaded(body, chat=True)
+                return await asyncio.to_thread(loaded, body, True, engine)
             fields = {"messages": chat_messages(body.messages), "tools": body.tools or None}
         except UserError as exc:
             return error(400, str(exc))
-        return await answer(body, http, True, fields)
+        return await answer(body, http, True, fields, engine)
 
     @app.post(PREFIX + "generate")
     async def generate(body: GenerateBody, http: Request):
+        engine = await pick(body)
+        if isinstance(engine, JSONResponse):
+            return engine
         try:
             _refuse(body, ("images", "suffix", "template", "context"), engine)
         except UserError as exc:
             return error(400, str(exc))
         if not body.prompt:
-            return loaded(body, chat=False)
+            return await asyncio.to_thread(loaded, body, False, engine)
         if body.raw:
             fields: dict[str, Any] = {"prompt": body.prompt}
         else:  # a fresh one-turn conversation each time, as ollama renders it
             system = [{"role": "system", "content": body.system}] if body.system else []
             fields = {"messages": [*system, {"role": "user", "content": body.prompt}]}
-        return await answer(body, http, False, fields)
+        return await answer(body, http, False, fields, engine)
 
-    ollama_models.register(app, engine, check_model, names)
+    ollama_models.register(app, models)
 
 
 async def _pieces(job: events.Job, request: Any, head: dict, chat: bool, clock: dict, http: Any):

@@ -2,9 +2,10 @@
 ``POST /api/show`` (one model's details, template and capabilities), ``GET /api/ps``
 (what is loaded, its bytes), ``GET /api/version``.
 
-Contract: one model is served and always loaded; it is listed under its id and the
-names a request may use for it (its registry name, its Hugging Face id). Sizes are the
-weights' bytes (``/api/ps``: weights and the sessions' memory); the digest is a hash of
+Contract: every model that can be served is listed (``/api/ps``: those loaded, with
+when their keep-alive ends), a loaded one also under the other names a request may use
+for it (its registry name, its Hugging Face id). Sizes are the weights' bytes (0 for
+one not loaded; ``/api/ps``: weights and the sessions' memory); the digest is a hash of
 the id (there is no blob store); ``capabilities`` are ``completion`` and ``tools``
 (every model takes tools here: its template's format, else the Hermes-style fallback).
 """
@@ -21,6 +22,8 @@ from pydantic import BaseModel, ConfigDict
 
 import mlx_stream
 
+FOREVER = "2999-01-01T00:00:00Z"  # /api/ps' expiry of a model never unloaded by time
+
 
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     """ollama's error body: ``{"error": message}``."""
@@ -32,9 +35,9 @@ def now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def not_found(name: str | None, engine: Any) -> JSONResponse:
-    """The 404 of a model this server does not serve."""
-    return error(404, f"model {name!r} not found (this server serves {engine.model_id!r})")
+def stamp(seconds: float) -> str:
+    """ollama's timestamp of ``seconds`` since the epoch."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
 
 
 class ShowBody(BaseModel):
@@ -77,24 +80,35 @@ def digest(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()
 
 
-def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()) -> None:
-    """Add the model routes to ``app``."""
-    listed = [engine.model_id, *(n for n in names if n not in (engine.model_id, "default"))]
+def register(app: FastAPI, models: Any) -> None:
+    """Add the model routes to ``app`` (``models``: a
+    :class:`~mlx_stream.serve.models.Models`)."""
+    from mlx_stream.serve import events
+
     started = now()
 
-    def card(name: str) -> dict[str, Any]:
-        return {"name": name, "model": name, "modified_at": started, "size": engine.weights,
-                "digest": digest(engine.model_id), "details": details(engine)}  # fmt: skip
+    def card(name: str, model_id: str, engine: Any) -> dict[str, Any]:
+        info = details(engine) if engine is not None else {"format": "mlx"}
+        size = engine.weights if engine is not None else 0
+        return {"name": name, "model": name, "modified_at": started, "size": size,
+                "digest": digest(model_id), "details": info}  # fmt: skip
 
     @app.get("/api/tags")
     async def tags():
-        return {"models": [card(n) for n in listed]}
+        cards = []
+        for m in models.listing():
+            names = [m["id"], *models.names_of(m["id"])]
+            cards += [card(n, m["id"], m["engine"]) for n in names]
+        return {"models": cards}
 
     @app.post("/api/show")
     async def show(body: ShowBody):
         name = body.model or body.name
-        if not name or check_model(name) is not None:
-            return not_found(name, engine)
+        if not name:
+            return error(404, "model: give the name of a model")
+        engine, refused = await events.engine_for(models, name)
+        if refused is not None:
+            return error(refused.status, refused.message)
         args = getattr(engine.model, "args", None)
         info = details(engine)
         arch = info["family"]
@@ -117,12 +131,17 @@ def register(app: FastAPI, engine: Any, check_model, names: tuple[str, ...] = ()
 
     @app.get("/api/ps")
     async def ps():
-        memory = engine.stats.get("memory", {})
-        loaded = card(engine.model_id)
-        loaded["size"] = int(memory.get("used_bytes") or engine.weights)
-        loaded["size_vram"] = 0  # unified memory: nothing apart for a GPU
-        loaded["expires_at"] = "2999-01-01T00:00:00Z"  # loaded as long as it serves
-        return {"models": [loaded]}
+        out = []
+        for m in (m for m in models.listing() if m["loaded"]):
+            engine = m["engine"]
+            memory = engine.stats.get("memory", {})
+            loaded = card(m["id"], m["id"], engine)
+            loaded["size"] = int(memory.get("used_bytes") or engine.weights)
+            loaded["size_vram"] = 0  # unified memory: nothing apart for a GPU
+            until = models.expires(m["id"])  # None: loaded as long as it serves
+            loaded["expires_at"] = FOREVER if until is None else stamp(until)
+            out.append(loaded)
+        return {"models": out}
 
     @app.get("/api/version")
     async def version():

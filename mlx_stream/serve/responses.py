@@ -244,8 +244,9 @@ def error(status: int, message: str, headers=None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def register(app: FastAPI, engine: Any, check_model) -> None:
-    """Add the Responses API routes to ``app`` (served by ``engine``)."""
+def register(app: FastAPI, models: Any) -> None:
+    """Add the Responses API routes to ``app`` (served by the engine of the body's
+    ``model`` in ``models``, a :class:`~mlx_stream.serve.models.Models`)."""
 
     store = Store()
 
@@ -257,9 +258,12 @@ def register(app: FastAPI, engine: Any, check_model) -> None:
         if bad_id is not None:
             return error(400, bad_id)
         owner = owner_of(http)
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
+        engine, refused = await events.engine_for(models, body.model)
+        if refused is not None:  # OpenAI's shape for a model, as the chat route's
+            said = {"error": {"message": refused.message, "param": "model", "code": None,
+                              "type": "not_found_error" if refused.status == 404
+                              else "server_error"}}  # fmt: skip
+            return JSONResponse(said, status_code=refused.status, headers=refused.headers())
         session_id, history, open_ids = x_session_id, [], set()
         if body.previous_response_id is not None:
             previous = store.get(body.previous_response_id, owner)

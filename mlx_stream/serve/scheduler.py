@@ -12,6 +12,7 @@ the engine's (the ``admit`` it is given), a session's lifecycle the session tabl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -126,18 +127,23 @@ class Scheduler:
         chunk (int): Tokens a request advances per round when not batched.
         batching (bool): Decode sessions together in one batched call per round.
         cluster (distributed.Cluster, optional): The ranks a sharded model runs on.
+        turns (optional): A lock the worker holds around each round and each queued
+            item it handles (several models' engines share one: one computes at a
+            time). Default: none.
     """
 
     def __init__(
         self, sessions: Any, admit: Callable[[Request], None], refresh: Callable[[], None],
         model: Any, tokenizer: Any, settings: Any, *, drafting: bool = False,
         chunk: int = DEFAULT_CHUNK, batching: bool = True, cluster: Any = None,
+        turns: Any = None,
     ):  # fmt: skip
         from mlx_stream.serve.logprobs import TokenLogprobs
 
         self.sessions, self.admit, self.refresh = sessions, admit, refresh
         self.model, self.settings, self.drafting = model, settings, drafting
         self.chunk, self.cluster = chunk, cluster
+        self.turns = turns if turns is not None else contextlib.nullcontext()
         self._logprobs = TokenLogprobs(tokenizer)
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(settings.stop_tokens)
         self._queue: queue.Queue = queue.Queue()
@@ -268,19 +274,20 @@ class Scheduler:
                 item = self._queue.get(timeout=None if not self._active else 0)
             except queue.Empty:
                 item = False
-            while item is not False:
-                if item is None:
-                    self._drain()
-                    self._quiesce()
-                    return
-                self._handle(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = False
-            if self.closing:
-                self._end_all()
-            self._round()
+            with self.turns:  # several models: one computes at a time
+                while item is not False:
+                    if item is None:
+                        self._drain()
+                        self._quiesce()
+                        return
+                    self._handle(item)
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        item = False
+                if self.closing:
+                    self._end_all()
+                self._round()
 
     def _quiesce(self) -> None:
         """Finish MLX's work queued from this thread: the process may exit next, and

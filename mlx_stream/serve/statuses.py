@@ -13,12 +13,16 @@ from typing import NamedTuple
 
 from mlx_stream.errors import RuntimeFailure, UserError
 from mlx_stream.serve.event_types import Failed
+from mlx_stream.serve.models import LoadFailed, NoRoom, NotServed
 from mlx_stream.serve.refusals import Busy, ShuttingDown, TooLarge, Unsaved
 
 # Most specific first: an Unsaved is a RuntimeFailure, a TooLarge a UserError.
 STATUSES: tuple[tuple[type[BaseException], int], ...] = (
     (Busy, 429),  # no memory for another session now: try again after Retry-After
     (ShuttingDown, 503),
+    (NoRoom, 503),  # no room to load a model now: try again after Retry-After
+    (NotServed, 404),
+    (LoadFailed, 500),  # a model that cannot be loaded: the others serve on
     (Unsaved, 507),  # the state folder is full: only this request is refused
     (RuntimeFailure, 500),  # the server's fault (a session it could not save)
     (TooLarge, 413),

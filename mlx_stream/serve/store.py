@@ -55,11 +55,12 @@ class SessionStore:
         self.state_dir = Path(state_dir)
         self.config = config
         self.records: dict[tuple, dict] = {}  # index records of saved sessions, by key
+        self.scratch = False  # set: a folder that outlives nothing from now on (exit)
 
     @property
     def temporary(self) -> bool:
         """Whether the folder is a temporary one (it outlives nothing)."""
-        return self._tmp is not None
+        return self._tmp is not None or self.scratch
 
     def cleanup(self) -> None:
         """Remove a temporary folder."""

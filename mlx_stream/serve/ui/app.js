@@ -275,9 +275,16 @@ document.addEventListener("visibilitychange", () => {
 
 async function loadModels() {
   try {
-    const models = (await getJson("/v1/models")).data.map((m) => m.id);
+    const listed = (await getJson("/v1/models")).data;
+    const models = listed.map((m) => m.id);
     const select = $("model");
-    select.replaceChildren(...models.map((id) => el("option", null, id)));
+    // several models: one not loaded yet loads on its first request (a wait)
+    const option = (m) => {
+      const node = el("option", null, m.loaded === false ? `${m.id} (loads when used)` : m.id);
+      node.value = m.id;
+      return node;
+    };
+    select.replaceChildren(...listed.map(option));
     if (models.includes(state.settings.model)) select.value = state.settings.model;
     state.settings.model = select.value;
   } catch (e) {
