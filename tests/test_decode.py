@@ -184,8 +184,11 @@ def test_active_memory_stays_flat_on_a_sink_cache():
                          cwd=REPO, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     medians = json.loads(out.stdout.strip().splitlines()[-1])
-    warm = medians[2]  # the ring is allocated and full
-    assert all(abs(m - warm) <= 0.01 * warm for m in medians[2:]), medians
+    # The ring is allocated and full from the third window on. Small transient arrays
+    # (masks, a step's scratch) move a tiny model's ~350 KB by up to ~2% between windows,
+    # without a trend; a cache that grows adds its KV every window (a full cache: >20%).
+    warm = statistics.median(medians[2:])
+    assert max(medians[2:]) - min(medians[2:]) <= 0.03 * warm, medians
 
 
 def test_active_memory_grows_on_a_full_cache(tiny_llama):
