@@ -104,6 +104,7 @@ def end_of_turn_tokens(tokenizer: Any) -> tuple[int, ...]:
     someone else's. Also the padding token and the end-of-text token under its usual
     names (``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``), which a
     tokenizer converted from GGUF may list as neither (SmolLM2's is its unk token).
+    For harmony's vocabulary (gpt-oss) ``<|return|>`` and ``<|call|>``, not its glue.
     """
     from mlx_stream.generate.transcript import special_texts
 
@@ -114,6 +115,8 @@ def end_of_turn_tokens(tokenizer: Any) -> tuple[int, ...]:
             ids.add(value)
     vocab = _vocab(tokenizer)
     glue = _template_glue(tokenizer)
+    if "<|channel|>" in vocab and "<|message|>" in vocab:  # harmony (gpt-oss): <|end|>
+        glue = "<|return|><|call|>"  # ends a message of the reply, these end the reply
     for special in special_texts(tokenizer) + _END_OF_TEXT:
         if special in vocab and (special in glue or special in _END_OF_TEXT):
             ids.add(vocab[special])

@@ -3,12 +3,15 @@
 Contract: :func:`native` gives the format a tokenizer's chat template writes calls in,
 found from the template's text as mlx-lm finds its own (mlx-lm's parser wins where it
 has one: Qwen3's JSON, Qwen3-Coder's XML, Mistral, GLM 4.x, Kimi K2, Gemma 4, ...):
-DeepSeek V3/R1 (and V3.1's shorter call), Granite 3.x, Phi-4-mini and Llama 3.1-3.3's
-JSON mode. Each is its start marker, its end marker (``""``: the call runs to the end
-of the reply) and a parser from the text between them to mlx-lm's shape: a list of
+DeepSeek V3/R1 (and V3.1's shorter call), Granite 3.x, Phi-4-mini, Llama 3.1-3.3's
+JSON mode and gpt-oss's harmony (a call as :mod:`~mlx_stream.serve.harmony` passes it
+on, whatever header the model wrote:
+``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``).
+Each is its start marker, its end marker (``""``: the call runs to the end of the
+reply) and a parser from the text between them to mlx-lm's shape: a list of
 ``{"name", "arguments"}``. A body that is not a call raises ``ValueError`` (the reply
-then keeps it as text). gpt-oss's harmony channels and Gemma 3 (no call format in its
-template: the Hermes-style fallback serves it) are not here.
+then keeps it as text). Gemma 3 (no call format in its template: the Hermes-style
+fallback serves it) is not here.
 """
 
 from __future__ import annotations
@@ -85,6 +88,19 @@ def _deepseek(text: str, tools: Any = None) -> list[dict]:
     return out
 
 
+HARMONY_NAME = re.compile(
+    r"\s*([^\s<]+)[^<]*(?:<\|constrain\|>\s*\w*\s*)?<\|message\|>(.*)", re.DOTALL
+)
+
+
+def _harmony(text: str, tools: Any = None) -> list[dict]:
+    """gpt-oss's call past ``to=functions.``: ``NAME <|constrain|>json<|message|>ARGS``."""
+    match = HARMONY_NAME.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a harmony tool call: {text!r}")
+    return _calls({"name": match.group(1), "arguments": json.loads(match.group(2))})
+
+
 FORMATS = (
     Format("deepseek", ("<｜tool▁calls▁begin｜>",), "<｜tool▁calls▁begin｜>",
            "<｜tool▁calls▁end｜>", _deepseek),
@@ -93,6 +109,8 @@ FORMATS = (
     Format("granite", ("<|tool_call|>",), "<|tool_call|>", "", _json_list,
            absent=("<|/tool_call|>",)),
     Format("llama3", ("<|python_tag|>", '"parameters"'), '{"name"', "", _llama3),
+    Format("harmony", ("<|channel|>", "<|message|>"), "<|channel|>commentary to=functions.",
+           "<|call|>", _harmony),
 )  # fmt: skip
 
 

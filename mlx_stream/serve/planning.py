@@ -7,7 +7,7 @@ server's default, never over the operator's ceiling) and refuses a new message o
 fields before any session is touched: its messages in the engine's shape, its tool plan,
 its sampling arguments and grammar; with tools, its ``emit`` is a
 :class:`~mlx_stream.serve.tools.CallStream`; for a model that thinks, a
-:class:`~mlx_stream.serve.reasoning.ThinkStream` before it.
+:class:`~mlx_stream.serve.reasoning.ThinkStream` (or harmony's stream) before it.
 """
 
 from __future__ import annotations
@@ -107,13 +107,12 @@ class Planner:
             planned, planned.temp, planned.top_p, self.vocab(), constraint, draft=self.draft,
             repetition_penalty=penalty,
         )  # fmt: skip
-        if not isinstance(planned.emit, (tools.CallStream, reasoning.ThinkStream)):
+        if not isinstance(planned.emit, (tools.CallStream, *reasoning.STREAMS)):
             if plan is not None:
                 salt = json.dumps(planned.messages[-1], sort_keys=True) + str(len(planned.messages))
                 planned.emit = tools.CallStream(plan, planned.emit, salt=salt)
-            marks = reasoning.markers(self.tokenizer) if request.messages is not None else None
-            if marks is not None:  # the thought first, then calls read from the answer
-                planned.emit = reasoning.ThinkStream(marks, planned.emit)
+            if request.messages is not None:  # the thought first, then calls read from the answer
+                planned.emit = reasoning.reader(self.tokenizer, planned.emit)
         return Planned(planned, plan, extra)
 
     def vocab(self) -> int:

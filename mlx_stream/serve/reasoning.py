@@ -4,8 +4,9 @@ Contract: for a tokenizer whose markers of a thought mlx-lm infers (``<think>`` 
 ``</think>``: DeepSeek-R1, Qwen3, QwQ ...), a :class:`ThinkStream` splits a chat
 request's ``Delta`` events: the thought (between the markers, or from the first token
 when the prompt left one open) becomes ``Reasoning`` events, the markers go nowhere, the
-rest stays text (one thought per reply). Tool calls are read from the answer only. The
-``End`` event's usage gains ``completion_tokens_details.reasoning_tokens``. A model
+rest stays text (one thought per reply); gpt-oss's harmony channels go apart in a
+:class:`~mlx_stream.serve.harmony.HarmonyStream` (:func:`reader` picks). Tool calls are
+read from the answer only. The ``End`` event's usage gains ``completion_tokens_details.reasoning_tokens``. A model
 without markers gets no stream; the transcript keeps the reply as generated. In full:
 docs/serve.md.
 """
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_stream.serve.event_types import Delta, End, Reasoning
-from mlx_stream.serve.tools import hold_back
+from mlx_stream.serve.harmony import CALL_START, HarmonyStream, speaks
+from mlx_stream.serve.tools import CallStream, hold_back
 
 
 def markers(tokenizer: Any) -> tuple[str, str] | None:
@@ -25,6 +27,16 @@ def markers(tokenizer: Any) -> tuple[str, str] | None:
     if not getattr(tokenizer, "has_thinking", False) or not start or not end:
         return None
     return start, end
+
+
+def reader(tokenizer: Any, emit: Any) -> Any:
+    """``emit`` (a chat request's callback) behind the stream that keeps
+    ``tokenizer``'s thought apart: harmony's, the think markers', or none (``emit``)."""
+    if speaks(tokenizer):
+        calls = isinstance(emit, CallStream) and emit.plan.start == CALL_START
+        return HarmonyStream(emit, calls=calls)
+    marks = markers(tokenizer)
+    return ThinkStream(marks, emit) if marks is not None else emit
 
 
 def left_open(prompt: str, marks: tuple[str, str]) -> bool:
@@ -106,3 +118,6 @@ class ThinkStream:
     def _flush(self) -> None:
         held, self.held = self.held, ""
         self._out(held, None)
+
+
+STREAMS = (ThinkStream, HarmonyStream)  # what :func:`reader` wraps a callback in
