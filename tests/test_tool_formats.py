@@ -95,6 +95,16 @@ FAMILIES = {
         '{"name": "get_weather", "parameters": {"city": "rome", "days": 2}}',
         "llama3",
     ),
+    "gpt-oss (harmony)": (
+        "<|start|>assistant<|channel|>commentary to=functions."
+        + NAME
+        + " <|constrain|>json<|message|>"
+        + ARGS
+        + "<|call|>",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "rome", "days": 2}<|call|>',
+        "harmony",
+    ),
 }
 # What a Llama 3 template says of its calls (its JSON mode; <|python_tag|> for built-ins).
 LLAMA_NOTE = (

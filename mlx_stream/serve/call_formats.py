@@ -33,6 +33,7 @@ class Format:
     end: str  # "" when the call runs to the end of the reply
     parse: Callable[[str, Any], list[dict]]
     absent: tuple[str, ...] = ()  # strings its template never holds
+    forced: bool = True  # a forced call's grammar may write it between start and end
 
 
 def _calls(value: Any, arguments: str = "arguments") -> list[dict]:
@@ -110,7 +111,7 @@ FORMATS = (
            absent=("<|/tool_call|>",)),
     Format("llama3", ("<|python_tag|>", '"parameters"'), '{"name"', "", _llama3),
     Format("harmony", ("<|channel|>", "<|message|>"), "<|channel|>commentary to=functions.",
-           "<|call|>", _harmony),
+           "<|call|>", _harmony, forced=False),  # its reader reads the model's header
 )  # fmt: skip
 
 

@@ -4,14 +4,15 @@ Contract: for a tokenizer that speaks harmony (:func:`speaks`: ``<|channel|>`` a
 ``<|message|>`` are tokens of its vocabulary), a :class:`HarmonyStream` reads a chat
 request's ``Delta`` events as OpenAI's documented sequence of messages,
 ``[<|start|>assistant][ to=R]<|channel|>CHANNEL[ to=R][ <|constrain|>json]<|message|>BODY``,
-each ended by ``<|end|>``, ``<|return|>``, ``<|call|>`` or the reply's end (the last
-two end the turn: the engine stops at them). ``analysis`` becomes ``Reasoning``
+each ended by ``<|end|>``, by ``<|return|>`` or ``<|call|>`` (they end the turn: the
+engine stops at them) or by the reply's end. ``analysis`` becomes ``Reasoning``
 events; ``final`` and a ``commentary`` without a recipient (a preamble shown to the
 user) text; a message to ``functions.NAME`` a call, passed on to the tool-call reader
-in the one header :mod:`~mlx_stream.serve.call_formats`' harmony format reads (or as
-text where the request has no tool reader). The markers reach no client. Text before
-any header (a forced call's grammar writes none) is text. The ``End`` event's usage
-gains ``completion_tokens_details.reasoning_tokens``.
+in the one header :mod:`~mlx_stream.serve.call_formats`' harmony format reads (as its
+arguments' text where the request has no tool reader). Text before any header (a
+forced call's grammar writes none) is text. The markers reach no client, not even one
+out of place. The ``End`` event's usage gains
+``completion_tokens_details.reasoning_tokens``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,27 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_stream.mlxlm import hf_tokenizer
 from mlx_stream.serve.event_types import Delta, End, Reasoning
 from mlx_stream.serve.tools import hold_back
 
 CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's last token
 HEADS = ("<|start|>", CHANNEL, " to=")  # what a message's header may begin with
+ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>")  # a thought's start and end
 CALL_START, CALL_END = "<|channel|>commentary to=functions.", "<|call|>"
+MARKERS = ("<|start|>", CHANNEL, "<|constrain|>", MESSAGE, *ENDS)
+STRAY = re.compile("|".join(re.escape(m) for m in MARKERS))  # one out of place
 RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
 
 def speaks(tokenizer: Any) -> bool:
-    """Whether ``tokenizer``'s vocabulary has harmony's ``<|channel|>`` and ``<|message|>``."""
+    """Whether ``tokenizer``'s vocabulary has harmony's ``<|channel|>`` and ``<|message|>``
+    (asked of a fast tokenizer's core: a large vocabulary is not copied per request)."""
+    core = getattr(hf_tokenizer(tokenizer), "backend_tokenizer", None)
+    if core is not None:
+        return core.token_to_id(CHANNEL) is not None and core.token_to_id(MESSAGE) is not None
     try:
         vocab = tokenizer.get_vocab()
     except (AttributeError, TypeError):
@@ -99,7 +108,7 @@ class HarmonyStream:
                 return
             ends = [(at, m) for m in ENDS if (at := self.held.find(m)) >= 0]
             if not ends:
-                out, self.held = _hold(self.held, ENDS)
+                out, self.held = _hold(self.held, MARKERS)  # ends, or one to drop
                 self._out(out, logprob)
                 return
             at, marker = min(ends)
@@ -132,7 +141,9 @@ class HarmonyStream:
         gives no logprob entry, as with :class:`~mlx_stream.serve.reasoning.ThinkStream`)."""
         if self.kind == "call":
             self.body += text
-        elif self.kind == "reasoning":
+            return
+        text = STRAY.sub("", text)  # a marker where none belongs reaches no client either
+        if self.kind == "reasoning":
             if text:
                 self.tokens += not self.counted
                 self.counted = True

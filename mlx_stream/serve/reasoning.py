@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_stream.serve.event_types import Delta, End, Reasoning
-from mlx_stream.serve.harmony import CALL_START, HarmonyStream, speaks
+from mlx_stream.serve.harmony import ANALYSIS, CALL_START, HarmonyStream, speaks
 from mlx_stream.serve.tools import CallStream, hold_back
 
 
 def markers(tokenizer: Any) -> tuple[str, str] | None:
-    """The model's thinking markers ``(start, end)``, or ``None`` (it does not think)."""
+    """The model's thinking markers ``(start, end)``, or ``None`` (it does not think);
+    harmony's are its ``analysis`` message's (its thought is read by channel)."""
+    if speaks(tokenizer):
+        return ANALYSIS
     start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
     if not getattr(tokenizer, "has_thinking", False) or not start or not end:
         return None

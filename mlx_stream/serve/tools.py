@@ -228,7 +228,8 @@ class ToolPlan:
             plan.parser = tokenizer.tool_parser
         else:
             plan.parser = json_tools.parse_tool_call
-        if name not in ("auto", "none") and not plan.end:  # a forced call needs its end
+        # A forced call needs its end, and markers the grammar may write (not harmony's).
+        if name not in ("auto", "none") and (not plan.end or not getattr(fmt, "forced", True)):
             plan.start, plan.end = START, END
         special = _special_tokens(tokenizer, plan.start, plan.end)
         if name not in ("auto", "none"):
