@@ -36,7 +36,8 @@ def reader(tokenizer: Any, emit: Any) -> Any:
     """``emit`` (a chat request's callback) behind the stream that keeps
     ``tokenizer``'s thought apart: harmony's, the think markers', or none (``emit``)."""
     if speaks(tokenizer):
-        calls = isinstance(emit, CallStream) and emit.plan.start == CALL_START
+        calls = isinstance(emit, CallStream) and emit.plan.choice != "none"
+        calls = calls and emit.plan.start == CALL_START  # not a forced call's markers
         return HarmonyStream(emit, calls=calls)
     marks = markers(tokenizer)
     return ThinkStream(marks, emit) if marks is not None else emit
