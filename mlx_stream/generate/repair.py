@@ -115,8 +115,9 @@ def plan(session: Any, history: list[dict], new: Any, window: int) -> Plan | str
     same_end = common_suffix(full, tokens, min(len(full), e) - prefix)
     shift = e - len(full)
     if len(full) - same_end <= evicted_before(session.caches):
-        if hooks_of(session.caches) is not None:  # a recall tier's store holds the old text
-            return f"{hooks_of(session.caches).what} (its store holds the edited text)"
+        client = hooks_of(session.caches)
+        if client is not None:  # a recall tier's store holds the old text
+            return f"{client.what} (its store holds the edited text)"
         kept = keep_evicted(tokens, len(full), prefix, same_end)
         return Plan(kept, fed_text, n, n, n, 0, evicted=True)
     stop = min(e - same_end + max(0, window), e)

@@ -64,6 +64,13 @@ class End:
     usage: dict
     finish_reason: str
 
+    def with_reasoning(self, tokens: int) -> End:
+        """This end, its usage counting ``tokens`` of the reply as reasoning
+        (``completion_tokens_details.reasoning_tokens``)."""
+        details = dict(self.usage.get("completion_tokens_details") or {})
+        usage = {**self.usage, "completion_tokens_details": {**details, "reasoning_tokens": tokens}}
+        return End(usage, self.finish_reason)
+
 
 @dataclass(frozen=True)
 class Failed:

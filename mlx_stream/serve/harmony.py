@@ -23,7 +23,7 @@ from typing import Any
 
 from mlx_stream.mlxlm import hf_tokenizer
 from mlx_stream.serve.event_types import Delta, End, Reasoning
-from mlx_stream.serve.tools import hold_back
+from mlx_stream.serve.tools import hold_back, settle_after
 
 CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's last token
@@ -89,18 +89,13 @@ class HarmonyStream:
             self._route(event.logprob)
         elif isinstance(event, End):
             self._end()
-            usage = dict(event.usage)
-            details = dict(usage.get("completion_tokens_details") or {})
-            usage["completion_tokens_details"] = {**details, "reasoning_tokens": self.tokens}
-            self.emit(End(usage, event.finish_reason))
+            self.emit(event.with_reasoning(self.tokens))
         else:
             self.emit(event)
 
     def settle(self, session: Any) -> None:
         """The tool-call reader's :meth:`~mlx_stream.serve.tools.CallStream.settle`."""
-        settle = getattr(self.emit, "settle", None)
-        if settle is not None:
-            settle(session)
+        settle_after(self.emit, session)
 
     def _route(self, logprob: Any) -> None:
         while True:

@@ -18,7 +18,7 @@ from typing import Any
 
 from mlx_stream.serve.event_types import Delta, End, Reasoning
 from mlx_stream.serve.harmony import ANALYSIS, CALL_START, HarmonyStream, speaks
-from mlx_stream.serve.tools import CallStream, hold_back
+from mlx_stream.serve.tools import CallStream, hold_back, settle_after
 
 
 def markers(tokenizer: Any) -> tuple[str, str] | None:
@@ -73,18 +73,13 @@ class ThinkStream:
             self._feed(event.text, event.logprob)
         elif isinstance(event, End):
             self._flush()
-            usage = dict(event.usage)
-            details = dict(usage.get("completion_tokens_details") or {})
-            usage["completion_tokens_details"] = {**details, "reasoning_tokens": self.tokens}
-            self.emit(End(usage, event.finish_reason))
+            self.emit(event.with_reasoning(self.tokens))
         else:
             self.emit(event)
 
     def settle(self, session: Any) -> None:
         """The tool-call reader's :meth:`~mlx_stream.serve.tools.CallStream.settle`."""
-        settle = getattr(self.emit, "settle", None)
-        if settle is not None:
-            settle(session)
+        settle_after(self.emit, session)
 
     def _feed(self, text: str, logprob: Any) -> None:
         self.counted = False  # this segment (a sampled token) not yet counted as thought

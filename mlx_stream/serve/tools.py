@@ -420,6 +420,14 @@ class CallStream:
         session.messages[-1] = reply
 
 
+def settle_after(emit: Any, session: Any) -> None:
+    """A filter's ``settle``: the tool-call reader's behind it
+    (:meth:`CallStream.settle`), when ``emit`` is one."""
+    settle = getattr(emit, "settle", None)
+    if settle is not None:
+        settle(session)
+
+
 def hold_back(text: str, marker: str) -> tuple[str, str]:
     """``text`` split into what may go out and its longest end that begins ``marker``
     (held until the next text says whether the marker follows)."""
